@@ -1,0 +1,282 @@
+"""Run configuration: dataclasses, presets, and checked `--section.key=value` overrides.
+
+A run is `Config` = top-level keys (preset, device, seed, out_dir, resume) + one dataclass per section
+(model, parallel, train, data, ckpt). Presets are plain functions returning a Config. The command line is a list
+of `--key=value` tokens; each is type-checked against the dataclass field it names, and an unknown key fails with
+the closest valid key in the message. Validation that needs several fields lives in `Config.check()`, which runs
+before any work (no process group, no data, no model yet).
+
+    cfg = parse_args(["--preset=tiny", "--train.steps=50", "--model.n_layer=2"])
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration: printed as one line, before any work."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# sections
+
+@dataclass
+class ModelConfig:
+    n_layer: int = 12            # transformer blocks
+    n_head: int = 12             # attention heads (head dim = n_embd // n_head)
+    n_embd: int = 768            # residual width
+    block_size: int = 1024       # context length (learned positions)
+    vocab_size: int = 50257      # GPT-2 BPE; the embedding is padded up to a multiple of `vocab_multiple`
+    vocab_multiple: int = 128    # 50257 -> 50304: aligned matmul tiles; padding logits never reach the loss
+    dropout: float = 0.0         # residual/embedding dropout (GPT-2 pre-training uses none at this scale)
+    bias: bool = True            # GPT-2 has biases in Linear and LayerNorm
+    kernels: str = "auto"        # auto: Triton kernels on CUDA, PyTorch elsewhere | triton | torch (SDPA, F.*)
+
+    @property
+    def padded_vocab(self) -> int:
+        m = self.vocab_multiple
+        return (self.vocab_size + m - 1) // m * m
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = -1                 # data parallel degree; -1 = whatever is left of the world size
+    tp: int = 1                  # tensor parallel degree (Megatron column/row)
+    pp: int = 1                  # pipeline stages
+    cp: int = 1                  # context parallel (ring attention)
+    ep: int = 1                  # expert parallel (carved out of dp x cp)
+    zero: int = 0                # 0 = DDP, 1/2/3 = ZeRO stage
+    sp: bool = False             # sequence parallel (needs tp > 1)
+    pp_schedule: str = "1f1b"    # gpipe | 1f1b | interleaved
+    bucket_mb: float = 25.0      # DDP gradient bucket size
+    timeout_s: int = 600         # collective timeout: a rank mismatch errors instead of hanging forever
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 5000            # optimizer steps
+    micro_batch: int = 32        # sequences per rank per micro-step
+    seq_len: int = 1024          # tokens per sequence
+    tokens_per_step: int = 0     # global tokens per optimizer step (0 = one micro-step on every dp rank)
+    lr: float = 6e-4             # peak learning rate
+    min_lr_frac: float = 0.1     # cosine decays to lr * min_lr_frac
+    warmup_steps: int = 700      # linear warm-up steps
+    weight_decay: float = 0.1    # AdamW decay on 2-D weights only
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0       # max global grad norm (0 = off)
+    dtype: str = "auto"          # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 (dynamic loss scaling) | fp32
+    compile: bool = False        # torch.compile the model (the PyTorch baseline uses it)
+    val_every: int = 250         # steps between validation passes (0 = never)
+    val_steps: int = 20          # micro-batches per validation pass
+    log_every: int = 1           # steps between log lines
+    sample_every: int = 0        # steps between text samples (0 = only at the end)
+    sample_tokens: int = 64      # tokens generated per sample
+    max_bad_steps: int = 5       # consecutive non-finite losses before the run stops
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "shakespeare" # shakespeare | books | fineweb10B | fineweb-edu10B | path/glob of .bin shards
+    data_dir: str = "data/shards"
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0               # steps between checkpoints (0 = only at the end)
+    keep: int = 2                # complete checkpoints kept on disk
+    final: bool = True           # save one at the end of the run
+
+
+@dataclass
+class Config:
+    preset: str = "gpt2_124m"
+    device: str = "auto"         # auto | cuda | cpu
+    seed: int = 1337
+    out_dir: str = "runs/default"
+    resume: bool = False         # continue from <out_dir>/latest
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def check(self) -> None:
+        """Cross-field checks that need no process group; mesh-dependent checks live in mesh.py."""
+        m, p, t = self.model, self.parallel, self.train
+        if m.n_embd % m.n_head:
+            raise ConfigError(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}")
+        if m.kernels not in ("auto", "triton", "torch"):
+            raise ConfigError(f"model.kernels must be auto|triton|torch, got {m.kernels!r}")
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise ConfigError(f"device must be auto|cuda|cpu, got {self.device!r}")
+        if t.dtype not in ("auto", "bf16", "fp16", "fp32"):
+            raise ConfigError(f"train.dtype must be auto|bf16|fp16|fp32, got {t.dtype!r}")
+        if t.seq_len > m.block_size:
+            raise ConfigError(f"train.seq_len={t.seq_len} exceeds the model's context model.block_size={m.block_size}")
+        for name in ("steps", "micro_batch", "seq_len"):
+            if getattr(t, name) < 1:
+                raise ConfigError(f"train.{name} must be >= 1, got {getattr(t, name)}")
+        if t.tokens_per_step < 0:
+            raise ConfigError(f"train.tokens_per_step must be >= 0, got {t.tokens_per_step}")
+        if p.zero not in (0, 1, 2, 3):
+            raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3, got {p.zero}")
+        for name in ("tp", "pp", "cp", "ep"):
+            if getattr(p, name) < 1:
+                raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(p, name)}")
+        if p.dp == 0 or p.dp < -1:
+            raise ConfigError(f"parallel.dp must be >= 1 or -1 (infer), got {p.dp}")
+        if p.sp and p.tp == 1:
+            raise ConfigError("parallel.sp=true needs parallel.tp > 1 (sequence parallel shards within the tp group)")
+        if p.tp > 1 and m.n_head % p.tp:
+            raise ConfigError(f"model.n_head={m.n_head} is not divisible by parallel.tp={p.tp}")
+        if p.tp > 1 and (4 * m.n_embd) % p.tp:
+            raise ConfigError(f"the MLP width 4*model.n_embd={4 * m.n_embd} is not divisible by parallel.tp={p.tp}")
+        if p.sp and t.seq_len % p.tp:
+            raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by parallel.tp={p.tp} (needed by sp)")
+        if p.pp_schedule not in ("gpipe", "1f1b", "interleaved"):
+            raise ConfigError(f"parallel.pp_schedule must be gpipe|1f1b|interleaved, got {p.pp_schedule!r}")
+        if p.pp > 1 or p.cp > 1 or p.ep > 1:
+            raise ConfigError("parallel.pp/cp/ep > 1 are not implemented yet (see the issues); use dp, tp, sp, zero")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# presets: plain functions, so a reader sees every number in one place
+
+def gpt2_124m() -> Config:
+    return Config(preset="gpt2_124m")
+
+
+def _gpt2(name, n_layer, n_head, n_embd, lr) -> Config:
+    c = Config(preset=name)
+    c.model.n_layer, c.model.n_head, c.model.n_embd = n_layer, n_head, n_embd
+    c.train.lr = lr
+    return c
+
+
+def gpt2_350m() -> Config:
+    return _gpt2("gpt2_350m", 24, 16, 1024, 3e-4)
+
+
+def gpt2_774m() -> Config:
+    return _gpt2("gpt2_774m", 36, 20, 1280, 2.5e-4)
+
+
+def gpt2_1558m() -> Config:
+    return _gpt2("gpt2_1558m", 48, 25, 1600, 2e-4)
+
+
+def gpt_1b() -> Config:
+    """~1.0B parameters, wide (n_embd 2048) with head dim 128: large matmuls where FP8 and TP pay off."""
+    c = _gpt2("gpt_1b", 18, 16, 2048, 3e-4)
+    c.train.micro_batch = 8
+    return c
+
+
+def tiny() -> Config:
+    """CPU-sized: learns tinyshakespeare visibly in a few minutes on two cores."""
+    c = Config(preset="tiny", out_dir="runs/tiny")
+    c.model.n_layer, c.model.n_head, c.model.n_embd, c.model.block_size = 4, 4, 128, 256
+    c.train.micro_batch, c.train.seq_len, c.train.steps = 16, 128, 300
+    c.train.lr, c.train.warmup_steps, c.train.val_every, c.train.val_steps = 3e-3, 30, 100, 8
+    c.train.log_every = 10
+    return c
+
+
+PRESETS = {f.__name__: f for f in (tiny, gpt2_124m, gpt2_350m, gpt2_774m, gpt2_1558m, gpt_1b)}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# command line: --preset=NAME first, then --key=value / --section.key=value overrides
+
+def _parse_value(text: str, typ, key: str):
+    if typ in (bool, "bool"):
+        low = text.lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"--{key} expects true/false, got {text!r}")
+    try:
+        if typ in (int, "int"):
+            return int(float(text)) if ("e" in text.lower() and float(text).is_integer()) else int(text)
+        if typ in (float, "float"):
+            return float(text)
+    except ValueError:
+        raise ConfigError(f"--{key} expects {getattr(typ, '__name__', typ)}, got {text!r}") from None
+    return text
+
+
+def _valid_keys(cfg: Config) -> list[str]:
+    keys = []
+    for f in dataclasses.fields(cfg):
+        val = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(val):
+            keys += [f"{f.name}.{g.name}" for g in dataclasses.fields(val)]
+        else:
+            keys.append(f.name)
+    return keys
+
+
+def apply_override(cfg: Config, key: str, text: str) -> None:
+    parts = key.split(".")
+    target, name = (cfg, parts[0]) if len(parts) == 1 else (getattr(cfg, parts[0], None), parts[1])
+    ok = len(parts) <= 2 and target is not None and dataclasses.is_dataclass(target) and \
+        name in {f.name for f in dataclasses.fields(target)} and not dataclasses.is_dataclass(getattr(target, name))
+    if not ok:
+        close = difflib.get_close_matches(key, _valid_keys(cfg), n=1, cutoff=0.5)
+        hint = f" (did you mean --{close[0]}?)" if close else ""
+        raise ConfigError(f"unknown config key --{key}{hint}")
+    typ = {f.name: f.type for f in dataclasses.fields(target)}[name]
+    setattr(target, name, _parse_value(text, typ, key))
+
+
+def parse_args(argv: list[str]) -> Config:
+    pairs = []
+    for tok in argv:
+        if not tok.startswith("--") or "=" not in tok:
+            if tok.startswith("--") and tok[2:] in ("resume",):
+                tok = tok + "=true"  # bare flag
+            else:
+                raise ConfigError(f"arguments look like --key=value, got {tok!r}")
+        key, _, val = tok[2:].partition("=")
+        pairs.append((key, val))
+    preset = next((v for k, v in pairs if k == "preset"), "gpt2_124m")
+    if preset not in PRESETS:
+        close = difflib.get_close_matches(preset, PRESETS, n=1)
+        raise ConfigError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}"
+                          + (f" (did you mean {close[0]}?)" if close else ""))
+    cfg = PRESETS[preset]()
+    for key, val in pairs:
+        if key != "preset":
+            apply_override(cfg, key, val)
+    cfg.check()
+    return cfg
+
+
+def config_from_dict(d: dict) -> Config:
+    """Inverse of Config.to_dict (used to read a checkpoint's config back)."""
+    cfg = Config()
+    for k, v in d.items():
+        sub = getattr(cfg, k)
+        if dataclasses.is_dataclass(sub):
+            for kk, vv in v.items():
+                setattr(sub, kk, vv)
+        else:
+            setattr(cfg, k, v)
+    return cfg
+
+
+def describe(cfg: Config) -> str:
+    return json.dumps(cfg.to_dict(), indent=1)

@@ -1,0 +1,281 @@
+"""GPT-2, single device: learned positions, pre-LN blocks, GELU(tanh), tied wte/lm_head, padded vocab.
+
+This file never imports torch.distributed. Parallelism is applied from outside (tp.py replaces Linear layers and
+`loss_fn`, dp.py wraps the module). Hot ops go through `kernels/` when `model.kernels` resolves to "triton"
+(CUDA tensors); "torch" uses the strongest PyTorch ops (SDPA, F.layer_norm, F.cross_entropy) — the baseline.
+
+Names follow GPT-2's own (`wte`, `wpe`, `h.N.ln_1`, `attn.c_attn`, `attn.c_proj`, `ln_2`, `mlp.c_fc`, `mlp.c_proj`,
+`ln_f`) so OpenAI/Hugging Face checkpoints map one to one (`from_hf_state_dict` / `to_hf_state_dict`).
+
+Shapes: B batch, T sequence, C = n_embd, nh heads, hs = C // nh, V vocab, Vp padded vocab.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanopara.config import ModelConfig
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# op tables: one place decides which implementation of each hot op the model uses
+
+class TorchOps:
+    """PyTorch's best eager ops; with torch.compile this is the baseline our kernels must beat."""
+
+    @staticmethod
+    def attention(q, k, v):  # (B, nh, T, hs) -> (B, nh, T, hs)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    @staticmethod
+    def layernorm(x, ln):
+        return F.layer_norm(x, (x.shape[-1],), ln.weight, ln.bias, ln.eps)
+
+    @staticmethod
+    def add_layernorm(x, residual, ln):  # h = x + residual; returns (LN(h), h)
+        h = x + residual
+        return F.layer_norm(h, (h.shape[-1],), ln.weight, ln.bias, ln.eps), h
+
+    @staticmethod
+    def cross_entropy(logits, targets, n_vocab):  # logits (N, Vp), targets (N,), -1 = ignore
+        return F.cross_entropy(logits[:, :n_vocab].float(), targets, ignore_index=-1)
+
+
+class TritonOps:
+    """nanopara's fused Triton kernels (CUDA). Imported lazily so CPU-only use never touches Triton."""
+
+    def __init__(self):
+        from kernels import attention, cross_entropy, layernorm
+        self._attn, self._ln, self._ce = attention, layernorm, cross_entropy
+
+    def attention(self, q, k, v):
+        return self._attn.attention(q, k, v, causal=True)
+
+    def layernorm(self, x, ln):
+        return self._ln.layernorm(x, ln.weight, ln.bias, ln.eps)
+
+    def add_layernorm(self, x, residual, ln):
+        return self._ln.add_layernorm(x, residual, ln.weight, ln.bias, ln.eps)
+
+    def cross_entropy(self, logits, targets, n_vocab):
+        return self._ce.cross_entropy(logits, targets, n_vocab=n_vocab, ignore_index=-1)
+
+
+def make_ops(kind: str, device: torch.device | str):
+    device = torch.device(device)
+    if kind == "triton" or (kind == "auto" and device.type == "cuda"):
+        return TritonOps()
+    return TorchOps()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# modules
+
+class LayerNorm(nn.Module):
+    """Parameters only; the op comes from the model's op table (so blocks can fuse the residual add into it)."""
+
+    def __init__(self, n: int, bias: bool, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.bias = nn.Parameter(torch.zeros(n)) if bias else None
+        self.eps = eps
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)  # columns: [q heads | k heads | v heads]
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.n_head = cfg.n_head  # heads held by this module: tp.py lowers it to n_head // tp
+        self.head_dim = cfg.head_dim
+        self.dropout = cfg.dropout
+
+    def forward(self, x, ops, kv_cache=None):
+        qkv = self.c_attn(x)  # (B, T, 3*nh*hs); under sequence parallel c_attn gathers T, so read T from here
+        B, T, _ = qkv.shape
+        q, k, v = qkv.view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)  # (B, nh, T, hs)
+        if kv_cache is None:
+            y = ops.attention(q, k, v)
+        else:  # incremental decoding: append this step's keys/values, attend over everything cached
+            k, v = kv_cache.update(k, v)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=(T > 1 and kv_cache.start == 0),
+                                               attn_mask=kv_cache.mask(T) if (T > 1 and kv_cache.start > 0) else None)
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, nh*hs)
+        return F.dropout(self.c_proj(y), self.dropout, self.training)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.dropout = cfg.dropout
+
+    def forward(self, x):
+        return F.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")), self.dropout, self.training)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln_1 = LayerNorm(cfg.n_embd, cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = LayerNorm(cfg.n_embd, cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, ops, kv_cache=None):
+        a = self.attn(ops.layernorm(x, self.ln_1), ops, kv_cache)
+        y, x = ops.add_layernorm(a, x, self.ln_2)  # x <- x + a; y = ln_2(x), one pass over the residual stream
+        return x + self.mlp(y)
+
+
+class KVCache:
+    """Keys/values of one layer for generation: (B, nh, T_max, hs) buffers filled left to right."""
+
+    def __init__(self, B, nh, T_max, hs, device, dtype):
+        self.k = torch.zeros(B, nh, T_max, hs, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.start = 0  # tokens already cached before the current update
+        self.end = 0
+
+    def update(self, k, v):
+        T = k.shape[2]
+        self.start, self.end = self.end, self.end + T
+        self.k[:, :, self.start:self.end] = k
+        self.v[:, :, self.start:self.end] = v
+        return self.k[:, :, :self.end], self.v[:, :, :self.end]
+
+    def mask(self, T):  # new query i (absolute start+i) sees keys 0..start+i
+        q_pos = torch.arange(self.start, self.end, device=self.k.device)[:, None]
+        return torch.arange(self.end, device=self.k.device)[None, :] <= q_pos  # (T, end) bool
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(cfg.padded_vocab, cfg.n_embd),
+            wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
+            h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
+            ln_f=LayerNorm(cfg.n_embd, cfg.bias),
+        ))
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # tied (GPT-2)
+        self._ops = {}  # device type -> op table, chosen on first use
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        """GPT-2 init: N(0, 0.02) everywhere, residual projections N(0, 0.02/sqrt(2*n_layer)), zero biases."""
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif "ln_" in name:
+                nn.init.ones_(p)
+            else:
+                std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith("c_proj.weight") else 0.02
+                nn.init.normal_(p, mean=0.0, std=std)
+        with torch.no_grad():  # padding rows of the tied embedding: never looked up, never scored
+            self.transformer.wte.weight[self.cfg.vocab_size:].zero_()
+
+    def ops_for(self, device: torch.device):
+        if device.type not in self._ops:
+            self._ops[device.type] = make_ops(self.cfg.kernels, device)
+        return self._ops[device.type]
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+
+    # ------------------------------------------------------------------------------------------------------------
+    def forward(self, idx, targets=None, kv_caches=None, pos0: int = 0):
+        """idx (B, T) int64 -> (logits (B, T, Vp), loss or None). targets == -1 are ignored (SFT masking)."""
+        B, T = idx.shape
+        if pos0 + T > self.cfg.block_size:
+            raise ValueError(f"sequence of {pos0 + T} tokens exceeds the model's context of {self.cfg.block_size}")
+        pos = torch.arange(pos0, pos0 + T, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
+        x = F.dropout(x, self.cfg.dropout, self.training)
+        ops = self.ops_for(idx.device)
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, ops, None if kv_caches is None else kv_caches[i])
+        x = ops.layernorm(x, self.transformer.ln_f)
+        logits = self.lm_head(x)  # (B, T, Vp)
+        loss = None if targets is None else self.loss_fn(logits, targets)
+        return logits, loss
+
+    def loss_fn(self, logits, targets):
+        """Mean cross-entropy over non-ignored targets; padding columns (>= vocab_size) never count."""
+        ops = self.ops_for(logits.device)
+        return ops.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1), self.cfg.vocab_size)
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 generator: torch.Generator | None = None):
+        """Sample continuations of idx (B, T) with a KV cache; temperature 0 means greedy."""
+        B, T = idx.shape
+        total = min(T + max_new_tokens, self.cfg.block_size)
+        p = self.transformer.wpe.weight
+        caches = [KVCache(B, blk.attn.n_head, total, blk.attn.head_dim, p.device, p.dtype)
+                  for blk in self.transformer.h]
+        logits, _ = self(idx, kv_caches=caches)
+        out = [idx]
+        for step in range(total - T):
+            nxt = logits[:, -1, :self.cfg.vocab_size].float()  # never sample a padding id
+            if temperature == 0:
+                tok = nxt.argmax(-1, keepdim=True)
+            else:
+                nxt = nxt / temperature
+                if top_k is not None:
+                    kth = torch.topk(nxt, min(top_k, nxt.shape[-1])).values[:, -1:]
+                    nxt = nxt.masked_fill(nxt < kth, float("-inf"))
+                tok = torch.multinomial(F.softmax(nxt, dim=-1), 1, generator=generator)
+            out.append(tok)
+            if step < total - T - 1:
+                logits, _ = self(tok, kv_caches=caches, pos0=T + step)
+        return torch.cat(out, dim=1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# OpenAI GPT-2 weights as Hugging Face stores them (GPT2LMHeadModel): Conv1D keeps weights as (in, out)
+
+_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def from_hf_state_dict(model: GPT, sd: dict) -> None:
+    """Load a GPT2LMHeadModel state dict (transposing Conv1D weights, padding the vocab) into `model`."""
+    own = model.state_dict()
+    sd = {k: v for k, v in sd.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}  # causal-mask buffers
+    missing = [k for k in own if k != "lm_head.weight" and k not in sd]
+    if missing:
+        raise ValueError(f"Hugging Face state dict is missing {len(missing)} keys, e.g. {missing[:3]}")
+    with torch.no_grad():
+        for k, p in own.items():
+            if k == "lm_head.weight":
+                continue  # tied to wte
+            w = sd[k].t() if k.endswith(_CONV1D) else sd[k]
+            if k == "transformer.wte.weight":
+                p.zero_()
+                p[: w.shape[0]].copy_(w)
+                continue
+            if w.shape != p.shape:
+                raise ValueError(f"{k}: Hugging Face shape {tuple(w.shape)} does not fit model shape {tuple(p.shape)}")
+            p.copy_(w)
+
+
+def to_hf_state_dict(model: GPT) -> dict:
+    """Export in GPT2LMHeadModel's layout (Conv1D weights (in, out), vocab unpadded, lm_head tied copy)."""
+    V = model.cfg.vocab_size
+    out = {}
+    for k, p in model.state_dict().items():
+        if k == "lm_head.weight":
+            continue
+        w = p.detach().cpu()
+        if k == "transformer.wte.weight":
+            w = w[:V]
+        out[k] = w.t().contiguous() if k.endswith(_CONV1D) else w.clone()
+    out["lm_head.weight"] = out["transformer.wte.weight"]
+    return out
