@@ -1,0 +1,285 @@
+"""Token shards and the distributed, deterministic, resumable loader.
+
+Shard layout (llm.c's `.bin`, so shards made by llm.c and modded-nanogpt load unchanged and ours load there):
+    header: 256 x int32 = [magic 20240520, version 1, n_tokens, 0, ...]   (1024 bytes)
+    body:   n_tokens x uint16 GPT-2 token ids; documents are prefixed by EOT (50256)
+
+Loader: a shard of n tokens holds (n - 1) // T windows of T+1 tokens taken with stride T (as llm.c does), so within
+an epoch every token is a target exactly once and no two windows share an input token. Epoch e visits the shards
+in a permutation drawn from (seed, e) and the windows of each shard in a permutation drawn from (seed, e, shard);
+this global list of windows is cut into global batches of world*B rows and rank r takes rows r*B .. (r+1)*B-1.
+So data-parallel ranks never see the same window, and the ranks' batches stacked in rank order are exactly the
+world=1 loader's batch of world*B rows. Windows left over at the end of an epoch (fewer than a global batch) are
+dropped; a dataset with fewer windows than one global batch is an error at construction. The state is
+(epoch, position) in global batches, so resume depends only on the global batch, not on how it is split
+over ranks. Validation uses `shuffle=False`: shards in the given order, windows in order, `reset()` to restart.
+
+    x, y = next(loader)        # (B, T) int64 CPU tensors, y[:, t] = x[:, t+1] in the token stream
+
+Tokenizer: `get_tokenizer()` returns tiktoken's GPT-2 encoding. Offline, tiktoken needs TIKTOKEN_CACHE_DIR; when it
+is unset and nothing is cached, the mirror's `tiktoken_cache/` is used (mirror = env NANOPARA_MIRROR, else
+`../shared/data` beside the repository when it exists).
+
+Callers: train.py (train/val loaders, loader state in checkpoints), data/prepare.py (write_shard, tokenizer).
+Quick look and loader speed:  python -m nanopara.data shakespeare --batch 8 --seq_len 1024
+"""
+import argparse
+import glob
+import os
+import time
+
+import numpy as np
+import torch
+
+MAGIC, VERSION, HEADER_INTS = 20240520, 1, 256
+HEADER_BYTES = HEADER_INTS * 4
+EOT = 50256  # GPT-2 <|endoftext|>
+DATASETS = ("shakespeare", "books", "fineweb10B", "fineweb-edu10B")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# ----------------------------------------------------------------------------------------------------------------
+# tokenizer
+
+
+def default_mirror():
+    """The offline data mirror: env NANOPARA_MIRROR, else ../shared/data beside the repo if it exists, else None."""
+    if os.environ.get("NANOPARA_MIRROR"):
+        return os.environ["NANOPARA_MIRROR"]
+    beside = os.path.join(REPO_ROOT, "..", "shared", "data")
+    return os.path.normpath(beside) if os.path.isdir(beside) else None
+
+
+# tiktoken caches each downloaded file under sha1(url); these are gpt2's vocab.bpe and encoder.json
+_GPT2_CACHE_KEYS = ("6d1cbeee0f20b3d9449abfede4726ed8212e3aee", "6c7ea1a7e38e3a7f062df639a5b80947f075ffe6")
+
+
+def get_tokenizer():
+    """tiktoken's GPT-2 encoding (n_vocab 50257, EOT 50256), offline through the mirror when needed."""
+    import tiktoken
+    if "TIKTOKEN_CACHE_DIR" not in os.environ and "DATA_GYM_CACHE_DIR" not in os.environ:
+        import tempfile
+        default_cache = os.path.join(tempfile.gettempdir(), "data-gym-cache")
+        cached = all(os.path.exists(os.path.join(default_cache, k)) for k in _GPT2_CACHE_KEYS)
+        mirror = default_mirror()
+        if not cached and mirror and os.path.isdir(os.path.join(mirror, "tiktoken_cache")):
+            # set in the environment (not passed) because tiktoken reads it there, as do prepare's worker processes
+            os.environ["TIKTOKEN_CACHE_DIR"] = os.path.join(mirror, "tiktoken_cache")
+    try:
+        return tiktoken.get_encoding("gpt2")
+    except Exception as e:  # tiktoken raises network errors of several libraries when offline
+        raise RuntimeError(
+            f"cannot load tiktoken's GPT-2 encoding ({type(e).__name__}: {str(e)[:200]}); offline, set "
+            f"TIKTOKEN_CACHE_DIR to a folder of tiktoken's cached files (e.g. shared/data/tiktoken_cache) or "
+            f"NANOPARA_MIRROR to the data mirror that holds tiktoken_cache/") from None
+
+# ----------------------------------------------------------------------------------------------------------------
+# shards
+
+
+def write_shard(path, tokens):
+    """Write tokens (any int array-like, values in [0, 65535]) as an llm.c shard; atomic (tmp file, then rename)."""
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() > 65535):
+        raise ValueError(f"{path}: token ids must fit uint16 (got range {tokens.min()}..{tokens.max()})")
+    header = np.zeros(HEADER_INTS, dtype=np.int32)
+    header[:3] = (MAGIC, VERSION, tokens.size)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype(np.uint16, copy=False).tobytes())
+    os.replace(tmp, path)  # readers see the old file or the whole new one, never a half-written one
+
+
+def read_header(path):
+    """Token count of a shard from its header, after checking magic, version and file size (reads 1 KiB)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"shard {path} does not exist")
+    size = os.path.getsize(path)
+    if size < HEADER_BYTES:
+        raise ValueError(f"shard {path}: truncated or corrupt: {size} bytes, less than the {HEADER_BYTES}-byte header")
+    header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS)
+    if header[0] != MAGIC:
+        raise ValueError(f"shard {path}: bad magic {int(header[0])} (expected {MAGIC}: not an llm.c .bin token shard)")
+    if header[1] != VERSION:
+        raise ValueError(f"shard {path}: unsupported version {int(header[1])} (only version 1 = GPT-2 uint16 "
+                         f"tokens; version 2 is llm.c's Llama-3 uint32 format)")
+    n = int(header[2])
+    if size != HEADER_BYTES + 2 * n:
+        raise ValueError(f"shard {path}: truncated or corrupt: header says {n} tokens = "
+                         f"{HEADER_BYTES + 2 * n} bytes, file has {size} bytes")
+    return n
+
+
+def read_shard(path):
+    """Validated shard as a read-only (n_tokens,) uint16 np.memmap."""
+    n = read_header(path)
+    if n == 0:  # mmap cannot map an empty region
+        return np.zeros(0, dtype=np.uint16)
+    return np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(n,))
+
+
+def find_shards(dataset, split, data_dir="data/shards"):
+    """Sorted shard paths of one split. `dataset`: a name (folder under data_dir) or a path/glob of .bin files
+    whose names contain `train`/`val`."""
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    if not os.path.isabs(data_dir) and not os.path.isdir(data_dir):
+        data_dir = os.path.join(REPO_ROOT, data_dir)  # run from outside the repo root
+    is_path = any(c in dataset for c in "/*?[") or dataset.endswith(".bin") or os.path.isdir(dataset)
+    if not is_path:
+        pattern = os.path.join(data_dir, dataset, f"*{split}*.bin")
+        files = sorted(glob.glob(pattern))
+        if not files:
+            how = (f"make data DATASET={dataset}` or `python data/prepare.py {dataset}" if dataset in DATASETS
+                   else f"python data/prepare.py NAME` (NAME in {', '.join(DATASETS)}")
+            raise FileNotFoundError(f"no {split} shards for dataset {dataset!r} ({pattern}); make them with `{how}`")
+        return files
+    pattern = os.path.join(dataset, "*.bin") if os.path.isdir(dataset) else dataset
+    files = sorted(f for f in glob.glob(pattern) if split in os.path.basename(f))
+    if not files:
+        raise FileNotFoundError(f"no .bin files with {split!r} in their names match {pattern!r}")
+    return files
+
+# ----------------------------------------------------------------------------------------------------------------
+# loader
+
+_MAX_ID = {}  # (realpath, size, mtime_ns) -> max token id, so each shard is scanned once per process
+
+
+def _max_token(path, tokens):
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    if key not in _MAX_ID:
+        _MAX_ID[key] = int(tokens.max()) if tokens.size else -1
+    return _MAX_ID[key]
+
+
+class TokenLoader:
+    """Infinite iterator of (x, y) int64 (B, T) batches for data-parallel rank `rank` of `world` (see module doc)."""
+
+    def __init__(self, files, batch_size, seq_len, rank=0, world=1, seed=0, vocab_size=50257, shuffle=True,
+                 pin_memory=False):
+        if isinstance(files, str):
+            files = [files]
+        if not files:
+            raise ValueError("TokenLoader needs at least one shard file")
+        if batch_size < 1 or seq_len < 1:
+            raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
+        if not 0 <= rank < world:
+            raise ValueError(f"rank must be in [0, world={world}), got {rank}")
+        self.files, self.B, self.T = list(files), batch_size, seq_len
+        self.rank, self.world, self.seed, self.vocab_size = rank, world, seed, vocab_size
+        self.shuffle, self.pin_memory = shuffle, pin_memory
+        n_tokens = np.array([read_header(f) for f in self.files], dtype=np.int64)  # checks every header now
+        self.n_windows = np.maximum(n_tokens - 1, 0) // seq_len  # windows of T+1 tokens, stride T
+        self.rows = world * batch_size  # rows of one global batch
+        total = int(self.n_windows.sum())
+        if total < self.rows:
+            raise ValueError(
+                f"dataset too small: {int(n_tokens.sum())} tokens in {len(self.files)} shard(s) make {total} "
+                f"windows of seq_len+1={seq_len + 1} tokens, fewer than one global batch of world*batch_size="
+                f"{self.rows} rows; use a smaller batch or seq_len, or more data")
+        self.batches_per_epoch = total // self.rows
+        self.epoch = self.position = 0
+        self._mmaps, self._plan, self._perms = {}, None, {}
+
+    def __len__(self):
+        return self.batches_per_epoch
+
+    def __iter__(self):
+        return self
+
+    def reset(self):
+        """Back to the first batch of epoch 0 (validation restarts from the same tokens each time)."""
+        self.epoch = self.position = 0
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "rows": self.rows,
+                "seq_len": self.T, "windows": int(self.n_windows.sum()), "shuffle": int(self.shuffle)}
+
+    def load_state_dict(self, state):
+        mine = self.state_dict()
+        for k in ("seed", "rows", "seq_len", "windows", "shuffle"):
+            if k in state and int(state[k]) != mine[k]:
+                raise ValueError(f"loader state does not match this loader: {k}={int(state[k])} saved, {mine[k]} "
+                                 f"now (resume needs the same data, seed, seq_len and global batch world*B)")
+        if not 0 <= int(state["position"]) < self.batches_per_epoch:
+            raise ValueError(f"loader state position {state['position']} outside [0, {self.batches_per_epoch})")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+    def _epoch_plan(self):
+        """(shard order, cumulative window counts in that order) of the current epoch, cached."""
+        if self._plan is None or self._plan[0] != self.epoch:
+            n = len(self.files)
+            order = np.random.default_rng([self.seed, self.epoch]).permutation(n) if self.shuffle else np.arange(n)
+            self._plan = (self.epoch, order, np.cumsum(self.n_windows[order]))
+        return self._plan[1], self._plan[2]
+
+    def _window_perm(self, shard):
+        key = (self.epoch, shard)
+        if key not in self._perms:
+            if len(self._perms) >= 4:  # a batch touches at most a few shards; keep memory flat
+                self._perms.pop(next(iter(self._perms)))
+            rng = np.random.default_rng([self.seed, self.epoch, shard])
+            self._perms[key] = rng.permutation(int(self.n_windows[shard]))
+        return self._perms[key]
+
+    def _tokens(self, shard):
+        if shard not in self._mmaps:
+            path = self.files[shard]
+            tokens = read_shard(path)
+            top = _max_token(path, tokens)
+            if top >= self.vocab_size:
+                raise ValueError(f"shard {path} holds token id {top} >= vocab_size {self.vocab_size} (wrong "
+                                 f"tokenizer for this model? set model.vocab_size or re-prepare the data)")
+            self._mmaps[shard] = tokens
+        return self._mmaps[shard]
+
+    def __next__(self):
+        order, cum = self._epoch_plan()
+        first = self.position * self.rows + self.rank * self.B
+        ks = np.arange(first, first + self.B)  # this rank's rows, as indices into the epoch's window list
+        slots = np.searchsorted(cum, ks, side="right")  # which shard (position in `order`) holds each window
+        buf = np.empty((self.B, self.T + 1), dtype=np.uint16)  # (B, T+1)
+        for i, (k, s) in enumerate(zip(ks, slots)):
+            shard = int(order[s])
+            j = int(k - (cum[s - 1] if s > 0 else 0))  # window index within the shard
+            w = int(self._window_perm(shard)[j]) if self.shuffle else j
+            buf[i] = self._tokens(shard)[w * self.T: w * self.T + self.T + 1]
+        self.position += 1
+        if self.position == self.batches_per_epoch:  # wrap: next epoch reshuffles with (seed, epoch)
+            self.epoch, self.position = self.epoch + 1, 0
+        x = torch.from_numpy(buf[:, :-1].astype(np.int64))  # (B, T), astype copies into a contiguous array
+        y = torch.from_numpy(buf[:, 1:].astype(np.int64))  # (B, T)
+        if self.pin_memory and torch.cuda.is_available():
+            x, y = x.pin_memory(), y.pin_memory()
+        return x, y
+
+    next_batch = __next__
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description="inspect shards and time the loader")
+    p.add_argument("dataset")
+    p.add_argument("--split", default="train")
+    p.add_argument("--data_dir", default="data/shards")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq_len", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=200)
+    a = p.parse_args()
+    files = find_shards(a.dataset, a.split, a.data_dir)
+    for f in files[:5]:
+        print(f"{f}: {read_header(f):,} tokens")
+    print(f"{len(files)} shard(s), {sum(read_header(f) for f in files):,} tokens")
+    loader = TokenLoader(files, a.batch, a.seq_len)
+    x, _ = next(loader)
+    print("sample:", repr(get_tokenizer().decode(x[0, :48].tolist())))
+    t0 = time.perf_counter()
+    for _ in range(a.steps):
+        next(loader)
+    dt = time.perf_counter() - t0
+    print(f"{a.steps / dt:.0f} batches/s, {a.steps * a.batch * a.seq_len / dt / 1e6:.1f} M tokens/s "
+          f"({len(loader)} batches per epoch)")
