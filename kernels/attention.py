@@ -1,0 +1,615 @@
+"""Flash attention (causal and non-causal), forward and backward, in Triton.
+
+Math (per batch b and head h; q: (Tq, D), k, v: (Tk, D), scale = sm_scale, default 1/sqrt(D)):
+
+    S   = scale * q @ k^T                      (Tq, Tk)   causal: S[i, j] = -inf for j > i  (needs Tq == Tk)
+    lse = logsumexp(S, dim=-1)                 (Tq,)      natural log, fp32
+    P   = exp(S - lse[:, None]);  out = P @ v  (Tq, D)
+
+Backward, given out, lse and dout (FlashAttention-2, Dao 2023, Alg. 2):
+
+    delta = rowsum(dout * out);  dP = dout @ v^T;  dS = P * (dP - delta[:, None])
+    dq = scale * dS @ k;  dk = scale * dS^T @ q;  dv = P^T @ dout
+
+The forward is the FlashAttention-2 online softmax (running max m, running sum l, rescale by exp(m_old - m_new)),
+done in base 2: log2(e) is folded into the scale so the inner loop calls exp2. A causal query block visits the key
+blocks left of its diagonal without any mask and applies the mask only on the diagonal blocks; blocks right of
+the diagonal are never loaded. The backward uses no atomics: one kernel owns a query block and loops over keys
+(dq, and delta = rowsum(dout * out) for its rows, stored for the next kernel); a second owns a key block and loops
+over queries (dk, dv). P is recomputed from the stored lse, so the backward uses exactly the lse and out it is given.
+
+Shapes: q (B, H, Tq, D), k and v (B, H, Tk, D), any strides (views of a fused qkv projection are read in place).
+bf16/fp16 in (fp32 too: on the GPU its dots run in tf32), fp32 accumulation, out in the input dtype, lse (B, H, Tq)
+fp32. Head dims that are not powers of 2 (e.g. 80, 96) are padded to the next power of 2 inside the kernel with
+masked loads. Any sequence length: tails are masked. The out and the grads are (B, H, T, D) views of (B, T, H, D)
+memory, so merging heads afterwards (`y.transpose(1, 2).reshape(B, T, H * D)`) is free.
+
+Callers: `nanopara/model.py` uses `attention()` (Triton on CUDA tensors, SDPA on CPU tensors);
+`nanopara/cp.py` (ring attention) calls `attention_block_fwd` per key/value block, merges the partial results by
+lse, and calls `attention_block_bwd` with the merged out and lse.
+
+Run: `python -m kernels.attention [--quick] [--out FILE]` (GPU: parity line, then a TFLOP/s table against SDPA's
+cuDNN and flash backends); tests: `python -m pytest tests/test_attention.py -q` (CPU through TRITON_INTERPRET=1).
+"""
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
+LN2 = 0.6931471805599453  # ln(2): converts the kernel's base-2 lse back to natural log
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reference: the spec, the test oracle
+# ---------------------------------------------------------------------------------------------------------------
+
+def attention_ref(q, k, v, causal=True, sm_scale=None):
+    """Plain PyTorch attention in fp32. Returns (out in q's dtype, lse fp32 (B, H, Tq))."""
+    _check_inputs(q, k, v, causal)
+    scale = sm_scale if sm_scale is not None else q.shape[-1] ** -0.5
+    s = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale  # (B, H, Tq, Tk)
+    if causal:
+        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # (B, H, Tq)
+    out = torch.matmul(torch.exp(s - lse[..., None]), v.float())  # (B, H, Tq, D)
+    return out.to(q.dtype), lse
+
+
+def _check_inputs(q, k, v, causal):
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"attention wants (B, H, T, D) tensors, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"attention shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"attention dtypes disagree: {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"attention devices disagree: {q.device}, {k.device}, {v.device}")
+    if causal and q.shape[-2] != k.shape[-2]:
+        raise ValueError(f"causal attention needs Tq == Tk (diagonal-aligned mask), got {q.shape[-2]} and "
+                         f"{k.shape[-2]}")
+    if k.shape[-2] == 0 and q.shape[-2] > 0:
+        raise ValueError("attention over zero keys is undefined")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Autotune configs: a handful of FA2-style tiles on the GPU, one small tile in the CPU interpreter
+# ---------------------------------------------------------------------------------------------------------------
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head-dim class (padded D <= 64, D >= 128). Forward and dq:
+# a query block of BLOCK_M rows walks key blocks of BLOCK_N, and the causal split into unmasked and diagonal blocks
+# needs BLOCK_M % BLOCK_N == 0; dk/dv: a key block of BLOCK_N walks query blocks of BLOCK_M, BLOCK_N % BLOCK_M == 0.
+# Kept: tiles that `ptxas -v` (sm_90a, bf16) compiles with no register spills, or a few dozen bytes; the tiles
+# left out spill hundreds to thousands of bytes. A handful per class keeps first-call autotuning to seconds.
+_TILES = {
+    "fwd": {64: [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 4)],
+            128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)]},
+    "dq": {64: [(128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3)],
+           128: [(128, 32, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)]},
+    "dkdv": {64: [(32, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4)],
+             128: [(32, 128, 8, 3), (32, 128, 8, 2), (64, 64, 8, 3), (32, 64, 4, 4)]},
+}
+_CPU_TILE = {"fwd": (64, 32), "dq": (64, 32), "dkdv": (32, 64)}  # the interpreter: one small tile, no tuning
+
+
+def _configs(kind):
+    tiles = [_CPU_TILE[kind] + (4, 1)] if _INTERPRET else sorted(set(_TILES[kind][64] + _TILES[kind][128]))
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in tiles]
+
+
+def _pruner(kind):
+    def prune(configs, named_args, **kwargs):
+        if _INTERPRET:
+            return configs
+        keep = _TILES[kind][64 if kwargs["BLOCK_D"] <= 64 else 128]
+        return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in keep]
+    return {"early_config_prune": prune}
+
+
+_KEY = ["CAUSAL", "HEAD_DIM", "T_BUCKET"]  # retune per power-of-2 length bucket
+_NO_SPEC = ["Tq", "Tk", "T_BUCKET"]  # one binary for every length (no recompiles for T % 16 or T == 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Forward kernel
+# ---------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _attn_fwd_inner(acc, l_i, m_i, q, K_base, V_base, stride_kt, stride_kd, stride_vt, stride_vd,
+                    offs_m, offs_d, lo, hi, Tk, qk_scale,
+                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    MASK: tl.constexpr, CAUSAL: tl.constexpr):
+    """Online softmax over key blocks [lo, hi). MASK: mask keys >= Tk (and, if CAUSAL, keys right of the row)."""
+    offs_n = lo + tl.arange(0, BLOCK_N)
+    d_ok = offs_d < HEAD_DIM
+    kt_ptrs = K_base + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kt  # (BLOCK_D, BLOCK_N)
+    v_ptrs = V_base + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd  # (BLOCK_N, BLOCK_D)
+    for start_n in range(lo, hi, BLOCK_N):
+        if MASK:
+            n_ok = (start_n + tl.arange(0, BLOCK_N)) < Tk
+            kt = tl.load(kt_ptrs, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        else:
+            kt = tl.load(kt_ptrs)
+            v = tl.load(v_ptrs)
+        s = tl.dot(q, kt) * qk_scale  # (BLOCK_M, BLOCK_N) scores in log2 units
+        if MASK:
+            cols = start_n + tl.arange(0, BLOCK_N)
+            keep = cols[None, :] < Tk
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None])
+            s = tl.where(keep, s, float("-inf"))
+        # every row sees >= 1 key before any all-masked block, so m_new is finite and exp2 never sees inf - inf
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+        kt_ptrs += BLOCK_N * stride_kt
+        v_ptrs += BLOCK_N * stride_vt
+    return acc, l_i, m_i
+
+
+@triton.autotune(configs=_configs("fwd"), key=_KEY, prune_configs_by=_pruner("fwd"))
+@triton.jit(do_not_specialize=_NO_SPEC)
+def _attn_fwd_kernel(Q, K, V, O, LSE, qk_scale,
+                     stride_qb, stride_qh, stride_qt, stride_qd,
+                     stride_kb, stride_kh, stride_kt, stride_kd,
+                     stride_vb, stride_vh, stride_vt, stride_vd,
+                     stride_ob, stride_oh, stride_ot, stride_od,
+                     H, Tq, Tk, T_BUCKET,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m = tl.program_id(0)
+    if CAUSAL:  # the last query blocks have the most keys: launch them first so the tail of the grid is short
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    K_base = K + b * stride_kb + h * stride_kh
+    V_base = V + b * stride_vb + h * stride_vh
+
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < Tq
+    d_ok = offs_d < HEAD_DIM
+    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max, log2 units
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2(s - m_i)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if CAUSAL:
+        # keys [0, m0) lie left of the diagonal for every row of the block: no mask; then the diagonal blocks
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K_base, V_base, stride_kt, stride_kd, stride_vt,
+                                        stride_vd, offs_m, offs_d, 0, m0, Tk, qk_scale,
+                                        BLOCK_N, HEAD_DIM, BLOCK_D, False, False)
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K_base, V_base, stride_kt, stride_kd, stride_vt,
+                                        stride_vd, offs_m, offs_d, m0, tl.minimum(m0 + BLOCK_M, Tk), Tk,
+                                        qk_scale, BLOCK_N, HEAD_DIM, BLOCK_D, True, True)
+    else:
+        tk_full = (Tk // BLOCK_N) * BLOCK_N  # whole key blocks, then the masked tail
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K_base, V_base, stride_kt, stride_kd, stride_vt,
+                                        stride_vd, offs_m, offs_d, 0, tk_full, Tk, qk_scale,
+                                        BLOCK_N, HEAD_DIM, BLOCK_D, False, False)
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K_base, V_base, stride_kt, stride_kd, stride_vt,
+                                        stride_vd, offs_m, offs_d, tk_full, Tk, Tk, qk_scale,
+                                        BLOCK_N, HEAD_DIM, BLOCK_D, True, False)
+
+    out = acc / l_i[:, None]
+    o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    tl.store(LSE + pid_bh.to(tl.int64) * Tq + offs_m, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=m_ok)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Backward kernels: dq (+ delta) per query block, then dk/dv per key block
+# ---------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _attn_bwd_dq_inner(dq, q, do, lse2, delta, K_base, V_base, stride_kt, stride_kd, stride_vt, stride_vd,
+                       offs_m, offs_d, lo, hi, Tk, qk_scale,
+                       BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                       MASK: tl.constexpr, CAUSAL: tl.constexpr):
+    """dq += dS @ k over key blocks [lo, hi) (dq is unscaled here)."""
+    offs_n = lo + tl.arange(0, BLOCK_N)
+    d_ok = offs_d < HEAD_DIM
+    kt_ptrs = K_base + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kt  # (BLOCK_D, BLOCK_N)
+    vt_ptrs = V_base + offs_d[:, None] * stride_vd + offs_n[None, :] * stride_vt  # (BLOCK_D, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        if MASK:
+            n_ok = (start_n + tl.arange(0, BLOCK_N)) < Tk
+            kt = tl.load(kt_ptrs, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+            vt = tl.load(vt_ptrs, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
+            vt = tl.load(vt_ptrs, mask=d_ok[:, None], other=0.0)
+        else:
+            kt = tl.load(kt_ptrs)
+            vt = tl.load(vt_ptrs)
+        p = tl.exp2(tl.dot(q, kt) * qk_scale - lse2[:, None])  # (BLOCK_M, BLOCK_N) = P, from the given lse
+        if MASK:
+            cols = start_n + tl.arange(0, BLOCK_N)
+            keep = cols[None, :] < Tk
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None])
+            p = tl.where(keep, p, 0.0)
+        dp = tl.dot(do, vt)  # (BLOCK_M, BLOCK_N)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(kt.dtype), tl.trans(kt))  # (BLOCK_M, BLOCK_D)
+        kt_ptrs += BLOCK_N * stride_kt
+        vt_ptrs += BLOCK_N * stride_vt
+    return dq
+
+
+@triton.autotune(configs=_configs("dq"), key=_KEY, prune_configs_by=_pruner("dq"))
+@triton.jit(do_not_specialize=_NO_SPEC)
+def _attn_bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, qk_scale, sm_scale,
+                        stride_qb, stride_qh, stride_qt, stride_qd,
+                        stride_kb, stride_kh, stride_kt, stride_kd,
+                        stride_vb, stride_vh, stride_vt, stride_vd,
+                        stride_ob, stride_oh, stride_ot, stride_od,
+                        stride_dob, stride_doh, stride_dot, stride_dod,
+                        stride_dqb, stride_dqh, stride_dqt, stride_dqd,
+                        H, Tq, Tk, T_BUCKET,
+                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m = tl.program_id(0)
+    if CAUSAL:  # heaviest query blocks first
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    K_base = K + b * stride_kb + h * stride_kh
+    V_base = V + b * stride_vb + h * stride_vh
+
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < Tq
+    md_ok = m_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd,
+                mask=md_ok, other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :] * stride_dod,
+                 mask=md_ok, other=0.0)
+    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :] * stride_od,
+                mask=md_ok, other=0.0)
+    # delta = rowsum(dO * O) from the given out; stored for the dk/dv kernel, which runs after this one
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    row = pid_bh.to(tl.int64) * Tq + offs_m
+    tl.store(DELTA + row, delta, mask=m_ok)
+    lse2 = tl.load(LSE + row, mask=m_ok, other=0.0) * 1.4426950408889634  # base-2 lse
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if CAUSAL:
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, K_base, V_base, stride_kt, stride_kd, stride_vt, stride_vd,
+                                offs_m, offs_d, 0, m0, Tk, qk_scale, BLOCK_N, HEAD_DIM, BLOCK_D, False, False)
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, K_base, V_base, stride_kt, stride_kd, stride_vt, stride_vd,
+                                offs_m, offs_d, m0, tl.minimum(m0 + BLOCK_M, Tk), Tk, qk_scale,
+                                BLOCK_N, HEAD_DIM, BLOCK_D, True, True)
+    else:
+        tk_full = (Tk // BLOCK_N) * BLOCK_N
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, K_base, V_base, stride_kt, stride_kd, stride_vt, stride_vd,
+                                offs_m, offs_d, 0, tk_full, Tk, qk_scale, BLOCK_N, HEAD_DIM, BLOCK_D, False, False)
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, K_base, V_base, stride_kt, stride_kd, stride_vt, stride_vd,
+                                offs_m, offs_d, tk_full, Tk, Tk, qk_scale, BLOCK_N, HEAD_DIM, BLOCK_D, True, False)
+    dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :] * stride_dqd
+    tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=md_ok)
+
+
+@triton.jit
+def _attn_bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base,
+                         stride_qt, stride_qd, stride_dot, stride_dod,
+                         offs_n, offs_d, lo, hi, Tq, qk_scale,
+                         BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         MASK: tl.constexpr, CAUSAL: tl.constexpr):
+    """dv += P^T @ dO, dk += dS^T @ q over query blocks [lo, hi), all transposed: rows are keys (dk unscaled)."""
+    offs_m = lo + tl.arange(0, BLOCK_M)
+    d_ok = offs_d < HEAD_DIM
+    qt_ptrs = Q_base + offs_d[:, None] * stride_qd + offs_m[None, :] * stride_qt  # (BLOCK_D, BLOCK_M)
+    do_ptrs = DO_base + offs_m[:, None] * stride_dot + offs_d[None, :] * stride_dod  # (BLOCK_M, BLOCK_D)
+    for start_m in range(lo, hi, BLOCK_M):
+        rows = start_m + tl.arange(0, BLOCK_M)
+        if MASK:
+            m_ok = rows < Tq
+            qt = tl.load(qt_ptrs, mask=d_ok[:, None] & m_ok[None, :], other=0.0)
+            do = tl.load(do_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+            lse2 = tl.load(LSE_base + rows, mask=m_ok, other=0.0) * 1.4426950408889634
+            delta = tl.load(DELTA_base + rows, mask=m_ok, other=0.0)
+        else:
+            if BLOCK_D != HEAD_DIM:
+                qt = tl.load(qt_ptrs, mask=d_ok[:, None], other=0.0)
+                do = tl.load(do_ptrs, mask=d_ok[None, :], other=0.0)
+            else:
+                qt = tl.load(qt_ptrs)
+                do = tl.load(do_ptrs)
+            lse2 = tl.load(LSE_base + rows) * 1.4426950408889634
+            delta = tl.load(DELTA_base + rows)
+        pt = tl.exp2(tl.dot(k, qt) * qk_scale - lse2[None, :])  # (BLOCK_N, BLOCK_M) = P^T
+        if MASK:
+            keep = rows[None, :] < Tq
+            if CAUSAL:
+                keep = keep & (rows[None, :] >= offs_n[:, None])
+            pt = tl.where(keep, pt, 0.0)
+        dv += tl.dot(pt.to(do.dtype), do)  # (BLOCK_N, BLOCK_D)
+        dpt = tl.dot(v, tl.trans(do))  # (BLOCK_N, BLOCK_M) = dP^T
+        dst = pt * (dpt - delta[None, :])
+        dk += tl.dot(dst.to(qt.dtype), tl.trans(qt))  # (BLOCK_N, BLOCK_D)
+        qt_ptrs += BLOCK_M * stride_qt
+        do_ptrs += BLOCK_M * stride_dot
+    return dk, dv
+
+
+@triton.autotune(configs=_configs("dkdv"), key=_KEY, prune_configs_by=_pruner("dkdv"))
+@triton.jit(do_not_specialize=_NO_SPEC)
+def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, qk_scale, sm_scale,
+                          stride_qb, stride_qh, stride_qt, stride_qd,
+                          stride_kb, stride_kh, stride_kt, stride_kd,
+                          stride_vb, stride_vh, stride_vt, stride_vd,
+                          stride_dob, stride_doh, stride_dot, stride_dod,
+                          stride_dkb, stride_dkh, stride_dkt, stride_dkd,
+                          stride_dvb, stride_dvh, stride_dvt, stride_dvd,
+                          H, Tq, Tk, T_BUCKET,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_n = tl.program_id(0)  # causal: the first key blocks see the most queries and already launch first
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    Q_base = Q + b * stride_qb + h * stride_qh
+    DO_base = DO + b * stride_dob + h * stride_doh
+    LSE_base = LSE + pid_bh.to(tl.int64) * Tq
+    DELTA_base = DELTA + pid_bh.to(tl.int64) * Tq
+
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    nd_ok = (offs_n < Tk)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    k = tl.load(K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd,
+                mask=nd_ok, other=0.0)  # (BLOCK_N, BLOCK_D)
+    v = tl.load(V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd,
+                mask=nd_ok, other=0.0)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    tq_full = (Tq // BLOCK_M) * BLOCK_M
+    if CAUSAL:
+        # queries [n0, n0 + BLOCK_N) straddle the diagonal (masked); later ones see every key of the block
+        lo = n0 + BLOCK_N
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, stride_qt, stride_qd,
+                                      stride_dot, stride_dod, offs_n, offs_d, n0, tl.minimum(lo, Tq), Tq,
+                                      qk_scale, BLOCK_M, HEAD_DIM, BLOCK_D, True, True)
+    else:
+        lo = n0 * 0
+    # the masked query tail, then the whole query blocks in between. This order matters for speed only: with the
+    # unmasked loop first on fresh zero accumulators (non-causal), ptxas serializes its wgmmas (warning C7515)
+    dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, stride_qt, stride_qd,
+                                  stride_dot, stride_dod, offs_n, offs_d, tl.maximum(lo, tq_full), Tq, Tq,
+                                  qk_scale, BLOCK_M, HEAD_DIM, BLOCK_D, True, False)
+    dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, stride_qt, stride_qd,
+                                  stride_dot, stride_dod, offs_n, offs_d, lo, tq_full, Tq, qk_scale,
+                                  BLOCK_M, HEAD_DIM, BLOCK_D, False, False)
+
+    dk_ptrs = DK + b * stride_dkb + h * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :] * stride_dkd
+    dv_ptrs = DV + b * stride_dvb + h * stride_dvh + offs_n[:, None] * stride_dvt + offs_d[None, :] * stride_dvd
+    tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=nd_ok)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=nd_ok)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------------------------
+
+def _launch_args(q, k, causal, sm_scale):
+    B, H, Tq, D = q.shape
+    Tk = k.shape[2]
+    if D > 256:
+        raise ValueError(f"attention head dim {D} > 256 is not supported")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"attention wants fp16/bf16/fp32 inputs, got {q.dtype}")
+    scale = sm_scale if sm_scale is not None else D ** -0.5
+    meta = dict(HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), CAUSAL=bool(causal))
+    return B, H, Tq, Tk, D, scale, meta, triton.next_power_of_2(max(Tq, Tk))  # T_BUCKET of the autotune key
+
+
+def _bthd_empty(B, H, T, D, like):
+    """(B, H, T, D) view of (B, T, H, D) memory: head merging after attention becomes a free view."""
+    return torch.empty(B, T, H, D, dtype=like.dtype, device=like.device).transpose(1, 2)
+
+
+def attention_block_fwd(q, k, v, causal, sm_scale=None):
+    """Triton forward of a query block against a key/value block. Returns (out, lse fp32 (B, H, Tq))."""
+    _check_inputs(q, k, v, causal)
+    B, H, Tq, Tk, D, scale, meta, t_bucket = _launch_args(q, k, causal, sm_scale)
+    out = _bthd_empty(B, H, Tq, D, q)
+    lse = torch.empty(B, H, Tq, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+
+    def grid(cfg):
+        return (triton.cdiv(Tq, cfg["BLOCK_M"]), B * H)
+
+    _attn_fwd_kernel[grid](q, k, v, out, lse, scale * LOG2E, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+                           H, Tq, Tk, t_bucket, **meta)
+    return out, lse
+
+
+def attention_block_bwd(do, q, k, v, out, lse, causal, sm_scale=None):
+    """Backward of one block given the (possibly merged, global) out and lse. Returns (dq, dk, dv)."""
+    _check_inputs(q, k, v, causal)
+    if do.shape != q.shape or out.shape != q.shape or lse.shape != q.shape[:3]:
+        raise ValueError(f"attention_block_bwd shapes: do {tuple(do.shape)}, out {tuple(out.shape)} should be "
+                         f"{tuple(q.shape)}; lse {tuple(lse.shape)} should be {tuple(q.shape[:3])}")
+    B, H, Tq, Tk, D, scale, meta, t_bucket = _launch_args(q, k, causal, sm_scale)
+    do = do.to(q.dtype)  # dO enters the dots beside v and q
+    lse = lse.to(torch.float32).contiguous()  # (B, H, Tq), indexed as (B*H, Tq) rows
+    delta = torch.empty_like(lse)
+    dq = _bthd_empty(B, H, Tq, D, q)
+    dk = _bthd_empty(B, H, Tk, D, k)
+    dv = _bthd_empty(B, H, Tk, D, v)
+    if dq.numel() == 0:
+        return dq, dk.zero_(), dv.zero_()
+
+    def grid_q(cfg):
+        return (triton.cdiv(Tq, cfg["BLOCK_M"]), B * H)
+
+    def grid_kv(cfg):
+        return (triton.cdiv(Tk, cfg["BLOCK_N"]), B * H)
+
+    # dq first: it also writes delta, which the dk/dv kernel reads (same stream, so ordered)
+    _attn_bwd_dq_kernel[grid_q](q, k, v, out, do, lse, delta, dq, scale * LOG2E, scale,
+                                *q.stride(), *k.stride(), *v.stride(), *out.stride(), *do.stride(), *dq.stride(),
+                                H, Tq, Tk, t_bucket, **meta)
+    _attn_bwd_dkdv_kernel[grid_kv](q, k, v, do, lse, delta, dk, dv, scale * LOG2E, scale,
+                                   *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+                                   H, Tq, Tk, t_bucket, **meta)
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Autograd and the public op
+# ---------------------------------------------------------------------------------------------------------------
+
+class AttentionFunction(torch.autograd.Function):
+    """fwd: flash attention (Triton); bwd: dq, dk, dv recomputing P from the saved lse."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, sm_scale):
+        out, lse = attention_block_fwd(q, k, v, causal, sm_scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.sm_scale = causal, sm_scale
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = attention_block_bwd(do, q, k, v, out, lse, ctx.causal, ctx.sm_scale)
+        return dq, dk, dv, None, None
+
+
+def attention_triton(q, k, v, causal=True, sm_scale=None):
+    """The Triton path with autograd, on any device Triton runs on (CUDA, or CPU under TRITON_INTERPRET=1)."""
+    return AttentionFunction.apply(q, k, v, causal, sm_scale)
+
+
+def attention(q, k, v, causal=True, sm_scale=None):
+    """Scaled dot-product attention over (B, H, T, D): Triton on CUDA tensors, PyTorch SDPA on CPU tensors."""
+    if q.is_cuda:
+        return attention_triton(q, k, v, causal, sm_scale)
+    _check_inputs(q, k, v, causal)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parity check and benchmark: python -m kernels.attention [--quick] [--out FILE]
+# ---------------------------------------------------------------------------------------------------------------
+
+def _max_errors(fn, q, k, v, do, causal):
+    """Max abs error of fn's out, dq, dk, dv against attention_ref run in fp32 on the same inputs."""
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref, _ = attention_ref(qf, kf, vf, causal)
+    ref.backward(do.float())
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    out.backward(do)
+    return [(a.float() - b).abs().max().item() for a, b in zip((out, q.grad, k.grad, v.grad),
+                                                                   (ref, qf.grad, kf.grad, vf.grad))]
+
+
+def _bench(argv=None):
+    import argparse
+    import json
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="two shapes, fewer repetitions")
+    ap.add_argument("--out", default=None, help="also write the table as JSON lines to this file")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("the benchmark needs a CUDA GPU (tests run the kernels on CPU: pytest tests/test_attention.py)")
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+
+    # correctness: our bf16 error against an fp32 reference next to SDPA's bf16 error on the same inputs
+    B, H, T, D = 2, 4, 777, 64
+    q, k, v, do = (torch.randn(B, H, T, D, device=dev, dtype=dt) for _ in range(4))
+    ours = _max_errors(lambda a, b, c: attention(a, b, c, True), q, k, v, do, True)
+    sdpa = _max_errors(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), q, k, v, do, True)
+    ok = all(o <= 2 * s + 1e-3 for o, s in zip(ours, sdpa))
+    print(f"correctness (B={B} H={H} T={T} D={D} causal, max abs err vs fp32 ref; out dq dk dv): "
+          f"ours {['%.2e' % e for e in ours]}  sdpa {['%.2e' % e for e in sdpa]}  {'ok' if ok else 'FAIL'}")
+
+    shapes = [(16, 12, 1024, 64, True), (4, 16, 4096, 128, True), (4, 12, 1024, 64, True),
+              (4, 16, 4096, 128, False), (8, 16, 2048, 128, True), (1, 4, 4096, 128, True)]
+    if args.quick:
+        shapes = shapes[:2]
+    rep = 30 if args.quick else 100
+
+    def sdpa_with(backend):
+        def fn(a, b, c, causal):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(a, b, c, is_causal=causal)
+        return fn
+
+    impls = {"ours": lambda a, b, c, causal: attention(a, b, c, causal),
+             "cudnn": sdpa_with(SDPBackend.CUDNN_ATTENTION), "flash": sdpa_with(SDPBackend.FLASH_ATTENTION)}
+    rows = []
+    hdr = f"{'B':>3} {'H':>3} {'T':>5} {'D':>4} {'causal':>6} {'mode':>7} | " + " | ".join(
+        f"{n:>6} ms {'TF/s':>5}" for n in impls) + " | ours/cudnn ours/flash"
+    print(hdr)
+    print("-" * len(hdr))
+    for B, H, T, D, causal in shapes:
+        q, k, v, do = (torch.randn(B, H, T, D, device=dev, dtype=dt) for _ in range(4))
+        for t in (q, k, v):
+            t.requires_grad_()
+        flops_fwd = 4 * B * H * T * T * D / (2 if causal else 1)
+        for mode, flops in (("fwd", flops_fwd), ("fwd+bwd", 3.5 * flops_fwd)):
+            times = {}
+            for name, fn in impls.items():
+                def step(fn=fn):
+                    out = fn(q, k, v, causal)
+                    if mode == "fwd+bwd":
+                        out.backward(do)
+                try:
+                    step()  # autotune / warm-up outside the timing
+                    times[name] = triton.testing.do_bench(step, rep=rep, grad_to_none=[q, k, v],
+                                                          return_mode="median")
+                except RuntimeError as e:  # a backend that does not take this shape on this GPU
+                    times[name] = float("nan")
+                    print(f"# {name} unavailable for this shape: {str(e).splitlines()[0][:100]}")
+            row = dict(B=B, H=H, T=T, D=D, causal=causal, mode=mode, gpu=torch.cuda.get_device_name(),
+                       **{f"{n}_ms": ms for n, ms in times.items()},
+                       **{f"{n}_tflops": flops / ms * 1e-9 for n, ms in times.items()},
+                       ours_vs_cudnn=times["cudnn"] / times["ours"], ours_vs_flash=times["flash"] / times["ours"])
+            rows.append(row)
+            print(f"{B:>3} {H:>3} {T:>5} {D:>4} {str(causal):>6} {mode:>7} | " + " | ".join(
+                f"{times[n]:>9.3f} {row[n + '_tflops']:>5.0f}" for n in impls)
+                  + f" | {row['ours_vs_cudnn']:>10.2f} {row['ours_vs_flash']:>10.2f}")
+        tiles = {n: getattr(kern, "best_config", None) for n, kern in
+                 (("fwd", _attn_fwd_kernel), ("dq", _attn_bwd_dq_kernel), ("dkdv", _attn_bwd_dkdv_kernel))}
+        print("#   tuned tiles: " + "; ".join(
+            f"{n} {c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']} w{c.num_warps} s{c.num_stages}"
+            for n, c in tiles.items() if c is not None))
+    print("ratios are speed-ups (baseline time / our time): > 1 means ours is faster")
+    if args.out:
+        with open(args.out, "w") as f:
+            for row in rows:
+                f.write(json.dumps({k: None if x != x else x for k, x in row.items()}) + "\n")  # NaN -> null
+
+
+if __name__ == "__main__":
+    _bench()

@@ -1,0 +1,213 @@
+"""Tests for kernels/attention.py: the Triton flash attention against attention_ref.
+
+On CPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1) in fp32 and fp16 (bf16 dots are
+broken in the interpreter, shared/TRITON_CPU.md); bf16 at real sizes runs in the `gpu` tests.
+Shapes are small and awkward: T not a multiple of the interpreter tiles (BLOCK 64 x 32), odd B*H, Tq != Tk.
+"""
+import pytest
+import torch
+
+from kernels.attention import (attention, attention_block_bwd, attention_block_fwd, attention_ref,
+                               attention_triton)
+
+# the interpreter itself trips a numpy deprecation on every scalar loop bound; it says nothing about our code
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+# fp32 in the interpreter: both sides do the same fp32 math in a different order (blockwise online softmax vs one
+# logsumexp); measured errors are ~1e-6 on O(1) values, so 1e-4 / 1e-5 leaves room without hiding a wrong mask.
+F32 = dict(atol=1e-4, rtol=1e-5)
+
+
+def _qkv(B, H, Tq, Tk, D, dtype=torch.float32, strided=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if strided:  # views of a fused projection, as the model makes them: (B, T, 3, H, D) permuted to (B, H, T, D)
+        assert Tq == Tk
+        qkv = torch.randn(B, Tq, 3, H, D, generator=g).to(dtype)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, T, D), non-contiguous
+        return q, k, v
+    return (torch.randn(B, H, Tq, D, generator=g).to(dtype), torch.randn(B, H, Tk, D, generator=g).to(dtype),
+            torch.randn(B, H, Tk, D, generator=g).to(dtype))
+
+
+def _grads(fn, q, k, v, do):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))  # detach keeps strides (clone might not)
+    out = fn(q, k, v)
+    out.backward(do)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+# --------------------------------------------------------------------------------------------------------------
+# CPU (interpreter)
+# --------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("B,H,Tq,Tk,D,causal,strided", [
+    (1, 3, 17, 17, 64, True, False),
+    (2, 1, 129, 129, 64, True, True),  # 129 = 2 full query tiles + 1 row: diagonal, unmasked and tail paths
+    (1, 1, 127, 127, 128, True, False),
+    (1, 2, 1, 1, 64, True, False),
+    (2, 1, 129, 100, 64, False, False),  # Tq != Tk, key tail of 4 after 3 full key tiles
+    (1, 3, 33, 33, 128, False, True),
+    (1, 1, 17, 40, 80, False, False),  # D=80 padded to 128 inside the kernel
+    (1, 1, 45, 45, 32, True, False),
+])
+def test_fwd_bwd_match_reference_fp32(B, H, Tq, Tk, D, causal, strided):
+    q, k, v = _qkv(B, H, Tq, Tk, D, strided=strided)
+    assert q.is_contiguous() != strided
+    do = torch.randn(B, H, Tq, D, generator=torch.Generator().manual_seed(1))
+    out, lse = attention_block_fwd(q, k, v, causal)
+    out_ref, lse_ref = attention_ref(q, k, v, causal)
+    torch.testing.assert_close(out, out_ref, **F32)
+    torch.testing.assert_close(lse, lse_ref, **F32)
+    got = _grads(lambda a, b, c: attention_triton(a, b, c, causal), q, k, v, do)
+    want = _grads(lambda a, b, c: attention_ref(a, b, c, causal)[0], q, k, v, do)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(g, w, **F32, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_fp16_matches_reference(causal):
+    # fp16 inputs, fp32 reference on the same (rounded) inputs. The kernel rounds P and dS to fp16 before their
+    # dots and the outputs to fp16 (relative 2^-11 ~ 5e-4 each); on these O(1)-O(10) values that is well under 2e-2.
+    q, k, v = _qkv(1, 2, 71, 71, 64, dtype=torch.float16)
+    do = torch.randn(1, 2, 71, 64, generator=torch.Generator().manual_seed(1)).half()
+    got = _grads(lambda a, b, c: attention_triton(a, b, c, causal), q, k, v, do)
+    want = _grads(lambda a, b, c: attention_ref(a, b, c, causal)[0], q.float(), k.float(), v.float(), do.float())
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert g.dtype == torch.float16
+        torch.testing.assert_close(g.float(), w.float(), atol=2e-2, rtol=1e-2, msg=lambda m: f"{name}: {m}")
+
+
+def _merge(o1, l1, o2, l2):
+    """Combine two partial attentions over disjoint key sets by their lse (what ring attention does)."""
+    lse = torch.logaddexp(l1, l2)
+    return o1 * torch.exp(l1 - lse)[..., None] + o2 * torch.exp(l2 - lse)[..., None], lse
+
+
+def test_lse_merge_of_key_blocks_noncausal():
+    q, k, v = _qkv(1, 3, 23, 50, 64)
+    o1, l1 = attention_block_fwd(q, k[:, :, :13], v[:, :, :13], causal=False)
+    o2, l2 = attention_block_fwd(q, k[:, :, 13:], v[:, :, 13:], causal=False)
+    out, lse = _merge(o1, l1, o2, l2)
+    out_ref, lse_ref = attention_ref(q, k, v, causal=False)
+    torch.testing.assert_close(out, out_ref, **F32)  # fp32 everywhere; the merge adds a few ulps
+    torch.testing.assert_close(lse, lse_ref, **F32)
+
+
+def _causal_split(T1=37, T2=29):
+    """Queries of the second chunk of a causal sequence against (earlier chunk, full) + (own chunk, causal)."""
+    q, k, v = _qkv(2, 1, T1 + T2, T1 + T2, 64, seed=3)
+    q2, k1, v1, k2, v2 = q[:, :, T1:], k[:, :, :T1], v[:, :, :T1], k[:, :, T1:], v[:, :, T1:]
+    return q, k, v, q2, k1, v1, k2, v2
+
+
+def test_lse_merge_causal_diagonal_plus_earlier_block():
+    T1 = 37
+    q, k, v, q2, k1, v1, k2, v2 = _causal_split(T1)
+    o1, l1 = attention_block_fwd(q2, k1, v1, causal=False)
+    o2, l2 = attention_block_fwd(q2, k2, v2, causal=True)
+    out, lse = _merge(o1, l1, o2, l2)
+    out_ref, lse_ref = attention_ref(q, k, v, causal=True)
+    torch.testing.assert_close(out, out_ref[:, :, T1:], **F32)
+    torch.testing.assert_close(lse, lse_ref[:, :, T1:], **F32)
+
+
+def test_block_bwd_uses_given_merged_lse():
+    # Ring attention's backward: each block's backward gets the merged (global) out and lse; the sums of the
+    # block grads must equal the grads of full causal attention (upstream grad only on the second chunk's rows).
+    T1 = 37
+    q, k, v, q2, k1, v1, k2, v2 = _causal_split(T1)
+    out_ref, lse_ref = attention_ref(q, k, v, causal=True)
+    out2, lse2 = out_ref[:, :, T1:], lse_ref[:, :, T1:]
+    do2 = torch.randn(out2.shape, generator=torch.Generator().manual_seed(5))
+    dq_a, dk1, dv1 = attention_block_bwd(do2, q2, k1, v1, out2, lse2, causal=False)
+    dq_b, dk2, dv2 = attention_block_bwd(do2, q2, k2, v2, out2, lse2, causal=True)
+    do = torch.cat([torch.zeros_like(out_ref[:, :, :T1]), do2], dim=2)
+    _, dq, dk, dv = _grads(lambda a, b, c: attention_ref(a, b, c, True)[0], q, k, v, do)
+    torch.testing.assert_close(dq_a + dq_b, dq[:, :, T1:], **F32)
+    torch.testing.assert_close(torch.cat([dk1, dk2], 2), dk, **F32)
+    torch.testing.assert_close(torch.cat([dv1, dv2], 2), dv, **F32)
+
+
+def test_sm_scale_and_output_layout():
+    q, k, v = _qkv(1, 2, 19, 19, 64)
+    out, lse = attention_block_fwd(q, k, v, causal=True, sm_scale=0.3)
+    out_ref, lse_ref = attention_ref(q, k, v, causal=True, sm_scale=0.3)
+    torch.testing.assert_close(out, out_ref, **F32)
+    torch.testing.assert_close(lse, lse_ref, **F32)
+    # out is a (B, H, T, D) view of (B, T, H, D) memory so merging heads afterwards needs no copy
+    assert out.transpose(1, 2).is_contiguous()
+
+
+def test_zero_stride_upstream_grad():
+    # out.sum().backward() hands the backward an expanded dO with all strides 0; the kernels read it in place
+    q, k, v = _qkv(1, 2, 21, 21, 64)
+    got = _grads(lambda a, b, c: attention_triton(a, b, c, True).sum()[None], q, k, v, torch.ones(1))
+    want = _grads(lambda a, b, c: attention_ref(a, b, c, True)[0].sum()[None], q, k, v, torch.ones(1))
+    for g, w in zip(got[1:], want[1:]):
+        torch.testing.assert_close(g, w, **F32)
+
+
+def test_cpu_fallback_matches_reference():
+    q, k, v = _qkv(2, 3, 31, 31, 64)
+    for causal in (True, False):
+        torch.testing.assert_close(attention(q, k, v, causal), attention_ref(q, k, v, causal)[0], **F32)
+
+
+def test_bad_inputs_fail_early():
+    q, k, v = _qkv(1, 2, 8, 12, 64)
+    with pytest.raises(ValueError, match="Tq == Tk"):
+        attention_block_fwd(q, k, v, causal=True)
+    with pytest.raises(ValueError, match="disagree"):
+        attention_block_fwd(q, k[..., :32], v, causal=False)
+    with pytest.raises(ValueError, match="dtypes"):
+        attention_block_fwd(q, k.half(), v, causal=False)
+    with pytest.raises(ValueError, match="B, H, T, D"):
+        attention(q[0], k[0], v[0], causal=False)
+
+
+def test_empty_query_launches_nothing():
+    q, k, v = _qkv(1, 2, 0, 5, 64)
+    out, lse = attention_block_fwd(q, k, v, causal=False)
+    assert out.shape == (1, 2, 0, 64) and lse.shape == (1, 2, 0)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# GPU: bf16 against an fp32 reference, judged by PyTorch SDPA's own bf16 error on the same inputs
+# --------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,H,T,D,causal", [
+    (4, 12, 1024, 64, True),  # GPT-2 124M
+    (1, 4, 4096, 128, True),
+    (2, 3, 1, 64, True),
+    (2, 3, 17, 64, True),
+    (2, 3, 129, 128, True),
+    (2, 3, 1000, 64, True),
+    (2, 3, 1000, 128, False),
+    (2, 3, 129, 96, True),  # padded head dim
+])
+def test_gpu_bf16_within_2x_sdpa_error(B, H, T, D, causal):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(B, H, T, D, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(4))
+    ref = _grads(lambda a, b, c: attention_ref(a, b, c, causal)[0], q.float(), k.float(), v.float(), do.float())
+    ours = _grads(lambda a, b, c: attention(a, b, c, causal), q, k, v, do)
+    sdpa = _grads(lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(a, b, c, is_causal=causal),
+                  q, k, v, do)
+    for name, o, s, r in zip(("out", "dq", "dk", "dv"), ours, sdpa, ref):
+        assert o.dtype == torch.bfloat16 and torch.isfinite(o).all(), name
+        err, err_sdpa = (o.float() - r).abs().max().item(), (s.float() - r).abs().max().item()
+        # eps: 0.1% of the largest value, under bf16's 0.4% resolution; 1e-5 covers all-zero grads (T=1: dq = 0)
+        eps = 1e-3 * r.abs().max().item() + 1e-5
+        assert err <= 2 * err_sdpa + eps, f"{name}: ours {err:.3e} vs sdpa {err_sdpa:.3e} (+eps {eps:.1e})"
+
+
+@pytest.mark.gpu
+def test_gpu_strided_qkv_views_and_lse():
+    B, T, H, D = 2, 333, 12, 64
+    qkv = torch.randn(B, T, 3, H, D, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, T, D), strided views
+    out, lse = attention_block_fwd(q, k, v, causal=True)
+    out_ref, lse_ref = attention_ref(q, k, v, causal=True)
+    # bf16 out: one rounding of O(1) values (2^-8 relative) plus bf16-P dot rounding; lse is fp32 from bf16 scores
+    torch.testing.assert_close(out, out_ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, lse_ref, atol=1e-3, rtol=1e-3)
