@@ -1,0 +1,455 @@
+"""Tensor parallelism (Megatron-LM) and sequence parallelism, applied to the single-device GPT from outside.
+
+    model = GPT(cfg)                          # same seed on every rank: identical full weights everywhere
+    model = apply_tp(model, mesh, sp=True)    # each rank keeps its slice of them; the rest is freed
+    loss.backward()
+    sync_partial_grads(model, mesh)           # SP, once per step: only when driving the optimizer by hand
+                                              # (dp.py's engines sum `sp_partial` grads themselves: never both)
+
+Math (Shoeybi et al. 2019). A linear Y = X W^T with W (out, in) split over tp ranks:
+  column-parallel: W split by rows (outputs):   Y_r = X W_r^T           -> every rank holds out/tp outputs
+  row-parallel:    W split by columns (inputs): Y = sum_r X_r W_r^T     -> one all-reduce (comm.g)
+Attention is c_attn column (rank r holds heads r*nh/tp .. (r+1)*nh/tp-1 of q, k and v) then c_proj row; the MLP
+is c_fc column then c_proj row: per block, two all-reduces forward (g) and two backward (f).
+
+Sequence parallel (Korthikanti et al. 2022): outside the TP regions activations (B, T, C) are sharded along T, so
+LayerNorms, residual adds and dropout work on (B, T/tp, C) and store 1/tp of their activations; f/g become an
+all-gather / reduce-scatter along T (together the same bytes as one all-reduce). Column-parallel layers save only
+their input's shard and gather it again in backward. Every replicated parameter then sees only T/tp tokens, so its
+gradient is a partial sum over tp (marked `sp_partial`).
+
+Vocab parallel: the tied wte/lm_head weight (Vp', C) is split by rows (vocab ids; Vp' = cfg.padded_vocab rounded
+up to a multiple of tp). The embedding looks up the ids in its range (zero elsewhere) and all-reduces; lm_head
+gives (B, T, Vp'/tp) logits and the loss combines per-shard max, sum-exp and target logit with two all-reduces of
+(N,) vectors, never the full (N, Vp') logits. With TP, `model(idx)` therefore returns this rank's logit columns;
+`model.generate` gathers them.
+
+Contract with dp.py / checkpoint.py (attributes on the Parameter objects):
+  p.tp_dim, p.tp_parts, p.tp_full_shape   sharded over tp (see `shard`); grad-norm contributions sum over tp.
+                                          Parameters without tp_dim are replicated over tp (count them once).
+  p.sp_partial = True                     grad is a partial sum over tp: SUM it over tp once per optimizer step,
+                                          after the last micro-step, before clipping (dp.py's engines do;
+                                          `sync_partial_grads` does it for hand-written loops).
+`shard_metadata` gives each shard's global slices for checkpoints; `gather_full_state_dict` the full layout.
+
+Dropout RNG. Without SP every dropout of this GPT acts on activations replicated over tp, so the tp ranks must
+draw the same masks: they do, because every rank seeds the default generator alike (train.py: seed) and makes the
+same calls. With SP every dropout acts on a sequence shard (and any inside TP regions on a head/hidden shard),
+so masks must differ per tp rank: apply_tp wraps the forward (only when dropout > 0) to run on a per-rank stream,
+seeded from torch.initial_seed() and the tp rank, and restores the shared stream afterwards.
+
+Tested by tests/test_tp.py (gloo, CPU); benchmarked by bench/bench_tp.py (torchrun, GPU).
+"""
+from __future__ import annotations
+
+import fnmatch
+import types
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanopara.comm import all_gather_along, all_reduce_sum, f, g, reduce_scatter_along, reduce_scatter_seq
+from nanopara.config import Config, ModelConfig, ParallelConfig
+from nanopara.model import GPT
+
+# ----------------------------------------------------------------------------------------------------------------
+# the plan: which module becomes what (walked by apply_tp in named_modules order)
+#
+# Trap 1: c_attn is ONE Linear whose outputs are [q heads | k heads | v heads]. Contiguous row blocks would give
+#   rank 0 all of q and part of k. parts=3 splits each of the three blocks into tp chunks (whole heads) and
+#   concatenates rank r's chunks, so the local output is again [q | k | v] for nh/tp heads.
+# Trap 2: lm_head.weight IS wte.weight (tied). It is sharded once, by vocab rows, for the embedding; lm_head reuses
+#   that same Parameter as a column-parallel layer whose outputs are vocab logits. Both grads land in one shard.
+#   (Under pipeline parallelism the two ends live on different stages and need a grad all-reduce: pp.py.)
+
+TP_PLAN = (
+    # module path pattern            style      parts (blocks split separately along the sharded dim)
+    ("transformer.wte",              "vocab",   1),
+    ("transformer.h.*.attn.c_attn",  "column",  3),
+    ("transformer.h.*.attn.c_proj",  "row",     1),
+    ("transformer.h.*.mlp.c_fc",     "column",  1),
+    ("transformer.h.*.mlp.c_proj",   "row",     1),
+    ("lm_head",                      "head",    1),
+)
+
+
+def shard(full: torch.Tensor, dim: int, parts: int, rank: int, tp: int) -> torch.Tensor:
+    """Rank's piece: view `dim` as `parts` equal blocks, take chunk `rank` of `tp` of each, concatenate."""
+    n = full.shape[dim] // (parts * tp)
+    return torch.cat([full.narrow(dim, (j * tp + rank) * n, n) for j in range(parts)], dim)
+
+
+def unshard(pieces: list[torch.Tensor], dim: int, parts: int) -> torch.Tensor:
+    """Inverse of `shard`: pieces[r] is rank r's piece."""
+    n = pieces[0].shape[dim] // parts
+    return torch.cat([pc.narrow(dim, j * n, n) for j in range(parts) for pc in pieces], dim)
+
+
+def global_slices(p: torch.Tensor, rank: int, tp: int) -> list[list[int]]:
+    """[start, stop) ranges along p.tp_dim of the full tensor that rank's piece holds, in order."""
+    n = p.tp_full_shape[p.tp_dim] // (p.tp_parts * tp)
+    return [[(j * tp + rank) * n, (j * tp + rank + 1) * n] for j in range(p.tp_parts)]
+
+
+def _sharded_param(full: torch.Tensor, dim: int, parts: int, rank: int, tp: int) -> nn.Parameter:
+    p = nn.Parameter(shard(full.detach(), dim, parts, rank, tp).clone())  # clone: the full tensor can be freed
+    p.tp_dim, p.tp_parts, p.tp_full_shape = dim, parts, tuple(full.shape)
+    return p
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# layers
+
+class _TPState:
+    """Shared by all TP layers of one model: the group, and switches that generate() flips."""
+
+    def __init__(self, group, tp: int, rank: int, sp: bool):
+        self.group, self.tp, self.rank, self.sp = group, tp, rank, sp
+        self.gather_logits = False
+
+
+def _autocast(t):
+    """t in autocast's dtype when autocast is on (what F.linear would cast it to), else t."""
+    if t is None or not torch.is_autocast_enabled(t.device.type):
+        return t
+    return t.to(torch.get_autocast_dtype(t.device.type))
+
+
+class _GatherLinear(torch.autograd.Function):
+    """fwd: y = all_gather_T(x) W^T + b saving only x's shard; bwd: gather x again for dW, reduce-scatter dX.
+
+    Megatron's SP column-parallel linear (Korthikanti et al. 2022, 4.2.2): the (B, T, C) input is never stored,
+    at the price of one more all-gather in backward. Under autocast, x is cast before the gather (half the bytes).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        x, weight, bias = _autocast(x), _autocast(weight), _autocast(bias)
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(all_gather_along(x, 1, group), weight, bias)  # (B, T, out/tp)
+
+    @staticmethod
+    def backward(ctx, grad):  # grad (B, T, out/tp)
+        x, w = ctx.saved_tensors
+        grad = grad.to(w.dtype)
+        total = all_gather_along(x, 1, ctx.group)  # (B, T, in)
+        gx = reduce_scatter_along(grad @ w, 1, ctx.group)  # (B, T/tp, in)
+        g2 = grad.reshape(-1, grad.shape[-1])  # (B*T, out/tp)
+        gw = g2.t() @ total.reshape(-1, total.shape[-1])  # (out/tp, in)
+        gb = g2.sum(0).to(ctx.dtypes[2]) if ctx.has_bias else None
+        return gx.to(ctx.dtypes[0]), gw.to(ctx.dtypes[1]), gb, None
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_r = x W_r^T + b_r with W's output rows split over tp; x replicated, or a sequence shard under SP."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, state: _TPState):
+        super().__init__()
+        self.weight, self.bias, self.state = weight, bias, state
+
+    def forward(self, x):  # (B, T, in) or (B, T/tp, in) under SP -> (B, T, out/tp)
+        s = self.state
+        if s.sp:
+            return _GatherLinear.apply(x, self.weight, self.bias, s.group)
+        # cast first, so f's backward all-reduces a bf16 grad, not the fp32 grad of the LayerNorm output
+        return F.linear(f(_autocast(x), s.group), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum_r x_r W_r^T + b with W's input columns split over tp; b replicated, added once after the reduce."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, state: _TPState):
+        super().__init__()
+        self.weight, self.bias, self.state = weight, bias, state
+
+    def forward(self, x):  # (B, T, in/tp) -> (B, T, out), or (B, T/tp, out) under SP
+        s = self.state
+        y = F.linear(x, self.weight)  # partial sums over this rank's inputs
+        y = reduce_scatter_seq(y, s.group) if s.sp else g(y, s.group)
+        return y if self.bias is None else y + self.bias.to(y.dtype)  # keep autocast's dtype, like nn.Linear
+
+
+class ParallelLMHead(ColumnParallelLinear):
+    """Tied lm_head: column-parallel over the vocab shard of wte; logits stay sharded unless generate() asks."""
+
+    def forward(self, x):  # -> (B, T, Vp'/tp), or (B, T, Vp') while generating
+        y = super().forward(x)
+        return all_gather_along(y, -1, self.state.group) if self.state.gather_logits else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """wte over vocab rows start..start+Vp'/tp-1: ids elsewhere look up zeros, then sum over tp (g, or RS under SP)."""
+
+    def __init__(self, weight: nn.Parameter, start: int, state: _TPState):
+        super().__init__()
+        self.weight, self.start, self.state = weight, start, state
+
+    def forward(self, idx):  # (B, T) -> (B, T, C), or (B, T/tp, C) under SP
+        s = self.state
+        local = idx - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        e = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if not s.sp:
+            return g(e, s.group)
+        if idx.shape[1] % s.tp:
+            raise ValueError(f"sequence parallel needs the sequence length {idx.shape[1]} to be divisible by "
+                             f"parallel.tp={s.tp}")
+        return reduce_scatter_seq(e, s.group)
+
+
+class SeqShardedPositions(nn.Module):
+    """wpe under SP: embeddings of this rank's T/tp positions only (its gradient is then a partial sum)."""
+
+    def __init__(self, weight: nn.Parameter, state: _TPState):
+        super().__init__()
+        self.weight, self.state = weight, state
+
+    def forward(self, pos):  # (T,) -> (T/tp, C), or (T, C) with SP switched off
+        s = self.state
+        if s.sp:
+            n = pos.shape[0] // s.tp
+            pos = pos[s.rank * n:(s.rank + 1) * n]
+        return F.embedding(pos, self.weight)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# vocab-parallel cross-entropy: loss_i = log(sum_v exp(z_iv)) - z_i,target, with z split by columns over tp
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Mean CE over rows with target != -1 from vocab-sharded logits; columns >= n_vocab never count (fp32)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, start, n_vocab, group):  # logits (N, Vl) = columns start.., targets (N,)
+        z = _masked_fp32(logits, start, n_vocab)
+        m = z.max(dim=1).values  # (N,) per-shard max, then the global max: exp never overflows
+        if group is not None:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        local = targets - start
+        inside = (local >= 0) & (local < z.shape[1])  # ignored targets (-1) are never inside
+        picked = z.gather(1, local.clamp(0, z.shape[1] - 1).unsqueeze(1)).squeeze(1)
+        stats = torch.stack([(z - m.unsqueeze(1)).exp().sum(1), torch.where(inside, picked, 0.0)])  # (2, N)
+        all_reduce_sum(stats, group)  # one collective: global sum-exp and target logit
+        sumexp, target_logit = stats
+        valid = targets != -1
+        count = valid.sum().float()  # 0 valid rows -> nan, as F.cross_entropy
+        loss = torch.where(valid, sumexp.log() + m - target_logit, 0.0).sum() / count
+        ctx.save_for_backward(logits, targets, m, sumexp, valid, count)
+        ctx.start, ctx.n_vocab = start, n_vocab
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):  # dloss/dz_iv = (softmax_iv - [v == target_i]) / count on valid rows
+        logits, targets, m, sumexp, valid, count = ctx.saved_tensors
+        z = _masked_fp32(logits, ctx.start, ctx.n_vocab)
+        grad = (z - m.unsqueeze(1)).exp_().div_(sumexp.unsqueeze(1))  # this shard's softmax columns
+        local = targets - ctx.start
+        rows = torch.nonzero(valid & (local >= 0) & (local < z.shape[1])).squeeze(1)
+        grad[rows, local[rows]] -= 1.0
+        grad.mul_((valid.float() * (grad_loss / count)).unsqueeze(1))
+        return grad.to(logits.dtype), None, None, None, None
+
+
+def _masked_fp32(logits, start, n_vocab):
+    """fp32 copy of the logits with the padding columns (global id >= n_vocab) at -inf."""
+    z = logits.float()
+    real = max(0, min(n_vocab - start, z.shape[1]))
+    if real < z.shape[1]:
+        z = z.clone() if z is logits else z  # .float() of fp32 logits is the same tensor: never write into it
+        z[:, real:] = float("-inf")
+    return z
+
+
+def vocab_parallel_cross_entropy(logits, targets, start: int, n_vocab: int, group) -> torch.Tensor:
+    """logits (N, Vl): this rank's vocab columns start..start+Vl-1; targets (N,) global ids, -1 ignored."""
+    return _VocabParallelCE.apply(logits, targets, start, n_vocab, group)
+
+
+def _tp_loss_fn(self, logits, targets):  # replaces GPT.loss_fn on a TP model
+    s = self.tp_state
+    Vl = logits.shape[-1]
+    return vocab_parallel_cross_entropy(logits.reshape(-1, Vl), targets.reshape(-1), s.rank * Vl,
+                                        self.cfg.vocab_size, s.group)
+
+
+def _tp_generate(self, *args, **kwargs):
+    """GPT.generate on a TP model: logits gathered over the vocab, SP off (a single new token cannot be split)."""
+    s = self.tp_state
+    sp, s.sp, s.gather_logits = s.sp, False, True
+    try:
+        return GPT.generate(self, *args, **kwargs)
+    finally:
+        s.sp, s.gather_logits = sp, False
+
+
+class _PerRankDropoutRng:
+    """Forward hooks: run the model's forward on this tp rank's own RNG stream, then restore the shared one."""
+
+    def __init__(self, rank: int):
+        self.rank, self.own, self.saved = rank, None, None
+
+    @staticmethod
+    def _get(dev):
+        return torch.get_rng_state(), (torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None)
+
+    @staticmethod
+    def _set(state, dev):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], dev)
+
+    def enter(self, module, args):
+        if not module.training:
+            return
+        self.dev = next(module.parameters()).device
+        self.saved = self._get(self.dev)
+        if self.own is None:  # first forward: derive this rank's stream from the shared seed
+            torch.manual_seed(torch.initial_seed() + 1_000_003 * (self.rank + 1))
+        else:
+            self._set(self.own, self.dev)
+
+    def exit(self, module, args, out):
+        if self.saved is not None:
+            self.own = self._get(self.dev)
+            self._set(self.saved, self.dev)
+            self.saved = None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# apply
+
+def check_tp(cfg: ModelConfig, tp: int, sp: bool) -> None:
+    """The same checks the command line runs (Config.check), for callers that come without a Config."""
+    c = Config(model=cfg, parallel=ParallelConfig(tp=tp, sp=sp))
+    c.train.seq_len = min(tp, cfg.block_size)  # the real sequence length is checked per batch, in forward
+    c.check()
+
+
+def _plan_for(name: str):
+    for pattern, style, parts in TP_PLAN:
+        if fnmatch.fnmatchcase(name, pattern):
+            return style, parts
+    return None, 1
+
+
+def apply_tp(model: GPT, mesh, sp: bool = False) -> GPT:
+    """Shard a GPT in place over mesh.tp_group (slicing its full weights, identical on every rank); returns it."""
+    cfg = model.cfg
+    check_tp(cfg, mesh.tp, sp)
+    if mesh.tp == 1:
+        return model
+    if model.lm_head.weight is not model.transformer.wte.weight:
+        raise ValueError("apply_tp expects GPT-2's tied wte/lm_head weight (the vocab shard is made once for both)")
+    tp, rank = mesh.tp, mesh.tp_rank
+    state = model.tp_state = _TPState(mesh.tp_group, tp, rank, sp)
+    vp = (cfg.padded_vocab + tp - 1) // tp * tp  # padded_vocab is a multiple of 128, so usually vp == padded_vocab
+    vocab_weight = None
+    with torch.no_grad():
+        for name, mod in list(model.named_modules()):
+            style, parts = _plan_for(name)
+            if style is None:
+                continue
+            if style == "vocab":
+                w = mod.weight
+                full = torch.cat([w, w.new_zeros(vp - w.shape[0], w.shape[1])]) if vp > w.shape[0] else w  # (vp, C)
+                vocab_weight = _sharded_param(full, 0, 1, rank, tp)
+                vocab_weight.tp_unpadded_rows = cfg.padded_vocab  # gather_full_state_dict trims back to this
+                new = VocabParallelEmbedding(vocab_weight, rank * (vp // tp), state)
+            elif style == "head":
+                new = ParallelLMHead(vocab_weight, None, state)  # the wte shard itself: stays tied
+            elif style == "column":  # weight (out, in): split the outputs; bias split with them
+                bias = None if mod.bias is None else _sharded_param(mod.bias, 0, parts, rank, tp)
+                new = ColumnParallelLinear(_sharded_param(mod.weight, 0, parts, rank, tp), bias, state)
+            else:  # row: split the inputs; the bias is added once, after the reduction
+                new = RowParallelLinear(_sharded_param(mod.weight, 1, parts, rank, tp), mod.bias, state)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, new)
+        if sp:
+            model.transformer.wpe = SeqShardedPositions(model.transformer.wpe.weight, state)
+    for block in model.transformer.h:
+        block.attn.n_head = cfg.n_head // tp
+    for p in model.parameters():
+        if sp and not hasattr(p, "tp_dim"):  # under SP every replicated parameter sees only T/tp tokens
+            p.sp_partial = True
+    model.loss_fn = types.MethodType(_tp_loss_fn, model)
+    model.generate = types.MethodType(_tp_generate, model)
+    if sp and cfg.dropout > 0:
+        rng = _PerRankDropoutRng(rank)
+        model.register_forward_pre_hook(rng.enter)
+        model.register_forward_hook(rng.exit)
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# gradients, state
+
+def sync_partial_grads(model: nn.Module, mesh) -> None:
+    """SUM over tp the grads of `sp_partial` parameters, one collective per dtype; once per optimizer step."""
+    if mesh.tp == 1:
+        return
+    by_dtype = {}
+    for p in model.parameters():
+        if getattr(p, "sp_partial", False) and p.grad is not None:
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        flat = torch.cat([gr.reshape(-1) for gr in grads])  # (sum numel,): ~6 small tensors per layer, one call
+        all_reduce_sum(flat, mesh.tp_group)
+        for gr, part in zip(grads, flat.split([gr.numel() for gr in grads])):
+            gr.copy_(part.view_as(gr))
+
+
+def grad_norm_sq(model: nn.Module, mesh) -> torch.Tensor:
+    """Squared global L2 grad norm on a TP model: sharded grads summed over tp, replicated ones counted once."""
+    sharded = torch.zeros((), device=next(model.parameters()).device)
+    replicated = torch.zeros_like(sharded)
+    for p in model.parameters():
+        if p.grad is not None:
+            sq = p.grad.detach().float().pow(2).sum()
+            if hasattr(p, "tp_dim"):
+                sharded += sq
+            else:
+                replicated += sq
+    return all_reduce_sum(sharded, mesh.tp_group) + replicated
+
+
+def shard_metadata(model: nn.Module, mesh) -> dict:
+    """name -> where this rank's piece sits in the full tensor (for checkpoint metadata); replicated names absent."""
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if hasattr(p, "tp_dim"):
+            out[name] = {"tp": mesh.tp, "tp_rank": mesh.tp_rank, "dim": p.tp_dim, "parts": p.tp_parts,
+                         "full_shape": list(p.tp_full_shape), "slices": global_slices(p, mesh.tp_rank, mesh.tp)}
+    return out
+
+
+def gather_full_state_dict(model: nn.Module, mesh) -> dict:
+    """Full, unsharded parameters in the single-device GPT layout (names, shapes, padded vocab); collective over tp."""
+    out, done = {}, {}
+    for name, p in model.named_parameters(remove_duplicate=False):  # keeps the tied lm_head.weight key
+        if id(p) not in done:
+            t = p.detach()
+            if hasattr(p, "tp_dim") and mesh.tp > 1:
+                pieces = [torch.empty_like(t) for _ in range(mesh.tp)]
+                dist.all_gather(pieces, t.contiguous(), group=mesh.tp_group)
+                t = unshard(pieces, p.tp_dim, p.tp_parts)
+                t = t[:getattr(p, "tp_unpadded_rows", t.shape[0])]  # drop the rows only TP padding added
+            done[id(p)] = t.clone()
+        out[name] = done[id(p)]
+    return out
+
+
+def load_full_state_dict(model: nn.Module, mesh, sd: dict) -> None:
+    """Copy a full single-device state dict into a TP model: each rank keeps its slices (the inverse of gather)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name not in sd:
+                raise KeyError(f"full state dict has no {name}")
+            full = sd[name].to(p.device, p.dtype)
+            if hasattr(p, "tp_dim"):
+                pad = p.tp_full_shape[0] - full.shape[0] if hasattr(p, "tp_unpadded_rows") else 0
+                full = torch.cat([full, full.new_zeros(pad, *full.shape[1:])]) if pad > 0 else full
+                full = shard(full, p.tp_dim, p.tp_parts, mesh.tp_rank, mesh.tp)
+            p.copy_(full)

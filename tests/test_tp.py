@@ -1,0 +1,372 @@
+"""Tensor/sequence parallel (nanopara/tp.py, the tensor-parallel section of comm.py) against the single-device GPT.
+
+Each distributed test spawns gloo processes on the CPU (fp32). Inside every process the single-device reference
+is built from the same seed, so no tensors travel back to pytest; a failed assert fails the spawn. Several checks
+share one process group to keep start-up cost down (~1 s per process).
+
+Tiny GPT: vocab 250 (not divisible by 4; with vocab_multiple=1 the tp=4 run pads 250 -> 252), 2 layers, 4 heads,
+n_embd 32, block 32.
+
+Tolerances (fp32): a column-parallel output is compared exactly (each output element is the same dot product).
+Everything that sums over tp ranks (row-parallel, all-reduced grads, the vocab-parallel loss) changes the order of
+fp32 additions: measured max errors are ~1e-7 relative; we allow rtol 1e-5 / atol 1e-6 everywhere.
+The training check steps SGD with momentum, not AdamW: the gradient of c_attn's key bias is exactly zero in exact
+arithmetic (softmax is shift invariant), so both runs compute rounding noise (~1e-9) there, and AdamW's g/sqrt(v)
+turns any noise into a full +-lr step (a 3e-5 difference at lr 1e-2, measured). AdamW is elementwise, so sharding
+cannot change it beyond its input grads, which are compared.
+
+    .venv/bin/python -m pytest tests/test_tp.py -q
+"""
+from __future__ import annotations
+
+import copy
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from nanopara import tp as tpmod
+from nanopara.comm import all_gather_seq, reduce_scatter_seq
+from nanopara.config import ConfigError, ModelConfig
+from nanopara.mesh import Mesh
+from nanopara.model import GPT
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _cfg(**kw) -> ModelConfig:
+    c = ModelConfig(n_layer=2, n_head=4, n_embd=32, block_size=32, vocab_size=250, kernels="torch")
+    for k, v in kw.items():
+        setattr(c, k, v)
+    return c
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# spawning
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, fn, world, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)  # 2-4 processes share 2 cores
+    try:
+        fn()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _spawn(fn, world):
+    mp.spawn(_entry, args=(fn, world, _free_port()), nprocs=world, join=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# helpers run inside the workers
+
+def _local(ref: torch.Tensor, p: torch.Tensor, mesh) -> torch.Tensor:
+    """This rank's shard of a full single-device tensor, laid out like the TP parameter p."""
+    if not hasattr(p, "tp_dim"):
+        return ref
+    if hasattr(p, "tp_unpadded_rows"):  # vocab rows TP padding added: zero in the weight and in its grad
+        ref = torch.cat([ref, ref.new_zeros(p.tp_full_shape[0] - ref.shape[0], *ref.shape[1:])])
+    return tpmod.shard(ref, p.tp_dim, p.tp_parts, mesh.tp_rank, mesh.tp)
+
+
+def _batch(gen, B, T, V):
+    x = torch.randint(0, V, (B, T), generator=gen)
+    y = torch.randint(0, V, (B, T), generator=gen)
+    y[torch.rand(B, T, generator=gen) < 0.2] = -1  # ignored targets (SFT masking)
+    return x, y
+
+
+def _check_training(mesh, cfg: ModelConfig, sp: bool, steps=3, accum=2, B=2, T=16, lr=0.1, tol=TOL):
+    """A few SGD steps with grad accumulation and clipping: losses, logits, grads, norms, weights vs one process.
+
+    With mesh.dp > 1 the reference runs the dp shards of the batch one after another and averages, which is what
+    a data-parallel engine does; the grads are averaged over mesh.dp_group by hand here.
+    """
+    torch.manual_seed(0)
+    ref = GPT(cfg).to(mesh.device)
+    model = tpmod.apply_tp(copy.deepcopy(ref), mesh, sp=sp)
+    tp_params = dict(model.named_parameters())
+    opts = [torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9, weight_decay=0.1) for m in (ref, model)]
+    gen = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        for micro in range(accum):
+            shards = [_batch(gen, B, T, cfg.vocab_size) for _ in range(mesh.dp)]  # same on every rank
+            for d, (x, y) in enumerate(shards):
+                x, y = x.to(mesh.device), y.to(mesh.device)
+                ref_logits, ref_loss = ref(x, y)
+                (ref_loss / (accum * mesh.dp)).backward()
+                if d == mesh.dp_rank:
+                    logits, loss = model(x, y)
+                    (loss / accum).backward()
+                    torch.testing.assert_close(loss, ref_loss, **tol)
+                    vl = logits.shape[-1]  # this rank's vocab columns
+                    want = F.pad(ref_logits, (0, vl * mesh.tp - ref_logits.shape[-1]))  # TP vocab padding
+                    torch.testing.assert_close(logits, want[..., mesh.tp_rank * vl:(mesh.tp_rank + 1) * vl], **tol)
+        tpmod.sync_partial_grads(model, mesh)
+        if mesh.dp > 1:
+            for p in model.parameters():
+                dist.all_reduce(p.grad, group=mesh.dp_group)
+                p.grad /= mesh.dp
+        for name, p in tp_params.items():
+            torch.testing.assert_close(p.grad, _local(ref.get_parameter(name).grad, p, mesh), **tol,
+                                       msg=lambda m: f"step {step} grad {name}: {m}")
+        norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        norm = tpmod.grad_norm_sq(model, mesh).sqrt()
+        torch.testing.assert_close(norm, norm_ref, **tol)
+        for p in model.parameters():  # the same clipping, from the TP norm
+            p.grad.mul_(torch.clamp(1.0 / (norm + 1e-6), max=1.0))
+        for o in opts:
+            o.step()
+            o.zero_grad(set_to_none=True)
+    full = tpmod.gather_full_state_dict(model, mesh)
+    want = ref.state_dict()
+    assert full.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(full[k], want[k], **tol, msg=lambda m: f"weight {k}: {m}")
+    return ref, model
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# worker bodies
+
+def _collectives(mesh):
+    """comm.py's SP pair: forward and backward against what the rank-ordered concatenation/sum must give."""
+    n, r, grp = mesh.tp, mesh.tp_rank, mesh.tp_group
+    xs = [torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(i)) for i in range(n)]  # every rank's input
+    c = torch.randn(2, 3 * n, 5, generator=torch.Generator().manual_seed(99))
+    x = xs[r].clone().requires_grad_()
+    y = all_gather_seq(x, grp)
+    assert torch.equal(y, torch.cat(xs, 1))
+    (y * c).sum().backward()  # every rank's loss uses c: the grad of x_r sums n copies of c's chunk r
+    torch.testing.assert_close(x.grad, n * c[:, 3 * r:3 * (r + 1)], **TOL)
+    x = torch.cat(xs, 1).mul(r + 1).requires_grad_()  # (2, 3n, 5), rank r holds (r+1) * the concatenation
+    y = reduce_scatter_seq(x, grp)
+    torch.testing.assert_close(y, torch.cat(xs, 1)[:, 3 * r:3 * (r + 1)] * sum(range(1, n + 1)), **TOL)
+    (y * c[:, 3 * r:3 * (r + 1)]).sum().backward()
+    torch.testing.assert_close(x.grad, c, **TOL)  # all-gather of every rank's chunk of c
+
+
+def _layers(mesh):
+    """Column exact, row close, per-head c_attn, SP column (saved shard + regather), every grad."""
+    torch.manual_seed(0)
+    ref = GPT(_cfg())
+    model = tpmod.apply_tp(copy.deepcopy(ref), mesh, sp=False)
+    r, n = mesh.tp_rank, mesh.tp
+    x = torch.randn(3, 7, 32)  # same on every rank (same seed)
+    ops = ref.ops_for(x.device)
+
+    # column-parallel c_fc: this rank's outputs are exactly the unsharded layer's columns
+    lin, col = ref.transformer.h[0].mlp.c_fc, model.transformer.h[0].mlp.c_fc
+    assert isinstance(col, tpmod.ColumnParallelLinear)
+    assert torch.equal(col(x), lin(x)[..., r * 128 // n:(r + 1) * 128 // n])
+
+    # per-head c_attn: local output is [q | k | v] of heads r*nh/tp.. (exact), attention output equals the full one
+    hs, nh = 8, 4
+    qkv_ref = ref.transformer.h[0].attn.c_attn(x).view(3, 7, 3, nh, hs)  # (B, T, q|k|v, nh, hs)
+    want = qkv_ref[:, :, :, r * nh // n:(r + 1) * nh // n].reshape(3, 7, -1)  # (B, T, 3 * nh/tp * hs)
+    assert torch.equal(model.transformer.h[0].attn.c_attn(x), want)
+    xa = x.clone().requires_grad_()
+    xb = x.clone().requires_grad_()
+    c = torch.randn(3, 7, 32)
+    ya = ref.transformer.h[0].attn(xa, ops)
+    yb = model.transformer.h[0].attn(xb, ops)
+    torch.testing.assert_close(yb, ya, **TOL)
+    (ya * c).sum().backward()
+    (yb * c).sum().backward()
+    torch.testing.assert_close(xb.grad, xa.grad, **TOL)  # f's all-reduce of the input grad
+    for name in ("c_attn.weight", "c_attn.bias", "c_proj.weight", "c_proj.bias"):
+        p = model.transformer.h[0].attn.get_parameter(name)
+        torch.testing.assert_close(p.grad, _local(ref.transformer.h[0].attn.get_parameter(name).grad, p, mesh),
+                                   **TOL)
+
+    # row-parallel mlp.c_proj on this rank's slice of the hidden activations
+    h = torch.randn(3, 7, 128, requires_grad=True)
+    lin, row = ref.transformer.h[1].mlp.c_proj, model.transformer.h[1].mlp.c_proj
+    hl = h.detach()[..., r * 128 // n:(r + 1) * 128 // n].clone().requires_grad_()
+    torch.testing.assert_close(row(hl), lin(h), **TOL)
+    c = torch.randn(3, 7, 32)
+    (lin(h) * c).sum().backward()
+    (row(hl) * c).sum().backward()
+    torch.testing.assert_close(hl.grad, h.grad[..., r * 128 // n:(r + 1) * 128 // n], **TOL)
+    torch.testing.assert_close(row.weight.grad, _local(lin.weight.grad, row.weight, mesh), **TOL)
+    torch.testing.assert_close(row.bias.grad, lin.bias.grad, **TOL)
+
+    # SP column-parallel: input is a sequence shard; grads of the shard and the weight match the full layer
+    state = tpmod._TPState(mesh.tp_group, n, r, sp=True)
+    lin = ref.transformer.h[1].mlp.c_fc
+    w = tpmod._sharded_param(lin.weight, 0, 1, r, n)
+    b = tpmod._sharded_param(lin.bias, 0, 1, r, n)
+    sp_col = tpmod.ColumnParallelLinear(w, b, state)
+    x = torch.randn(3, 8, 32, requires_grad=True)
+    xs = x.detach()[:, r * 8 // n:(r + 1) * 8 // n].clone().requires_grad_()
+    c = torch.randn(3, 8, 128)
+    out = sp_col(xs)
+    assert torch.equal(out, lin(x)[..., r * 128 // n:(r + 1) * 128 // n])
+    (lin(x) * c).sum().backward()
+    (out * c[..., r * 128 // n:(r + 1) * 128 // n]).sum().backward()
+    torch.testing.assert_close(xs.grad, x.grad[:, r * 8 // n:(r + 1) * 8 // n], **TOL)
+    torch.testing.assert_close(w.grad, _local(lin.weight.grad, w, mesh), **TOL)
+    torch.testing.assert_close(b.grad, _local(lin.bias.grad, b, mesh), **TOL)
+
+
+def _vocab_ce(mesh):
+    """Vocab-parallel CE == F.cross_entropy over the real vocab, padding columns huge, targets -1 ignored."""
+    r, n = mesh.tp_rank, mesh.tp
+    V, Vp, N = 250, 256, 37
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(N, Vp, generator=gen) * 3
+    logits[:, V:] = 1e4  # padding columns: would dominate the loss if they counted
+    targets = torch.randint(0, V, (N,), generator=gen)
+    targets[::5] = -1
+    targets[1] = V - 1  # the last real id sits in the last shard, next to the padding
+    full = logits.clone().requires_grad_()
+    want = F.cross_entropy(full[:, :V], targets, ignore_index=-1)
+    want.backward()
+    vl = Vp // n
+    local = logits[:, r * vl:(r + 1) * vl].clone().requires_grad_()
+    got = tpmod.vocab_parallel_cross_entropy(local, targets, r * vl, V, mesh.tp_group)
+    torch.testing.assert_close(got, want, **TOL)
+    got.backward()
+    torch.testing.assert_close(local.grad, full.grad[:, r * vl:(r + 1) * vl], **TOL)
+    # bf16 logits: fp32 math inside, grad returned in bf16
+    lb = logits[:, r * vl:(r + 1) * vl].bfloat16().requires_grad_()
+    got = tpmod.vocab_parallel_cross_entropy(lb, targets, r * vl, V, mesh.tp_group)
+    want = F.cross_entropy(logits.bfloat16().float()[:, :V], targets, ignore_index=-1)
+    torch.testing.assert_close(got, want, **TOL)
+    got.backward()
+    assert lb.grad.dtype == torch.bfloat16
+
+
+def _generate_and_dropout(mesh):
+    """generate() gathers logits (greedy tokens equal the reference); SP dropout uses a per-rank stream."""
+    torch.manual_seed(0)
+    ref = GPT(_cfg())
+    model = tpmod.apply_tp(copy.deepcopy(ref), mesh, sp=True)
+    idx = torch.randint(0, 250, (2, 4), generator=torch.Generator().manual_seed(5))
+    assert torch.equal(model.generate(idx, 6, temperature=0), ref.generate(idx, 6, temperature=0))
+    assert model.tp_state.sp and not model.tp_state.gather_logits  # switched back
+
+    model = tpmod.apply_tp(GPT(_cfg(dropout=0.2)), mesh, sp=True)
+    x = torch.randint(0, 250, (2, 8), generator=torch.Generator().manual_seed(6))
+    before = torch.get_rng_state()
+    loss1 = model(x, x)[1]
+    assert torch.equal(torch.get_rng_state(), before)  # the shared (replicated) stream is untouched
+    loss2 = model(x, x)[1]
+    assert loss1.item() != loss2.item()  # the per-rank stream advanced between forwards
+
+
+def _autocast_bf16(mesh):
+    """Under bf16 autocast (the GPU path) both SP and plain TP run and stay near the reference.
+
+    Tolerance: bf16 keeps 8 mantissa bits (relative rounding 4e-3 per op) and TP rounds partial sums separately;
+    measured: loss differs by 2.4e-5, each parameter's grad by at most 8e-3 of its norm (we allow 1e-3, 5e-2).
+    """
+    torch.manual_seed(0)
+    ref = GPT(_cfg()).to(mesh.device)
+    dev = mesh.device.type
+    x, y = (t.to(mesh.device) for t in _batch(torch.Generator().manual_seed(7), 2, 16, 250))
+    with torch.autocast(dev, dtype=torch.bfloat16):
+        ref_loss = ref(x, y)[1]
+    ref_loss.backward()
+    for sp in (False, True):
+        model = tpmod.apply_tp(copy.deepcopy(ref), mesh, sp=sp)
+        model.zero_grad()
+        with torch.autocast(dev, dtype=torch.bfloat16):
+            loss = model(x, y)[1]
+        loss.backward()
+        tpmod.sync_partial_grads(model, mesh)
+        torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-3)
+        for name, p in model.named_parameters():
+            assert p.grad.dtype == torch.float32, name
+            want = _local(ref.get_parameter(name).grad, p, mesh)
+            assert (p.grad - want).norm() <= 5e-2 * want.norm() + 1e-6, name
+
+
+def _worker_tp2():
+    mesh = Mesh.build(tp=2, device="cpu")
+    _collectives(mesh)
+    _layers(mesh)
+    _vocab_ce(mesh)
+    _generate_and_dropout(mesh)
+    _autocast_bf16(mesh)
+    for sp in (False, True):
+        _check_training(mesh, _cfg(), sp)
+
+
+def _worker_4():
+    mesh = Mesh.build(tp=4, device="cpu")
+    for sp in (False, True):  # vocab 250 padded only to 250 -> TP pads to 252 (63 rows per rank)
+        _check_training(mesh, _cfg(vocab_multiple=1), sp, steps=2)
+
+    mesh = Mesh.build(dp=2, tp=2, device="cpu")  # new groups on the same 4 processes
+    ref, model = _check_training(mesh, _cfg(), sp=True, steps=2, accum=2)
+    # checkpoint metadata: every shard, put at its global slices, rebuilds the full tensor
+    meta = tpmod.shard_metadata(model, mesh)
+    assert meta["lm_head.weight"] == meta["transformer.wte.weight"]
+    full = tpmod.gather_full_state_dict(model, mesh)
+    for name, m in meta.items():
+        t = full[name]
+        if name in ("transformer.wte.weight", "lm_head.weight"):
+            t = F.pad(t, (0, 0, 0, m["full_shape"][0] - t.shape[0]))
+        pieces = [t.narrow(m["dim"], a, b - a) for a, b in m["slices"]]
+        assert torch.equal(torch.cat(pieces, m["dim"]), model.get_parameter(name).detach())
+    # load_full_state_dict is the inverse of gather_full_state_dict
+    other = tpmod.apply_tp(GPT(_cfg()), mesh, sp=True)
+    tpmod.load_full_state_dict(other, mesh, full)
+    for (name, p), q in zip(model.named_parameters(), other.parameters()):
+        assert torch.equal(p, q), name
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# tests
+
+def test_tp2_layers_ce_generate_training():
+    _spawn(_worker_tp2, 2)
+
+
+def test_tp4_and_dp2_tp2():
+    _spawn(_worker_4, 4)
+
+
+def _worker_gpu():
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 comparisons: no TF32 rounding in either run
+    mesh = Mesh.build(tp=2, device="cuda")
+    for sp in (False, True):  # cuBLAS picks different kernels for sharded shapes: fp32 sums in another order
+        _check_training(mesh, _cfg(), sp, tol=dict(rtol=1e-4, atol=1e-5))
+    _autocast_bf16(mesh)
+
+
+@pytest.mark.gpu
+def test_tp2_nccl_gpu():
+    """The same checks on 2 GPUs over NCCL (fp32), and the bf16 autocast path (SDPA, bf16 collectives)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    _spawn(_worker_gpu, 2)
+
+
+def _fake_mesh(tp: int) -> Mesh:
+    """A mesh without process groups: apply_tp's checks must fail before any communication."""
+    sizes = {"pp": 1, "dp": 1, "cp": 1, "tp": tp}
+    return Mesh(0, tp, 0, torch.device("cpu"), sizes, {ax: 0 for ax in sizes}, groups={"tp": None})
+
+
+def test_clear_errors():
+    with pytest.raises(ConfigError, match="n_head=4 is not divisible by parallel.tp=3"):
+        tpmod.apply_tp(GPT(_cfg()), _fake_mesh(3))
+    with pytest.raises(ConfigError, match="sp=true needs parallel.tp > 1"):
+        tpmod.apply_tp(GPT(_cfg()), _fake_mesh(1), sp=True)
+    model = tpmod.apply_tp(GPT(_cfg()), _fake_mesh(2), sp=True)
+    with pytest.raises(ValueError, match="sequence length 5 to be divisible by parallel.tp=2"):
+        model(torch.zeros(1, 5, dtype=torch.long))
