@@ -11,6 +11,7 @@ Composition order (DESIGN.md section 4): TP (+SP) -> CP -> PP split -> activatio
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -70,7 +71,8 @@ def git_rev() -> str:
 
 
 def rng_state(device: torch.device) -> dict:
-    s = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]), "numpy": np.random.get_state()[1]}
+    s = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
+         "numpy": torch.from_numpy(np.random.get_state()[1].astype(np.int64))}  # tensors load with weights_only
     if device.type == "cuda":
         s["cuda"] = torch.cuda.get_rng_state(device)
     return s
@@ -80,7 +82,7 @@ def set_rng_state(s: dict, device: torch.device) -> None:
     torch.set_rng_state(s["torch"])
     random.setstate((3, tuple(int(x) for x in s["python"]), None))
     st = np.random.get_state()
-    np.random.set_state((st[0], np.asarray(s["numpy"], dtype=np.uint32), 624, 0, 0.0))
+    np.random.set_state((st[0], s["numpy"].numpy().astype(np.uint32), 624, 0, 0.0))
     if device.type == "cuda" and "cuda" in s:
         torch.cuda.set_rng_state(s["cuda"], device)
 
@@ -134,8 +136,9 @@ def evaluate(engine, loader: TokenLoader, steps: int, mesh: Mesh, device, amp) -
     engine.model.eval()
     loader.reset()
     total = torch.zeros((), device=device)
+    steps = min(steps, len(loader))  # never wrap around and count the same tokens twice
     for _ in range(steps):
-        x, y = loader.next_batch()
+        x, y = next(loader)
         with amp():
             _, loss = engine.model(x.to(device), y.to(device))
         total += loss.float()
@@ -176,15 +179,28 @@ def train(cfg: Config) -> dict:
     val_files = find_shards(cfg.data.dataset, "val", cfg.data.data_dir) if t.val_every > 0 else []
     loader = TokenLoader(train_files, t.micro_batch, t.seq_len, rank=mesh.dp_rank, world=mesh.dp, seed=cfg.seed,
                          vocab_size=cfg.model.vocab_size)
-    val_loader = TokenLoader(val_files, t.micro_batch, t.seq_len, rank=mesh.dp_rank, world=mesh.dp, seed=cfg.seed,
-                             vocab_size=cfg.model.vocab_size, shuffle=False) if val_files else None
+    first = loader.state_dict()
+    next(loader)  # opens the first shard now: bad headers or token ids >= vocab fail before any model work
+    loader.load_state_dict(first)
+    val_loader = None
+    if val_files:
+        try:
+            val_loader = TokenLoader(val_files, t.micro_batch, t.seq_len, rank=mesh.dp_rank, world=mesh.dp,
+                                     seed=cfg.seed, vocab_size=cfg.model.vocab_size, shuffle=False)
+        except ValueError as e:  # a tiny validation split must not stop a training run
+            log(f"warning: validation off: {e}")
 
     resume_path = None
     if cfg.resume:
         resume_path = checkpoint.latest(cfg.out_dir)
         if resume_path is None:
             raise checkpoint.CheckpointError(f"--resume: no complete checkpoint under {cfg.out_dir}/ckpt")
-        checkpoint.read_meta(resume_path)  # corrupt metadata fails before the model is built
+        saved = checkpoint.read_meta(resume_path).get("config", {}).get("model", {})  # corrupt meta fails here
+        diff = [f"model.{k}={saved[k]} (this run: {v})" for k, v in dataclasses.asdict(cfg.model).items()
+                if k in saved and k != "kernels" and saved[k] != v]
+        if diff:
+            raise checkpoint.CheckpointError(f"checkpoint {resume_path} was trained with a different model: "
+                                             + ", ".join(diff))
 
     # model: identical init on every rank (same seed), then parallelism from outside
     torch.manual_seed(cfg.seed)
@@ -204,8 +220,11 @@ def train(cfg: Config) -> dict:
     start = 0
     if resume_path:
         state, meta = checkpoint.load(resume_path, mesh)
-        engine.load_model_state_dict(state["model"])
-        engine.load_state_dict(state["engine"])
+        try:
+            engine.load_model_state_dict(state["model"])
+            engine.load_state_dict(state["engine"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise checkpoint.CheckpointError(f"checkpoint {resume_path} does not fit this run: {e}") from None
         loader.load_state_dict(state["loader"])
         scaler.load_state_dict(state["scaler"])
         set_rng_state(state["rng"], device)
@@ -236,7 +255,7 @@ def train(cfg: Config) -> dict:
         lr = lr_at(step, t)
         loss_sum = torch.zeros((), device=device)
         for micro in range(accum):
-            x, y = loader.next_batch()
+            x, y = next(loader)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with engine.no_sync(micro < accum - 1):
                 with amp():

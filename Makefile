@@ -1,0 +1,72 @@
+# nanopara: two commands do everything on a fresh machine
+#   make train [NGPU=N] [ARGS="--key=value ..."]    set up, prepare data if missing, train
+#   make test                                        set up, run the whole suite (GPU tests skip on CPU machines)
+# On a machine whose python already has torch/triton/tiktoken (e.g. the GPU machines): add PY=python3.
+
+VENV    ?= .venv
+PY      ?= $(VENV)/bin/python
+NGPU    ?= 1
+ARGS    ?=
+DATASET ?= shakespeare
+RUN     ?= runs/default
+# local mirror of downloads (tokenizer files, corpora): ../shared/data on our machines, else the public hosts
+MIRROR  ?= $(firstword $(wildcard ../shared/data) $(NANOPARA_MIRROR))
+export NANOPARA_MIRROR := $(MIRROR)
+export TIKTOKEN_CACHE_DIR ?= $(if $(MIRROR),$(abspath $(MIRROR))/tiktoken_cache,)
+HAS_GPU := $(shell $(PY) -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null)
+DEFAULT_PRESET := $(if $(filter 1,$(HAS_GPU)),gpt2_124m,tiny)
+DEFAULT_DEVICE := $(if $(filter 1,$(HAS_GPU)),cuda,cpu)
+
+.PHONY: setup train test test-gpu bench data plot lint clean
+
+# the venv is only built when PY points into it
+$(VENV)/.done: pyproject.toml
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q torch==2.13.0 || $(VENV)/bin/pip install -q torch
+	@# a CPU build of torch brings no triton: take the version whose CPU interpreter we test against
+	$(VENV)/bin/python -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" || \
+	  $(VENV)/bin/pip install -q triton==3.6.0
+	$(VENV)/bin/pip install -q -e '.[test]'
+	touch $@
+
+setup: $(if $(findstring $(VENV)/,$(PY)),$(VENV)/.done,)
+
+data: setup
+	$(PY) data/prepare.py $(DATASET) $(if $(MIRROR),--mirror $(MIRROR),)
+
+data/shards/%/.done:
+	$(PY) data/prepare.py $* $(if $(MIRROR),--mirror $(MIRROR),)
+
+train: setup
+	@ds=$$(echo "$(ARGS)" | sed -n 's/.*--data.dataset=\([^ ]*\).*/\1/p'); ds=$${ds:-$(DATASET)}; \
+	  case "$$ds" in *.bin|*/*|*\**) ;; *) ls data/shards/$$ds/*train*.bin >/dev/null 2>&1 || \
+	    $(PY) data/prepare.py $$ds $(if $(MIRROR),--mirror $(MIRROR),) || exit 1;; esac
+ifeq ($(NGPU),1)
+	$(PY) train.py --preset=$(DEFAULT_PRESET) --device=$(DEFAULT_DEVICE) $(ARGS)
+else
+	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NGPU) train.py --preset=$(DEFAULT_PRESET) \
+	  --device=$(DEFAULT_DEVICE) $(ARGS)
+endif
+
+test: setup
+	$(PY) -m pytest -q tests
+
+test-gpu: setup
+	$(PY) -m pytest -q -m gpu tests
+
+bench: setup
+	$(PY) bench/bench_gpt.py $(BENCH_ARGS)
+	$(PY) -m kernels.attention $(BENCH_ARGS)
+	$(PY) -m kernels.layernorm $(BENCH_ARGS)
+	$(PY) -m kernels.cross_entropy $(BENCH_ARGS)
+	$(PY) -m kernels.adamw $(BENCH_ARGS)
+
+plot: setup
+	$(PY) bench/plot.py $(RUN)
+
+lint: setup
+	$(PY) -m compileall -q nanopara kernels train.py data tests bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache

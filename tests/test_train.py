@@ -1,0 +1,144 @@
+"""End-to-end single-process training: bit-exact resume, NaN handling, and clear errors before any work."""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import train
+from nanopara import checkpoint
+from nanopara.config import ConfigError
+from nanopara.data import write_shard
+from nanopara.model import GPT
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    d = tmp_path_factory.mktemp("shards")
+    rng = np.random.default_rng(0)
+    # a learnable stream: mostly a repeating pattern, some noise, ids < 256
+    base = np.tile(np.arange(0, 200, 3), 400)
+    noise = rng.integers(0, 256, base.size)
+    toks = np.where(rng.random(base.size) < 0.1, noise, base)
+    write_shard(str(d / "syn_train_000000.bin"), toks)
+    write_shard(str(d / "syn_val_000000.bin"), toks[:3000])
+    return str(d / "syn_*.bin")
+
+
+def argv(shards, out_dir, *extra):
+    return ["--preset=tiny", "--device=cpu", f"--out_dir={out_dir}", f"--data.dataset={shards}",
+            "--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=32",
+            "--model.vocab_size=256", "--train.micro_batch=4", "--train.seq_len=16", "--train.steps=8",
+            "--train.warmup_steps=2", "--train.val_every=4", "--train.val_steps=2", "--train.sample_tokens=0",
+            "--train.lr=1e-2", "--train.log_every=1", *extra]
+
+
+def final_weights(out_dir):
+    state, _ = checkpoint.load(checkpoint.latest(out_dir), _mesh())
+    return state["model"]
+
+
+def _mesh():
+    from nanopara.mesh import Mesh
+    return Mesh.build(device="cpu")
+
+
+def test_tiny_training_learns_and_logs(shards, tmp_path):
+    out = tmp_path / "run"
+    s = train.main(argv(shards, out, "--train.steps=30", "--train.val_every=10"))
+    assert s["losses"][-1] < s["losses"][0] - 1.0
+    lines = [json.loads(ln) for ln in open(out / "metrics.jsonl")]
+    step_lines = [ln for ln in lines if "loss" in ln]
+    assert [ln["step"] for ln in step_lines] == list(range(30))
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_gb"):
+        assert key in step_lines[0]
+    assert sum("val_loss" in ln for ln in lines) == 3
+    assert (out / "config.json").exists() and (out / "run_info.txt").exists()
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_resume_is_bit_exact(shards, tmp_path, accum):
+    tps = [f"--train.tokens_per_step={4 * 16 * accum}"]
+    full = train.main(argv(shards, tmp_path / "full", *tps))
+    part = train.main(argv(shards, tmp_path / "part", *tps, "--ckpt.every=3", "--ckpt.keep=10"))
+    assert part["losses"] == full["losses"]
+    # go back to the step-3 checkpoint, as if the run had died after it, and resume
+    (tmp_path / "part" / "ckpt" / "latest").write_text("step_000003\n")
+    resumed = train.main(argv(shards, tmp_path / "part", *tps, "--resume=true"))
+    assert resumed["start"] == 3
+    assert resumed["losses"] == full["losses"][3:]  # exact float equality
+    a, b = final_weights(tmp_path / "full"), final_weights(tmp_path / "part")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    recs = [json.loads(ln) for ln in open(tmp_path / "part" / "metrics.jsonl")]
+    steps = [r["step"] for r in recs if "loss" in r]
+    assert steps == list(range(8))  # resumed log continues without duplicates
+
+
+def test_failed_save_keeps_previous_checkpoint(shards, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    train.main(argv(shards, out, "--train.steps=2"))
+    good = checkpoint.latest(out)
+    real_save = torch.save
+
+    def dying_save(obj, path, *a, **k):
+        real_save(obj, path, *a, **k)
+        raise OSError("disk full")
+    monkeypatch.setattr(torch, "save", dying_save)
+    with pytest.raises(OSError, match="disk full"):
+        train.main(argv(shards, out, "--train.steps=4"))
+    assert checkpoint.latest(out) == good
+    state, meta = checkpoint.load(good, _mesh())
+    assert meta["step"] == 2 and "model" in state
+
+
+def test_nan_loss_skips_then_stops(shards, tmp_path, monkeypatch):
+    real = GPT.loss_fn
+    calls = {"n": 0}
+
+    def sometimes_nan(self, logits, targets):
+        calls["n"] += 1
+        loss = real(self, logits, targets)
+        return loss * float("nan") if calls["n"] == 3 else loss
+    monkeypatch.setattr(GPT, "loss_fn", sometimes_nan)
+    s = train.main(argv(shards, tmp_path / "a", "--train.steps=5", "--train.val_every=0"))
+    assert np.isnan(s["losses"][2]) and all(np.isfinite(s["losses"][i]) for i in (0, 1, 3, 4))
+
+    monkeypatch.setattr(GPT, "loss_fn", lambda self, lg, t: real(self, lg, t) * float("nan"))
+    with pytest.raises(train.TrainingError, match="non-finite for 3 steps in a row"):
+        train.main(argv(shards, tmp_path / "b", "--train.max_bad_steps=3", "--train.val_every=0"))
+
+
+def test_errors_before_any_work(shards, tmp_path):
+    with pytest.raises(ConfigError, match="did you mean --train.steps"):
+        train.main(argv(shards, tmp_path / "x", "--train.stepz=1"))
+    with pytest.raises(FileNotFoundError, match="prepare"):
+        train.main(argv(shards, tmp_path / "x", "--data.dataset=fineweb10B", f"--data.data_dir={tmp_path}/none"))
+    with pytest.raises(checkpoint.CheckpointError, match="no complete checkpoint"):
+        train.main(argv(shards, tmp_path / "empty", "--resume=true"))
+    with pytest.raises(ConfigError, match="not a multiple"):
+        train.main(argv(shards, tmp_path / "x", "--train.tokens_per_step=100"))
+    with pytest.raises(ValueError, match="token id .* >= vocab_size 100"):
+        train.main(argv(shards, tmp_path / "x", "--model.vocab_size=100"))
+    assert not (tmp_path / "x").exists()  # nothing was written: each error came before the run started
+
+
+def test_corrupt_checkpoint_is_a_clear_error(shards, tmp_path):
+    out = tmp_path / "run"
+    train.main(argv(shards, out, "--train.steps=2"))
+    shard = os.path.join(checkpoint.latest(out), "rank_00000.pt")
+    with open(shard, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(checkpoint.CheckpointError, match="corrupt or unreadable"):
+        train.main(argv(shards, out, "--train.steps=4", "--resume=true"))
+    with open(os.path.join(checkpoint.latest(out), "meta.json"), "w") as f:
+        f.write("{not json")
+    with pytest.raises(checkpoint.CheckpointError, match="meta.json"):
+        train.main(argv(shards, out, "--train.steps=4", "--resume=true"))
+
+
+def test_incompatible_checkpoint_is_a_clear_error(shards, tmp_path):
+    out = tmp_path / "run"
+    train.main(argv(shards, out, "--train.steps=2"))
+    with pytest.raises(checkpoint.CheckpointError, match=r"different model: model.n_embd=32 \(this run: 64\)"):
+        train.main(argv(shards, out, "--train.steps=4", "--resume=true", "--model.n_embd=64"))
