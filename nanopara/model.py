@@ -45,23 +45,29 @@ class TorchOps:
 
 
 class TritonOps:
-    """nanopara's fused Triton kernels (CUDA). Imported lazily so CPU-only use never touches Triton."""
+    """nanopara's fused Triton kernels (CUDA). Imported lazily so CPU-only use never touches Triton.
 
-    def __init__(self):
+    `interpret=True` calls the Triton paths directly even on CPU tensors (tests, under TRITON_INTERPRET=1).
+    """
+
+    def __init__(self, interpret: bool = False):
         from kernels import attention, cross_entropy, layernorm
-        self._attn, self._ln, self._ce = attention, layernorm, cross_entropy
+        self._attn = attention.attention_triton if interpret else attention.attention
+        self._ln = layernorm.layernorm_triton if interpret else layernorm.layernorm
+        self._add_ln = layernorm.add_layernorm_triton if interpret else layernorm.add_layernorm
+        self._ce = cross_entropy.cross_entropy_triton if interpret else cross_entropy.cross_entropy
 
     def attention(self, q, k, v):
-        return self._attn.attention(q, k, v, causal=True)
+        return self._attn(q, k, v, causal=True)
 
     def layernorm(self, x, ln):
-        return self._ln.layernorm(x, ln.weight, ln.bias, ln.eps)
+        return self._ln(x, ln.weight, ln.bias, ln.eps)
 
     def add_layernorm(self, x, residual, ln):
-        return self._ln.add_layernorm(x, residual, ln.weight, ln.bias, ln.eps)
+        return self._add_ln(x, residual, ln.weight, ln.bias, ln.eps)
 
     def cross_entropy(self, logits, targets, n_vocab):
-        return self._ce.cross_entropy(logits, targets, n_vocab=n_vocab, ignore_index=-1)
+        return self._ce(logits, targets, n_vocab=n_vocab, ignore_index=-1)
 
 
 def make_ops(kind: str, device: torch.device | str):
