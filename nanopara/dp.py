@@ -1,16 +1,45 @@
-"""Data parallelism: the training engine interface, single-device engine.
+"""Data parallelism: the training engine interface, the single-device engine and DDP (ZeRO lives in zero.py).
 
 An engine owns the optimizer and the gradient synchronisation of a model; train.py talks only to it:
 
-    engine = build_engine(model, mesh, cfg)
+    engine = build_engine(model, mesh, cfg)       # after apply_tp and model.to(device)
     for micro in range(accum):
         with engine.no_sync(micro < accum - 1):   # no gradient communication on non-final micro-steps
             _, loss = engine.model(x, y)
             engine.backward(loss * scale / accum)
     grad_norm = engine.step(lr, grad_scale=scale) # clip + update + zero grads; inf/nan norm => step skipped
 
-`state_dict()` / `load_state_dict()` carry this rank's optimizer (shard), `model_state_dict()` /
-`load_model_state_dict()` this rank's parameters, each with the metadata checkpoint.py needs.
+build_engine: SingleDevice for dp*cp == 1 (any tp), DDP for parallel.zero=0, else ZeRO-1/2/3 (zero.py).
+N = dp*cp ranks hold replicas; gradients of replicated parameters reduce over mesh.groups["dp_cp"]. Averaging is
+done in exactly one place: `backward` scales the loss by 1/N, and every reduction is a SUM.
+
+Precision: the model's parameters are fp32 master weights, compute runs under autocast (bf16 on GPU, fp32 on
+CPU), gradients and AdamW's m, v are fp32. Bytes per rank (`memory_bytes()`, asserted by tests/test_dp.py) for Ψ
+parameters (the tied wte/lm_head counted once), ZeRO paper Fig. 1 with K = 8 (fp32 m, v) and 4-byte params/grads.
+Ψ' = Σ over flat buffers of their size rounded up to a multiple of N (Ψ' - Ψ < N per buffer):
+
+    engine    params   grads    optim    paper (Ψ' = Ψ)
+    DDP       4Ψ       4Ψ       8Ψ       16Ψ
+    ZeRO-1    4Ψ'      4Ψ'      8Ψ'/N    8Ψ + 8Ψ/N
+    ZeRO-2    4Ψ'      4Ψ'/N    8Ψ'/N    4Ψ + 12Ψ/N
+    ZeRO-3    4Ψ'/N    4Ψ'/N    8Ψ'/N    16Ψ/N
+plus transients: buckets in flight, and ZeRO-3's gathered units (at most two blocks and the root).
+
+DDP: gradients live in flat buckets of ~parallel.bucket_mb, filled in reverse registration order (≈ backward
+order); p.grad is a view into its bucket. A post-accumulate-grad hook counts each bucket's parameters; once all
+are in, the bucket's all-reduce starts (async_op=True) while backward goes on. Buckets start in index order so
+every rank issues the same collectives in the same order; step() waits on the handles.
+
+Clipping uses the global norm: squares of the grads this rank holds, summed over dp x cp when they are shards
+(ZeRO), the part of parameters sharded over tp (`p.tp_dim`) summed over tp, tp-replicated ones counted once.
+Grads of `p.sp_partial` parameters are partial sums over tp: every engine (SingleDevice too) sums them first.
+
+Checkpoints: model_state_dict()/state_dict() return this rank's part, with which global slice it holds:
+  - replicated parameters (SingleDevice, DDP, ZeRO-1/2): {name: tensor}
+  - unsharded optimizer (SingleDevice, DDP): {"format": "full", "step", "state": {name: {"exp_avg", "exp_avg_sq"}}}
+  - ZeRO's sharded forms: {"format": "flat_shard", ...}, see zero.py; zero.unshard_model / unshard_optimizer turn
+    every rank's shards into the full forms above. Every engine loads the full forms (resharding) and its own
+    layout (bit-exact resume).
 """
 from __future__ import annotations
 
@@ -18,58 +47,330 @@ import contextlib
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from nanopara.config import Config
 from nanopara.mesh import Mesh
-from nanopara.optim import build_adamw, clip_coef, grad_norm_sq
+from nanopara.optim import build_adamw, clip_coef
+
+REPLICATED, TP_SHARDED, SP_PARTIAL = 0, 1, 2
 
 
-class SingleDevice:
-    """One replica, no communication: plain AdamW with global-norm clipping."""
+def param_kind(p: torch.Tensor) -> int:
+    """How a parameter relates to tp (tp.py's contract): sharded (tp_dim), partial grads (sp_partial), replicated."""
+    if hasattr(p, "tp_dim"):
+        return TP_SHARDED
+    return SP_PARTIAL if getattr(p, "sp_partial", False) else REPLICATED
+
+
+def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
+    """The autocast dtype: bf16 on GPU and fp32 on CPU for train.dtype=auto."""
+    d = cfg.train.dtype if cfg.train.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[d]
+
+
+def _bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one flat buffer count once)."""
+    sizes = {}
+    for t in tensors:
+        if t is not None:
+            s = t.untyped_storage()
+            sizes[s.data_ptr()] = s.nbytes()
+    return sum(sizes.values())
+
+
+def _sq(grads, device) -> torch.Tensor:
+    """Sum of squares of a list of tensors, fp32, 0-dim on `device`."""
+    if not grads:
+        return torch.zeros((), device=device)
+    return torch.stack(torch._foreach_norm([g.float() for g in grads])).pow(2).sum()
+
+
+def _sum_over(tensors, group) -> None:
+    """In-place SUM over `group` of a list of fp32 tensors in one collective."""
+    if group is None or not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])  # (Σ numel,): a few small tensors per layer
+    dist.all_reduce(flat, group=group)
+    for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(part.view_as(t))
+
+
+def _views(buf: torch.Tensor, sizes) -> list[torch.Tensor]:
+    """Consecutive 1-D slices of buf. Not buf.split(): these views are updated in place (gradient accumulation,
+    the optimizer), which autograd forbids on the outputs of a multi-output view op."""
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [buf[o:o + s] for o, s in zip(offsets, sizes)]
+
+
+def _check_fp32(params) -> None:
+    bad = [tuple(p.shape) for p in params if p.dtype != torch.float32]
+    if bad:
+        raise ValueError(f"data-parallel engines keep fp32 master weights; got {len(bad)} non-fp32 parameters "
+                         f"(e.g. shape {bad[0]}): build the model in fp32 and train under autocast")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the shared engine: loss averaging, no_sync, clip-and-step, accounting
+
+class _Engine:
+    sharded_grads = False  # True: the grads this rank holds are 1/N shards (their squares sum over dp x cp)
+    label = "engine"       # for messages
 
     def __init__(self, model: nn.Module, mesh: Mesh, cfg: Config):
-        self.model, self.mesh, self.cfg = model, mesh, cfg
-        self.optimizer = build_adamw(model.named_parameters(), cfg.train, mesh.device)
-        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self.model, self.mesh, self.cfg, self.device = model, mesh, cfg, mesh.device
+        self.group = mesh.groups.get("dp_cp")
+        self.n = mesh.dp * mesh.cp
+        self.r = mesh.ranks["dp_cp"].index(mesh.rank) if "dp_cp" in mesh.ranks else 0
+        self.tp_group = mesh.groups.get("tp") if mesh.tp > 1 else None
+        self._sync = True
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]  # tied weight once
+        self.names = {id(p): name for name, p in named}
+        self.params = [p for _, p in named]
+        self.optimizer = None
 
+    @contextlib.contextmanager
     def no_sync(self, skip: bool = True):
-        return contextlib.nullcontext()
+        prev, self._sync = self._sync, not skip
+        try:
+            yield
+        finally:
+            self._sync = prev
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        self._before_backward()
+        (loss / self.n if self.n > 1 else loss).backward()  # THE place where gradients are averaged over dp x cp
+        self._after_backward()
 
     def step(self, lr: float, grad_scale: float = 1.0) -> float:
-        norm = math.sqrt(grad_norm_sq([p.grad for p in self.params]).item()) / grad_scale
+        self._finish_grads()
+        pieces = self._grad_pieces()  # [(grad, kind)]: every gradient (or shard) this rank holds
+        _sum_over([g for g, k in pieces if k == SP_PARTIAL], self.tp_group)
+        norm = self._global_norm(pieces) / grad_scale
         if math.isfinite(norm):
             coef = clip_coef(torch.tensor(norm), self.cfg.train.grad_clip).item() / grad_scale
-            for g in self.optimizer.param_groups:
-                g["lr"] = lr
             if coef != 1.0:
-                for p in self.params:
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+                torch._foreach_mul_([g for g, _ in pieces], coef)
+            if self.optimizer is not None:
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+                self.optimizer.step()
+            self._after_step()
+        self._zero_grads()
         return norm
 
-    def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict()}
+    def _global_norm(self, pieces) -> float:
+        sq = torch.stack([_sq([g for g, k in pieces if k != TP_SHARDED], self.device),  # tp-replicated
+                          _sq([g for g, k in pieces if k == TP_SHARDED], self.device)])  # tp-sharded; (2,)
+        if self.sharded_grads and self.group is not None:
+            dist.all_reduce(sq, group=self.group)
+        if self.tp_group is not None:
+            tp_part = sq[1:].clone()
+            dist.all_reduce(tp_part, group=self.tp_group)
+            sq = torch.cat([sq[:1], tp_part])
+        return math.sqrt(sq.sum().item())
 
-    def load_state_dict(self, sd: dict) -> None:
-        self.optimizer.load_state_dict(sd["optimizer"])
+    def memory_bytes(self) -> dict:
+        """Bytes of parameters, gradients and optimizer state this rank holds (see the table in the docstring).
+
+        Optimizer state counts m and v; AdamW's per-tensor step counters (0-dim) are left out.
+        """
+        params = list(self.model.parameters())
+        return {"params": _bytes(params + self._extra_params()),
+                "grads": _bytes([p.grad for p in params] + self._extra_grads()), "optim": _bytes(self._optim_state())}
+
+    def _optim_state(self):
+        return [t for st in self.optimizer.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
 
     def model_state_dict(self) -> dict:
-        return {k: v for k, v in self.model.state_dict().items() if k != "lm_head.weight"}  # tied to wte
+        return {name: p.detach() for name, p in self.model.named_parameters()}  # the tied lm_head.weight once
 
     def load_model_state_dict(self, sd: dict) -> None:
-        missing, unexpected = self.model.load_state_dict(sd, strict=False)
-        missing = [k for k in missing if k != "lm_head.weight"]
+        if "format" in sd:
+            raise ValueError(f"a '{sd['format']}' model state does not fit {self.label}: "
+                             f"load zero.unshard_model(<every rank's shard>) instead")
+        missing = [name for name in self.names.values() if name not in sd]
+        unexpected = [k for k in sd if k not in dict(self.model.named_parameters(remove_duplicate=False))]
         if missing or unexpected:
             raise ValueError(f"checkpoint does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(sd[name])
+
+    def full_model_state_dict(self) -> dict:
+        """{name: full tensor} on every rank (collective for ZeRO-3); tp shards stay this tp rank's."""
+        return {name: t.clone() for name, t in self.model_state_dict().items()}
+
+    # hooks for the subclasses
+    def _before_backward(self): pass
+    def _after_backward(self): pass
+    def _finish_grads(self): pass
+    def _after_step(self): pass
+    def _extra_params(self): return []
+    def _extra_grads(self): return []
+
+
+def _named_optim_state(opt: torch.optim.Optimizer, names: dict) -> dict:
+    state, step = {}, 0
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state.get(p)
+            if st:
+                state[names[id(p)]] = {k: v for k, v in st.items() if k != "step"}
+                step = int(st["step"])
+    return {"format": "full", "step": step, "state": state}
+
+
+def _load_named_optim_state(opt: torch.optim.Optimizer, names: dict, sd: dict) -> None:
+    if sd.get("format") != "full":
+        raise ValueError(f"optimizer state of format {sd.get('format')!r} does not fit this engine: "
+                         f"load zero.unshard_optimizer(<every rank's shard>) instead")
+    state, groups, i = {}, [], 0
+    for group in opt.param_groups:
+        ids = []
+        for p in group["params"]:
+            if names[id(p)] in sd["state"]:
+                state[i] = {"step": torch.tensor(float(sd["step"])), **sd["state"][names[id(p)]]}
+            ids.append(i)
+            i += 1
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+    opt.load_state_dict({"state": state, "param_groups": groups})  # casts/moves m, v to each parameter
+
+
+class SingleDevice(_Engine):
+    """One replica (dp = cp = 1), no dp communication: AdamW with global-norm clipping; tp rules still apply."""
+
+    label = "SingleDevice"
+
+    def __init__(self, model: nn.Module, mesh: Mesh, cfg: Config):
+        super().__init__(model, mesh, cfg)
+        self.optimizer = build_adamw(model.named_parameters(), cfg.train, mesh.device)
+
+    def _grad_pieces(self):
+        return [(p.grad, param_kind(p)) for p in self.params if p.grad is not None]
+
+    def _zero_grads(self):
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict:
+        return _named_optim_state(self.optimizer, self.names)
+
+    def load_state_dict(self, sd: dict) -> None:
+        _load_named_optim_state(self.optimizer, self.names, sd)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# DDP
+
+def _buckets(params, cap_elems: int) -> list[list]:
+    """Consecutive runs of `params` of at most cap_elems elements each (a larger parameter gets its own)."""
+    out, cur, size = [], [], 0
+    for p in params:
+        if cur and size + p.numel() > cap_elems:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(p)
+        size += p.numel()
+    return out + ([cur] if cur else [])
+
+
+class _BucketHooks:
+    """Count gradients into buckets (post-accumulate-grad hooks) and launch each full bucket, in index order."""
+
+    def _install_hooks(self, buckets):
+        self._bucket_of = {id(p): i for i, b in enumerate(buckets) for p in b}
+        self._sizes = [len(b) for b in buckets]
+        self._ready, self._next, self._works = [0] * len(buckets), 0, []
+        for b in buckets:
+            for p in b:
+                p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _counts_now(self) -> bool:
+        return self._sync
+
+    def _on_grad(self, p):
+        if self._counts_now():
+            self._ready[self._bucket_of[id(p)]] += 1
+            self._launch_ready()
+
+    def _launch_ready(self, force: bool = False):
+        # force: after backward, buckets whose parameters got no gradient (unused) still reduce, in order
+        while self._next < len(self._sizes) and (force or self._ready[self._next] == self._sizes[self._next]):
+            self._works.append(self._launch(self._next))
+            self._next += 1
+
+    def _check_single_sync(self):
+        if self._sync and self._next:
+            raise RuntimeError("a second gradient-synchronising backward before step(): run the non-final "
+                               "micro-steps under engine.no_sync()")
+
+    def _reset_buckets(self):
+        self._ready, self._next = [0] * len(self._sizes), 0
+
+
+class DDP(_BucketHooks, _Engine):
+    """Replicated AdamW; bucketed gradient all-reduce overlapped with backward."""
+
+    label = "DDP"
+
+    def __init__(self, model: nn.Module, mesh: Mesh, cfg: Config):
+        super().__init__(model, mesh, cfg)
+        _check_fp32(self.params)
+        src = dist.get_global_rank(self.group, 0)
+        for p in self.params:  # replicas start identical even if a caller forgot to seed alike
+            dist.broadcast(p.data, src=src, group=self.group)
+        self.optimizer = build_adamw(model.named_parameters(), cfg.train, mesh.device)
+        self.buckets = _buckets(self.params[::-1], int(cfg.parallel.bucket_mb * 2 ** 20) // 4)
+        self.bufs = [torch.zeros(sum(p.numel() for p in b), device=self.device) for b in self.buckets]
+        self._attach_grads()
+        self._install_hooks(self.buckets)
+
+    def _attach_grads(self):
+        """p.grad = a view into its bucket, so backward accumulates straight into the buffer that is reduced."""
+        for b, buf in zip(self.buckets, self.bufs):
+            buf.zero_()
+            for p, g in zip(b, _views(buf, [p.numel() for p in b])):
+                p.grad = g.view_as(p)
+
+    def _launch(self, i):
+        return dist.all_reduce(self.bufs[i], group=self.group, async_op=True)
+
+    def _before_backward(self):
+        self._check_single_sync()
+        if any(p.grad is None for p in self.params):  # someone called zero_grad(set_to_none=True)
+            self._attach_grads()
+
+    def _after_backward(self):
+        if self._sync:
+            self._launch_ready(force=True)
+
+    def _finish_grads(self):
+        self._launch_ready(force=True)  # a step after no_sync-only micro-steps still reduces
+        for work in self._works:
+            work.wait()
+        self._works = []
+        self._reset_buckets()
+
+    def _grad_pieces(self):
+        return [(p.grad, param_kind(p)) for p in self.params]
+
+    def _zero_grads(self):
+        for buf in self.bufs:
+            buf.zero_()
+
+    def state_dict(self) -> dict:
+        return _named_optim_state(self.optimizer, self.names)
+
+    def load_state_dict(self, sd: dict) -> None:
+        _load_named_optim_state(self.optimizer, self.names, sd)
 
 
 def build_engine(model: nn.Module, mesh: Mesh, cfg: Config):
+    """SingleDevice for dp*cp == 1 (any tp), else DDP (parallel.zero=0) or ZeRO-1/2/3."""
     if mesh.dp * mesh.cp == 1:
         return SingleDevice(model, mesh, cfg)
-    raise NotImplementedError("data parallel engines (DDP, ZeRO) are not built yet")
+    if cfg.parallel.zero == 0:
+        return DDP(model, mesh, cfg)
+    from nanopara.zero import Zero  # zero.py builds on this file's engine
+    return Zero(model, mesh, cfg, stage=cfg.parallel.zero)

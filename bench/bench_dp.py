@@ -1,0 +1,200 @@
+"""Data-parallel engines (nanopara.dp: DDP, ZeRO-1/2/3) against torch's DistributedDataParallel.
+
+    torchrun --nproc_per_node=N bench/bench_dp.py [--quick] [--out FILE] [--micro_batch 16] [--large gpt2_1558m]
+
+1. throughput  GPT-2 124M (model.kernels=torch: SDPA, F.layer_norm, F.cross_entropy, so only the engines differ),
+               micro_batch sequences of T=1024 per GPU, bf16 autocast, synthetic tokens, one micro-step per
+               optimizer step, grad clip 1.0, fused AdamW. Per mode: warm-up steps, then timed steps.
+               tok/s = N*B*T*steps / time (slowest rank), MFU = flops/token * tok/s / (N * 989 TFLOP/s) with
+               flops/token = 6*params + 12*n_layer*n_embd*T, peak = torch.cuda.max_memory_allocated (max over
+               ranks, model states + activations + transients), states = engine.memory_bytes() (params + grads
+               + Adam m, v that the rank holds). torch_ddp: DistributedDataParallel(bucket_cap_mb=25,
+               gradient_as_bucket_view=True) + clip_grad_norm_ + the same AdamW.
+2. memory      a large preset (gpt2_1558m by default) with micro_batch 1 per ZeRO stage: the model states this
+               rank holds (memory_bytes) next to the ZeRO paper's formula for fp32 params/grads + fp32 Adam m, v
+               (16Ψ, 8Ψ+8Ψ/N, 4Ψ+12Ψ/N, 16Ψ/N; ours adds padding of < N elements per flat buffer), and the peak.
+
+Rank 0 prints one table row per mode; --out writes the rows as JSON. ~2 minutes on 4 H100s (--quick: ~1).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from nanopara.config import PRESETS  # noqa: E402
+from nanopara.dp import build_engine  # noqa: E402
+from nanopara.mesh import Mesh  # noqa: E402
+from nanopara.model import GPT  # noqa: E402
+from nanopara.optim import build_adamw  # noqa: E402
+
+PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s
+MODES = ["torch_ddp", "ddp", "zero1", "zero2", "zero3"]
+GB = 1e9
+
+
+def make_cfg(preset: str, micro_batch: int, zero: int, seq_len: int, device: str = "cuda"):
+    cfg = PRESETS[preset]()
+    cfg.model.kernels, cfg.train.dtype = "torch", "bf16" if device == "cuda" else "fp32"
+    cfg.train.micro_batch, cfg.train.seq_len, cfg.parallel.zero = micro_batch, seq_len, zero
+    return cfg
+
+
+def build(cfg, mesh):
+    torch.manual_seed(1337)
+    with torch.device(mesh.device):
+        model = GPT(cfg.model)
+    return model
+
+
+def amp(device):
+    """bf16 autocast on GPU; plain fp32 for the --device=cpu smoke test."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def torch_ddp_step_fn(model, mesh, cfg):
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=[mesh.local_rank] if mesh.device.type == "cuda" else None, bucket_cap_mb=25,
+        gradient_as_bucket_view=True)
+    opt = build_adamw(model.named_parameters(), cfg.train, mesh.device)
+
+    def step(x, y):
+        with amp(mesh.device):
+            _, loss = ddp(x, y)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return norm.item()  # our engines return the norm as a float too (train.py logs it)
+    return step, None
+
+
+def engine_step_fn(model, mesh, cfg):
+    engine = build_engine(model, mesh, cfg)
+
+    def step(x, y):
+        with amp(mesh.device):
+            _, loss = engine.model(x, y)
+        engine.backward(loss)
+        return engine.step(cfg.train.lr)
+    return step, engine
+
+
+def run_mode(mode, cfg, mesh, warmup, steps):
+    model = build(cfg, mesh)
+    n_params, psi = model.num_params(), sum(p.numel() for p in model.parameters())  # the tied weight once
+    step, engine = (torch_ddp_step_fn if mode == "torch_ddp" else engine_step_fn)(model, mesh, cfg)
+    B, T = cfg.train.micro_batch, cfg.train.seq_len
+    g = torch.Generator(device=mesh.device).manual_seed(mesh.rank)
+    xy = torch.randint(0, cfg.model.vocab_size, (B, T + 1), device=mesh.device, generator=g)
+    x, y = xy[:, :-1].contiguous(), xy[:, 1:].contiguous()
+    cuda = mesh.device.type == "cuda"
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(warmup):
+        step(x, y)
+    sync(mesh.device)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step(x, y)
+    sync(mesh.device)
+    peak = torch.cuda.max_memory_allocated() / GB if cuda else 0.0
+    stats = torch.tensor([time.perf_counter() - t0, peak], device=mesh.device)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    dt, peak = stats.tolist()
+    states = engine.memory_bytes() if engine is not None else None
+    del step, engine, model
+    gc.collect()  # engines hold hooks that refer back to them: collect the cycles before the next mode
+    if cuda:
+        torch.cuda.empty_cache()
+    return {"mode": mode, "tok_s": mesh.world * B * T * steps / dt, "step_ms": dt / steps * 1e3, "peak_GB": peak,
+            "states_GB": None if states is None else sum(states.values()) / GB, "n_params": n_params, "psi": psi}
+
+
+def formula_bytes(stage: int, psi: int, n: int) -> float:
+    return {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}[stage]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer steps")
+    ap.add_argument("--out", default="", help="write the results as JSON here")
+    ap.add_argument("--micro_batch", type=int, default=16, help="sequences per GPU per step (124M part)")
+    ap.add_argument("--seq_len", type=int, default=1024)
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
+    ap.add_argument("--large", default="gpt2_1558m", help="preset of the memory part ('' skips it)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cpu: a gloo smoke test of this script on the tiny preset, not a measurement")
+    args = ap.parse_args()
+    mesh = Mesh.build(dp=-1, device=args.device)
+    n = mesh.world
+    warmup, steps = (2, 5) if args.quick else (3, 15)
+    name = torch.cuda.get_device_name(mesh.device) if args.device == "cuda" else "CPU (smoke test)"
+    small, big = ("gpt2_124m", args.large) if args.device == "cuda" else ("tiny", "tiny" if args.large else "")
+    peak_flops = next((v for k, v in PEAK.items() if k in name), 0.0)
+
+    rows = []
+    for mode in args.modes.split(","):
+        zero = {"torch_ddp": 0, "ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[mode]
+        cfg = make_cfg(small, args.micro_batch, zero, args.seq_len, args.device)
+        r = run_mode(mode, cfg, mesh, warmup, steps)
+        m = cfg.model
+        fpt = 6 * r["n_params"] + 12 * m.n_layer * m.n_embd * args.seq_len
+        r["mfu"] = fpt * r["tok_s"] / (n * peak_flops) if peak_flops else 0.0
+        rows.append(r)
+    base = next((r["tok_s"] for r in rows if r["mode"] == "torch_ddp"), None)
+
+    large = []
+    if big:
+        for stage in range(4):
+            cfg = make_cfg(big, 1, stage, args.seq_len, args.device)
+            r = run_mode("ddp" if stage == 0 else f"zero{stage}", cfg, mesh, 1, 2)
+            r.update(stage=stage, formula_GB=formula_bytes(stage, r["psi"], n) / GB)
+            large.append(r)
+
+    if mesh.is_main:
+        print(f"data parallel on {n} x {name}, torch {torch.__version__}, {datetime.date.today()}; {small}, "
+              f"B={args.micro_batch}/GPU, T={args.seq_len}, bf16 autocast, kernels=torch, {steps} timed steps")
+        print(f"{'mode':>10} | {'tok/s':>10} {'vs torch':>8} {'MFU':>6} {'step ms':>8} | {'peak GB':>8} "
+              f"{'states GB':>9}")
+        for r in rows:
+            rel = f"{r['tok_s'] / base:.3f}" if base else "-"
+            st = f"{r['states_GB']:.2f}" if r["states_GB"] is not None else "-"
+            print(f"{r['mode']:>10} | {r['tok_s']:10,.0f} {rel:>8} {r['mfu'] * 100:5.1f}% {r['step_ms']:8.1f} | "
+                  f"{r['peak_GB']:8.2f} {st:>9}")
+        if large:
+            print(f"\n{big}: Ψ = {large[0]['psi'] / 1e9:.3f}B parameters, B=1, per ZeRO stage on {n} GPUs")
+            print(f"{'stage':>6} | {'states GB':>9} {'formula GB':>10} {'(paper)':>16} | {'peak GB':>8} "
+                  f"{'tok/s':>9}")
+            paper = ["16Ψ", "8Ψ+8Ψ/N", "4Ψ+12Ψ/N", "16Ψ/N"]
+            for r in large:
+                print(f"{r['stage']:>6} | {r['states_GB']:9.2f} {r['formula_GB']:10.2f} {paper[r['stage']]:>16} | "
+                      f"{r['peak_GB']:8.2f} {r['tok_s']:9,.0f}")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"bench": "dp", "gpus": n, "device": name, "torch": torch.__version__,
+                           "date": str(datetime.date.today()), "micro_batch": args.micro_batch,
+                           "seq_len": args.seq_len, "rows": rows, "large": large}, f, indent=1)
+    mesh.destroy()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,346 @@
+"""DDP and ZeRO-1/2/3 against the single-process run; resume; resharding; memory formulas; tp rules.
+
+Each distributed test spawns one gloo group (CPU, fp32) and runs many checks in it, because a spawn costs seconds.
+The reference is SingleDevice in the pytest process on the same global batch (8 sequences per step).
+
+Checked per layout (DDP, ZeRO-1/2/3 at dp 2 and 4, gradient accumulation 1 and 2): losses, grad norms and final
+weights against the reference; bucket reductions start inside backward (overlap) and never on no_sync micro-steps;
+ZeRO-3 keeps at most 3 units gathered and every block's gather was prefetched; memory_bytes() equals the ZeRO
+formulas; state_dict -> torch.save -> fresh engine -> load -> continue is bit-exact; ZeRO-3 shards -> unshard ->
+DDP continues; sp_partial / tp_dim rules (SingleDevice at tp=2; DDP and ZeRO-3 at dp=2 x tp=2).
+GPU (NCCL, bf16): `pytest tests/test_dp.py -m gpu` on 2+ GPUs.
+
+Tolerance (measured, see LOSS_ATOL below): changing the layout changes the order of fp32 sums (a rank's mean over
+its micro-batch, then a sum over ranks and micro-steps, versus one mean over 8 sequences; reduce-scatter chunks;
+sharded norm terms), so gradients differ by ~1 ulp; Adam divides by sqrt(v), which turns ulp-level differences
+of near-zero gradients into larger relative ones, and 20 steps compound them. Same-layout resume is bit-exact.
+"""
+import io
+import json
+import os
+import socket
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from nanopara.config import Config, ModelConfig
+from nanopara.dp import DDP, SingleDevice, build_engine, param_kind
+from nanopara.mesh import Mesh
+from nanopara.model import GPT
+from nanopara.zero import Zero, unshard_model, unshard_optimizer
+
+STEPS, BATCH, T, LR = 20, 8, 32, 3e-3
+MODES = ["ddp", "zero1", "zero2", "zero3"]
+# Worst differences to the single-process run after 20 steps, measured over dp in {2, 4}, accum in {1, 2}, all four
+# modes, the ZeRO-3 -> DDP reshard and the fake-sp layouts (2-core CPU, torch 2.13): loss 1.4e-6 (3 ulp of ~5.5),
+# weight 6.3e-6 (weights are O(0.02..1)), grad-norm relative 2.5e-7. Bounds: ~8x those.
+LOSS_ATOL, WEIGHT_ATOL, NORM_RTOL = 1e-5, 5e-5, 2e-6
+
+
+def make_cfg(zero: int = 0) -> Config:
+    cfg = Config(device="cpu", seed=0)
+    # n_embd 18 / vocab 251: parameter counts that are not multiples of 4, so flat buffers need padding
+    cfg.model = ModelConfig(n_layer=3, n_head=3, n_embd=18, block_size=T, vocab_size=251, vocab_multiple=1,
+                            kernels="torch")
+    cfg.train.lr, cfg.train.grad_clip, cfg.train.weight_decay = LR, 0.5, 0.1  # clip 0.5: active on most steps
+    cfg.parallel.zero = zero
+    cfg.parallel.bucket_mb = 4000 * 4 / 2 ** 20  # ~4000 floats: several buckets, one parameter split-free
+    return cfg
+
+
+def make_tokens() -> torch.Tensor:
+    g = torch.Generator().manual_seed(1234)
+    return torch.randint(0, 251, (STEPS, BATCH, T + 1), generator=g)  # (steps, B, T+1)
+
+
+def make_model(cfg: Config, seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(cfg.model)
+
+
+def run(engine, tokens, first: int, last: int, rows, accum: int, scale: float = 1.0):
+    """Train steps first..last-1 on `rows` of every global batch; returns (losses, norms) averaged over dp."""
+    losses, norms = [], []
+    for s in range(first, last):
+        mine = tokens[s][rows]  # (B/parts, T+1)
+        total = torch.zeros(())
+        for m, mb in enumerate(mine.chunk(accum)):
+            with engine.no_sync(m < accum - 1):
+                _, loss = engine.model(mb[:, :-1], mb[:, 1:])
+                engine.backward(loss * scale / accum)
+            total += loss.detach() / accum
+        if engine.group is not None:
+            dist.all_reduce(total, group=engine.group)
+            total /= engine.n
+        losses.append(total.item())
+        norms.append(engine.step(LR))
+    return losses, norms
+
+
+@pytest.fixture(scope="module")
+def reference():
+    cfg = make_cfg()
+    mesh = Mesh.build(device="cpu")
+    engine = SingleDevice(make_model(cfg), mesh, cfg)
+    losses, norms = run(engine, make_tokens(), 0, STEPS, slice(None), 1)
+    return {"losses": losses, "norms": norms, "weights": engine.full_model_state_dict()}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(fn, n: int, *args):
+    port = _free_port()
+    mp.spawn(_entry, args=(n, port, fn, args), nprocs=n, join=True)
+
+
+def _entry(rank, n, port, fn, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(n),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch 2.13 renames *_into_tensor; 2.11 has no new name
+    try:
+        fn(rank, n, *args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the worker: everything one spawned group checks
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def _check_memory(engine, mode: str, psi: int, n: int):
+    """ZeRO paper's bytes per rank for fp32 params/grads and fp32 Adam m, v (dp.py's docstring table)."""
+    mem = engine.memory_bytes()
+    if mode == "ddp":
+        assert mem == {"params": 4 * psi, "grads": 4 * psi, "optim": 8 * psi}, mem
+        return
+    padded = sum(f.padded for f in engine.flats)  # Ψ'
+    assert psi <= padded < psi + n * len(engine.flats)
+    assert n != 4 or padded > psi  # the test model is built so that padding is exercised
+    expect = {"zero1": (4 * padded, 4 * padded), "zero2": (4 * padded, 4 * padded // n),
+              "zero3": (4 * padded // n, 4 * padded // n)}[mode]
+    assert (mem["params"], mem["grads"]) == expect, (mode, mem, expect)
+    assert mem["optim"] == 8 * padded // n, (mode, mem)  # m, v are flat (shard,) buffers, padding included
+
+
+def _spy(engine, mode: str) -> dict:
+    """Record, without changing behaviour, when gradient collectives start and how many ZeRO-3 units are gathered."""
+    seen = {"in_backward": [], "live": [], "prefetched": []}
+    if mode != "zero3":
+        launch = engine._launch
+
+        def spy_launch(i):
+            seen["in_backward"].append(torch._C._current_graph_task_id() != -1)  # -1: not inside backward
+            return launch(i)
+        engine._launch = spy_launch
+        return seen
+    live = lambda: sum(any(f.full.untyped_storage().nbytes() > 0 for f in u) for u in engine.units)
+    pre_forward, pre_backward = engine._pre_forward, engine._pre_backward
+
+    def spy_forward(i):
+        seen["prefetched"].append(i == 0 or all(f.pending is not None for f in engine.units[i]))
+        pre_forward(i)
+        seen["live"].append(live())
+
+    def spy_backward(i):
+        seen["prefetched"].append(i == len(engine.units) - 1 or all(f.pending is not None for f in engine.units[i]))
+        pre_backward(i)
+        seen["live"].append(live())
+    engine._pre_forward, engine._pre_backward = spy_forward, spy_backward
+    return seen
+
+
+def _check_schedule(engine, mode: str, seen: dict, accum: int):
+    if mode == "zero3":  # root + the running block + the prefetched one; every block's gather was prefetched
+        assert max(seen["live"]) <= 3 and all(seen["prefetched"]), seen
+        return
+    per_step = len(engine.flats if mode != "ddp" else engine.buckets) * (accum if mode == "zero2" else 1)
+    assert len(seen["in_backward"]) == STEPS * per_step  # ddp/zero1: nothing on no_sync micro-steps
+    assert all(seen["in_backward"])  # every bucket started while backward was still running: overlap
+
+
+def _worker(rank, n, ref, out_path):
+    tokens, errs = make_tokens(), {}
+    mesh = Mesh.build(dp=n, device="cpu")
+    rows = slice(rank * BATCH // n, (rank + 1) * BATCH // n)
+    psi = sum(p.numel() for p in make_model(make_cfg()).parameters())  # the tied weight once
+    for mode in MODES:
+        cfg = make_cfg(zero=MODES.index(mode))
+        for accum in (1, 2):
+            engine = build_engine(make_model(cfg), mesh, cfg)
+            assert isinstance(engine, DDP if mode == "ddp" else Zero)
+            seen = _spy(engine, mode)
+            losses, norms = run(engine, tokens, 0, STEPS, rows, accum)
+            _check_schedule(engine, mode, seen, accum)
+            weights = engine.full_model_state_dict()
+            e = {"loss": max(abs(a - b) for a, b in zip(losses, ref["losses"])),
+                 "norm_rel": max(abs(a - b) / b for a, b in zip(norms, ref["norms"])),
+                 "weight": _max_diff(weights, ref["weights"])}
+            errs[f"{mode} dp{n} accum{accum}"] = e
+            assert e["loss"] < LOSS_ATOL and e["weight"] < WEIGHT_ATOL and e["norm_rel"] < NORM_RTOL, (mode, e)
+            _check_memory(engine, mode, psi, n)
+            if accum == 1:
+                uninterrupted = (losses, weights)
+
+        # resume on the same layout: state -> bytes (weights_only) -> fresh engine of another init -> continue
+        engine = build_engine(make_model(cfg), mesh, cfg)
+        first, _ = run(engine, tokens, 0, STEPS // 2, rows, 1)
+        buf = io.BytesIO()
+        torch.save({"model": engine.model_state_dict(), "engine": engine.state_dict()}, buf)
+        buf.seek(0)
+        state = torch.load(buf, weights_only=True)
+        engine = build_engine(make_model(cfg, seed=7), mesh, cfg)
+        engine.load_model_state_dict(state["model"])
+        engine.load_state_dict(state["engine"])
+        second, _ = run(engine, tokens, STEPS // 2, STEPS, rows, 1)
+        assert first + second == uninterrupted[0], f"{mode}: resumed losses differ"
+        resumed = engine.full_model_state_dict()
+        assert all(torch.equal(resumed[k], uninterrupted[1][k]) for k in resumed), f"{mode}: resumed weights differ"
+
+    # reshard: ZeRO-3 shards of every rank -> full form -> a DDP engine continues
+    cfg = make_cfg(zero=3)
+    engine = build_engine(make_model(cfg), mesh, cfg)
+    run(engine, tokens, 0, STEPS // 2, rows, 1)
+    shards = [None] * n
+    dist.all_gather_object(shards, (engine.model_state_dict(), engine.state_dict()))
+    full_model = unshard_model([s[0] for s in shards])
+    assert _max_diff(full_model, engine.full_model_state_dict()) == 0.0
+    ddp_cfg = make_cfg(zero=0)
+    ddp = build_engine(make_model(ddp_cfg, seed=7), mesh, ddp_cfg)
+    ddp.load_model_state_dict(full_model)
+    ddp.load_state_dict(unshard_optimizer([s[1] for s in shards]))
+    run(ddp, tokens, STEPS // 2, STEPS, rows, 1)
+    errs[f"zero3->ddp reshard dp{n}"] = {"weight": _max_diff(ddp.full_model_state_dict(), ref["weights"])}
+    assert errs[f"zero3->ddp reshard dp{n}"]["weight"] < WEIGHT_ATOL
+
+    _check_tp_rules(rank, n, ref, tokens, errs)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(errs, f, indent=1)
+
+
+def _check_tp_rules(rank, n, ref, tokens, errs):
+    """Fake tensor parallel: tp ranks hold the same full model and split the batch; every parameter is marked
+    sp_partial, so the engine must sum their grads over tp (and count them once in the norm) to match the
+    reference. With 4 ranks this runs as dp=2 x tp=2 for DDP and ZeRO-3 (sp sums on shards)."""
+    layouts = [("single", 1, 2)] if n == 2 else [("ddp", 2, 2), ("zero3", 2, 2)]
+    for mode, dp, tp in layouts:
+        mesh = Mesh.build(dp=dp, tp=tp, device="cpu")
+        cfg = make_cfg(zero=0 if mode in ("single", "ddp") else 3)
+        model = make_model(cfg)
+        for p in model.parameters():
+            p.sp_partial = True
+        engine = build_engine(model, mesh, cfg)
+        part = mesh.dp_rank * tp + mesh.tp_rank
+        rows = slice(part * BATCH // (dp * tp), (part + 1) * BATCH // (dp * tp))
+        losses, norms = run(engine, tokens, 0, STEPS, rows, 1, scale=1.0 / tp)
+        e = {"weight": _max_diff(engine.full_model_state_dict(), ref["weights"]),
+             "norm_rel": max(abs(a - b) / b for a, b in zip(norms, ref["norms"]))}
+        errs[f"fake-sp {mode} dp{dp} tp{tp}"] = e
+        assert e["weight"] < WEIGHT_ATOL and e["norm_rel"] < NORM_RTOL, (mode, e)
+
+    # the norm rule for tp-sharded parameters: squares summed over tp, replicated ones counted once
+    mesh = Mesh.build(dp=n // 2, tp=2, device="cpu")
+    lin = torch.nn.Linear(3, 5)
+    lin.weight.tp_dim = 0
+    engine = build_engine(lin, mesh, make_cfg())
+    engine.model.weight.grad = torch.full((5, 3), float(mesh.tp_rank + 1))
+    engine.model.bias.grad = torch.full((5,), 2.0)
+    pieces = [(p.grad, param_kind(p)) for p in lin.parameters()]
+    assert abs(engine._global_norm(pieces) - (15 * (1 + 4) + 5 * 4) ** 0.5) < 1e-5
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_dp_matches_single_process(reference, n, tmp_path):
+    out = tmp_path / "errors.json"
+    spawn(_worker, n, reference, str(out))
+    errs = json.loads(out.read_text())
+    for k, v in errs.items():
+        print(f"{k:28s} " + " ".join(f"{m}={x:.2e}" for m, x in v.items()))
+
+
+def test_bad_layout_and_formats_are_clear_errors(reference):
+    cfg = make_cfg()
+    mesh = Mesh.build(device="cpu")
+    engine = SingleDevice(make_model(cfg), mesh, cfg)
+    with pytest.raises(ValueError, match="unshard_optimizer"):
+        engine.load_state_dict({"format": "flat_shard", "flats": []})
+    with pytest.raises(ValueError, match="missing"):
+        engine.load_model_state_dict({"transformer.wte.weight": torch.zeros(1)})
+    sd = engine.state_dict()
+    assert sd["format"] == "full" and sd["step"] == 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPU (NCCL, bf16 autocast): `pytest tests/test_dp.py -m gpu` on a machine with 2+ GPUs
+
+def _gpu_worker(rank, n):
+    from nanopara.comm import ring_all_gather, ring_all_reduce, ring_reduce_scatter
+    mesh = Mesh.build(dp=n, device="cuda")
+    dev, group = mesh.device, mesh.dp_group
+    for dtype in (torch.bfloat16, torch.float32):  # integer values: sums are exact, the ring must equal NCCL
+        for size in (1, 7, 1001, (1 << 20) + 3):
+            x = torch.randint(-50, 50, (size,), device=dev).to(dtype)
+            ref = x.clone()
+            dist.all_reduce(ref, group=group)
+            assert torch.equal(ring_all_reduce(x.clone(), group), ref), (dtype, size)
+            big = torch.randint(-50, 50, (n * size,), device=dev).to(dtype)
+            ref = torch.empty(size, dtype=dtype, device=dev)
+            dist.reduce_scatter_tensor(ref, big, group=group)
+            assert torch.equal(ring_reduce_scatter(torch.empty_like(ref), big, group), ref)
+            ref = torch.empty(n * size, dtype=dtype, device=dev)
+            dist.all_gather_into_tensor(ref, x, group=group)
+            assert torch.equal(ring_all_gather(torch.empty_like(ref), x, group), ref)
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 1000, (STEPS, BATCH, 129), generator=g)
+    rows = slice(rank * BATCH // n, (rank + 1) * BATCH // n)
+    curves = {}
+    for mode, kernels in [("ddp", "torch"), ("zero1", "torch"), ("zero2", "torch"), ("zero3", "torch"),
+                          ("zero3", "auto")]:
+        cfg = Config(seed=0)
+        cfg.model = ModelConfig(n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=1000, kernels=kernels)
+        cfg.train.lr, cfg.parallel.zero, cfg.parallel.bucket_mb = 1e-3, MODES.index(mode), 0.25
+        torch.manual_seed(0)
+        with torch.device(dev):
+            model = GPT(cfg.model)
+        psi = sum(p.numel() for p in model.parameters())
+        engine = build_engine(model, mesh, cfg)
+        losses = []
+        for s in range(STEPS):
+            xy = tokens[s][rows].to(dev)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                _, loss = engine.model(xy[:, :-1], xy[:, 1:])
+            engine.backward(loss)
+            engine.step(cfg.train.lr)
+            losses.append(loss.item())
+        _check_memory(engine, mode, psi, n)
+        curves[f"{mode}/{kernels}"] = losses
+    ref = curves["ddp/torch"]
+    # the engines compute the same bf16 matmuls on the same (autocast-rounded) weights and differ only in the order
+    # of fp32 sums, which bf16 rounding of activations amplifies; the Triton kernels (auto) differ from torch's
+    # ops at bf16 level. 1e-2 relative on the loss over 20 steps is far above both and far below a wrong update.
+    for k, losses in curves.items():
+        worst = max(abs(a - b) / b for a, b in zip(losses, ref))
+        assert worst < 1e-2, (k, worst, losses, ref)
+
+
+@pytest.mark.gpu
+def test_engines_on_nccl_bf16():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    spawn(_gpu_worker, 2)
