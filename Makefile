@@ -63,6 +63,7 @@ bench: setup
 	$(PY) -m kernels.adamw $(BENCH_ARGS)
 
 plot: setup
+	@$(PY) -c 'import matplotlib' 2>/dev/null || $(PY) -m pip install -q matplotlib
 	$(PY) bench/plot.py $(RUN)
 
 lint: setup

@@ -188,8 +188,8 @@ def tiny() -> Config:
     """CPU-sized: learns tinyshakespeare visibly in a few minutes on two cores."""
     c = Config(preset="tiny", out_dir="runs/tiny")
     c.model.n_layer, c.model.n_head, c.model.n_embd, c.model.block_size = 4, 4, 128, 256
-    c.train.micro_batch, c.train.seq_len, c.train.steps = 8, 128, 250
-    c.train.lr, c.train.warmup_steps, c.train.val_every, c.train.val_steps = 3e-3, 25, 125, 8
+    c.train.micro_batch, c.train.seq_len, c.train.steps = 8, 128, 200
+    c.train.lr, c.train.warmup_steps, c.train.val_every, c.train.val_steps = 3e-3, 20, 100, 8
     c.train.log_every = 10
     return c
 

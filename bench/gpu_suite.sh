@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One device call's worth of GPU evidence. Usage: bash bench/gpu_suite.sh SECTION... (results under $OUT or out/)
+#   tests    GPU test suite (bf16 numerics at real sizes)
+#   kernels  per-kernel benchmarks (attention, layernorm, cross-entropy, adamw)
+#   e2e      GPT-2 124M training throughput: nanopara vs torch / torch.compile
+#   curve    GPT-2 124M loss curve on the offline book corpus (needs .carry/data, see README)
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+PY=${PY:-python3}
+export PYTHONUNBUFFERED=1 TIKTOKEN_CACHE_DIR=$PWD/.carry/data/tiktoken_cache
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+for s in "$@"; do
+  case $s in
+    tests)   $PY -m pytest -q -m gpu tests 2>&1 | tail -25 | tee "$OUT/tests_gpu.txt" ;;
+    kernels) for k in attention layernorm cross_entropy adamw; do
+               $PY -m kernels.$k --quick --out "$OUT/kernels.jsonl" 2>&1 | tee "$OUT/bench_$k.txt" | tail -14; done ;;
+    e2e)     $PY bench/bench_gpt.py --out "$OUT/e2e.jsonl" ${E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.txt" | tail -12 ;;
+    curve)   [ -f data/shards/books/books_val_000000.bin ] || \
+               $PY data/prepare.py books --mirror .carry/data > "$OUT/prepare.txt" 2>&1
+             $PY train.py --preset=gpt2_124m --data.dataset=books --out_dir="$OUT/curve" --train.micro_batch=16 \
+               --train.steps=${CURVE_STEPS:-3000} --train.warmup_steps=200 --train.lr=1.2e-3 --train.val_every=250 \
+               --train.log_every=50 --ckpt.final=false ${CURVE_ARGS:-} 2>&1 | grep -v '^ \|^[{}]' | tee "$OUT/curve.txt" | tail -8 ;;
+    *) echo "unknown section $s"; exit 2 ;;
+  esac
+done
