@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import os
 import socket
+import sys
 
 import pytest
 import torch
@@ -60,9 +61,15 @@ def _entry(rank, fn, world, port):
     torch.set_num_threads(1)  # 2-4 processes share 2 cores
     try:
         fn()
+        dist.barrier()  # every rank done before any tears down
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # Skip interpreter finalization: on a loaded machine a gloo thread still alive at static destruction
+    # occasionally aborted a finished worker ("terminate called without an active exception", SIGABRT).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _spawn(fn, world):
