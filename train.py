@@ -150,7 +150,8 @@ def evaluate(engine, loader: TokenLoader, steps: int, mesh: Mesh, device, amp) -
 def sample(model: GPT, device, tokens: int, seed: int, amp) -> str:
     enc = get_tokenizer()
     g = torch.Generator(device=device).manual_seed(seed)
-    idx = torch.tensor([[enc.eot_token]], device=device)
+    start = enc.eot_token if enc.eot_token < model.cfg.vocab_size else 0  # tiny test vocabularies lack EOT
+    idx = torch.tensor([[start]], device=device)
     model.eval()
     with amp():
         out = model.generate(idx, tokens, temperature=1.0, top_k=200, generator=g)
@@ -208,9 +209,11 @@ def train(cfg: Config) -> dict:
     np.random.seed(cfg.seed)
     model = GPT(cfg.model)
     n_params = model.num_params()
+    tp_shards = {}
     if mesh.tp > 1:
-        from nanopara.tp import apply_tp
+        from nanopara.tp import apply_tp, shard_metadata
         model = apply_tp(model, mesh, sp=cfg.parallel.sp)
+        tp_shards = shard_metadata(model, mesh)
     model.to(device)
     engine = build_engine(model, mesh, cfg)
     dtype = autocast_dtype(cfg, device)
@@ -243,7 +246,8 @@ def train(cfg: Config) -> dict:
 
     def save(step):
         state = {"model": engine.model_state_dict(), "engine": engine.state_dict(), "loader": loader.state_dict(),
-                 "scaler": scaler.state_dict(), "rng": rng_state(device)}
+                 "scaler": scaler.state_dict(), "rng": rng_state(device), "mesh": dict(mesh.coords),
+                 "tp_shards": tp_shards}  # which global slice of each tp-sharded tensor this rank holds
         meta = {"config": cfg.to_dict(), "git": git_rev()}
         path = checkpoint.save(cfg.out_dir, step, mesh, state, meta, keep=cfg.ckpt.keep)
         log(f"saved checkpoint {path}")

@@ -1,0 +1,22 @@
+"""Run a function in N gloo processes on this machine (the CPU stand-in for torchrun + NCCL)."""
+import os
+import socket
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, fn, world, port, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    fn(rank, world, *args)
+
+
+def spawn(fn, world: int, *args) -> None:
+    """fn(rank, world, *args) in `world` processes with torchrun's environment; raises if any process fails."""
+    mp.spawn(_entry, args=(fn, world, free_port(), args), nprocs=world, join=True)
