@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Multi-GPU evidence (run on a 2- or 4-GPU machine). Usage: bash bench/gpu_multi.sh SECTION... ; results in $OUT.
+#   tests  NCCL tests of dp/tp (need >= 2 GPUs)
+#   comm   ring all-reduce vs NCCL bus bandwidth on 2 and N GPUs
+#   dp     GPT-2 124M tokens/s: our DDP and ZeRO-1/2/3 vs torch DDP at dp = 1, 2, N; ZeRO memory on gpt2_1558m
+#   tp     tp = 2 and N on gpt2_124m and gpt_1b, sp off/on: tokens/s, MFU, memory, comm overhead
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+PY=${PY:-python3}
+N=$(nvidia-smi -L | wc -l)
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+run() { $PY -m torch.distributed.run --standalone --nproc_per_node="$@"; }
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader  # (stdout only: a call returns at most 8 files)
+for s in "$@"; do
+  case $s in
+    tests) $PY -m pytest -q -m gpu tests/test_dp.py tests/test_tp.py 2>&1 | tail -8 | tee "$OUT/tests_multi.txt" ;;
+    comm)  for n in 2 $N; do run $n bench/bench_comm.py --quick --out "$OUT/comm_$n.json" 2>&1 | tail -12; done \
+             | tee "$OUT/comm.txt" ;;
+    dp)    { run 1 bench/bench_dp.py --quick --modes torch_ddp,ddp --large '' --out "$OUT/dp_1.json"
+             run 2 bench/bench_dp.py --quick --modes torch_ddp,ddp,zero1,zero2,zero3 --large '' --out "$OUT/dp_2.json"
+             run $N bench/bench_dp.py --quick --out "$OUT/dp_$N.json"; } 2>&1 | grep -v Warning | tee "$OUT/dp.txt" ;;
+    tp)    { for n in 2 $N; do run $n bench/bench_tp.py --preset gpt2_124m --quick --out "$OUT/tp124_$n.json"; done
+             run $N bench/bench_tp.py --preset gpt2_124m --sp --quick --out "$OUT/tp124sp_$N.json"
+             run $N bench/bench_tp.py --preset gpt_1b --quick --out "$OUT/tp1b_$N.json"
+             run $N bench/bench_tp.py --preset gpt_1b --sp --quick --out "$OUT/tp1bsp_$N.json"; } 2>&1 \
+             | grep -v Warning | tee "$OUT/tp.txt" ;;
+    *) echo "unknown section $s"; exit 2 ;;
+  esac
+done
