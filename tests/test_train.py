@@ -142,3 +142,10 @@ def test_incompatible_checkpoint_is_a_clear_error(shards, tmp_path):
     train.main(argv(shards, out, "--train.steps=2"))
     with pytest.raises(checkpoint.CheckpointError, match=r"different model: model.n_embd=32 \(this run: 64\)"):
         train.main(argv(shards, out, "--train.steps=4", "--resume=true", "--model.n_embd=64"))
+
+
+def test_fp16_autocast_with_dynamic_loss_scaling_trains(shards, tmp_path):
+    s = train.main(argv(shards, tmp_path / "fp16", "--train.dtype=fp16", "--train.steps=12", "--train.val_every=0"))
+    assert all(np.isfinite(s["losses"])) and s["losses"][-1] < s["losses"][0] - 0.5
+    state, _ = checkpoint.load(checkpoint.latest(tmp_path / "fp16"), _mesh())
+    assert state["scaler"]["scale"] >= 1.0 and state["scaler"]["good_steps"] > 0  # the scaler state is checkpointed
