@@ -30,7 +30,7 @@ from nanopara.config import Config, ConfigError, describe, parse_args
 from nanopara.data import TokenLoader, find_shards, get_tokenizer
 from nanopara.dp import build_engine
 from nanopara.mesh import Mesh, MeshError
-from nanopara.model import GPT
+from nanopara.model import GPT, from_hf_state_dict
 from nanopara.optim import LossScaler, lr_at
 
 # dense bf16 tensor-core peak per GPU (never the sparse figure), for MFU
@@ -208,6 +208,11 @@ def train(cfg: Config) -> dict:
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     model = GPT(cfg.model)
+    if cfg.ckpt.init_from and not resume_path:
+        if not os.path.isfile(cfg.ckpt.init_from):
+            raise checkpoint.CheckpointError(f"--ckpt.init_from: no file {cfg.ckpt.init_from}")
+        from_hf_state_dict(model, torch.load(cfg.ckpt.init_from, map_location="cpu", weights_only=True))
+        log(f"initialised from Hugging Face GPT-2 weights {cfg.ckpt.init_from}")
     n_params = model.num_params()
     tp_shards = {}
     if mesh.tp > 1:

@@ -94,6 +94,7 @@ class CheckpointConfig:
     every: int = 0               # steps between checkpoints (0 = only at the end)
     keep: int = 2                # complete checkpoints kept on disk
     final: bool = True           # save one at the end of the run
+    init_from: str = ""          # start from Hugging Face GPT-2 weights: a GPT2LMHeadModel state dict (.bin / .pt)
 
 
 @dataclass

@@ -1,4 +1,5 @@
 """End-to-end single-process training: bit-exact resume, NaN handling, and clear errors before any work."""
+import glob
 import json
 import os
 
@@ -9,7 +10,7 @@ import torch
 import train
 from nanopara import checkpoint
 from nanopara.config import ConfigError
-from nanopara.data import write_shard
+from nanopara.data import TokenLoader, write_shard
 from nanopara.model import GPT
 
 
@@ -149,3 +150,22 @@ def test_fp16_autocast_with_dynamic_loss_scaling_trains(shards, tmp_path):
     assert all(np.isfinite(s["losses"])) and s["losses"][-1] < s["losses"][0] - 0.5
     state, _ = checkpoint.load(checkpoint.latest(tmp_path / "fp16"), _mesh())
     assert state["scaler"]["scale"] >= 1.0 and state["scaler"]["good_steps"] > 0  # the scaler state is checkpointed
+
+
+def test_init_from_hugging_face_weights(shards, tmp_path):
+    """--ckpt.init_from loads a GPT2LMHeadModel state dict: step 0 then scores the data with those weights."""
+    from nanopara.config import parse_args
+    from nanopara.model import to_hf_state_dict
+    cfg = parse_args(argv(shards, tmp_path / "x"))
+    torch.manual_seed(123)
+    donor = GPT(cfg.model)
+    torch.save(to_hf_state_dict(donor), tmp_path / "pytorch_model.bin")
+    runs = [train.main(argv(shards, tmp_path / name, "--train.steps=1", "--train.val_every=0", *extra))["losses"][0]
+            for name, extra in (("a", [f"--ckpt.init_from={tmp_path}/pytorch_model.bin"]), ("b", []))]
+    first_batch = TokenLoader(sorted(glob.glob(shards.replace("*", "*train*"))), 4, 16, seed=cfg.seed, vocab_size=256)
+    x, y = next(first_batch)  # the batch train.py's step 0 sees
+    with torch.no_grad():
+        expected = donor(x, y)[1].item()
+    assert runs[0] == pytest.approx(expected, abs=1e-5) and runs[0] != runs[1]
+    with pytest.raises(checkpoint.CheckpointError, match="no file"):
+        train.main(argv(shards, tmp_path / "c", "--ckpt.init_from=/nonexistent.bin"))
