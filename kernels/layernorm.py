@@ -18,7 +18,8 @@ Kernels:
   forward  one program per tile of BLOCK_M rows x BLOCK_C columns (whole row in registers, C <= 16384); stores
            y (and h) plus fp32 mean/rstd (M,) for the backward.
   backward one program per group of rows: dx in one pass over its rows, while dw/db accumulate in registers;
-           each group writes one row of a (n_groups, C) fp32 partial buffer, and a tiny torch sum reduces it.
+           each group writes one row of a (n_groups, C) fp32 partial buffer, and a second small kernel sums it
+           into dw/db in the weight's dtype. Tiles (rows per program, warps) are autotuned per width.
            No second pass over all M rows for dw/db (eager PyTorch runs a separate dgamma/dbeta kernel).
 
 Callers: nanopara/model.py (ln_1, ln_2 via add_layernorm, ln_f). Public ops take the Triton path when x is on
@@ -29,14 +30,16 @@ Run: `python -m kernels.layernorm [--quick] [--sweep] [--out FILE]` prints parit
 (ms, GB/s, % of measured D2D copy bandwidth, speed-up vs eager F.layer_norm and torch.compile).
 """
 import argparse
+import functools
 import json
+import os
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-MAX_C = 16384  # whole row lives in registers (16384: the backward spills a little, see _tile)
+MAX_C = 16384  # whole row lives in registers (16384: the backward spills a little)
 
 
 def layernorm_ref(x, weight, bias, eps=1e-5):
@@ -60,6 +63,41 @@ def add_layernorm_ref(x, residual, weight, bias, eps=1e-5):
 # Triton kernels
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Tiles. Both kernels are memory bound: what matters is bytes in flight per SM (enough resident warps, each with
+# wide 16-byte loads, no register spills) and, in the backward, how many rows each loop step has in flight (its
+# loads wait a full DRAM latency before the row reductions can start). The best (BLOCK_M rows per tile,
+# num_warps) depends on the width, the dtypes (fp32 residual stream vs bf16) and the chip, so it is autotuned on
+# first use per (C, flags, dtypes) among tiles of 2..16 row elements per thread (ptxas, sm_90: ~4 registers per
+# element held in the forward, ~7 in the backward). The interpreter runs one small tile, no tuning.
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_PER_THREAD = {"fwd": (4, 16), "bwd": (2, 16)}  # row elements a thread holds, min and max
+BWD_GROUPS_PER_SM = 4  # backward row groups: more = more rows in flight, but a bigger (n_groups, C) partial buffer
+BWD_GROUP_ALIGN = 16  # rows per group rounded up to this (the largest BLOCK_M), so groups split into whole tiles
+
+
+def _configs(kind):
+    if _INTERPRET:
+        return [triton.Config({"BLOCK_M": 4}, num_warps=4)]
+    return [triton.Config({"BLOCK_M": m}, num_warps=w) for m in (1, 2, 4, 8, 16) for w in (2, 4, 8, 16, 32)]
+
+
+def _pruner(kind):
+    lo, hi = _PER_THREAD[kind]
+
+    def prune(configs, named_args, **kwargs):
+        if _INTERPRET:
+            return configs
+        block_c = kwargs["BLOCK_C"]
+        per_thread = lambda c: c.kwargs["BLOCK_M"] * block_c // (32 * c.num_warps)  # noqa: E731
+        keep = [c for c in configs if lo <= per_thread(c) <= hi and c.kwargs["BLOCK_M"] * block_c <= MAX_C]
+        # the widest rows (BLOCK_C = 16384) fit no tile in range: one row a program, every warp of it
+        return keep or [max((c for c in configs if c.kwargs["BLOCK_M"] == 1), key=lambda c: c.num_warps)]
+    return {"early_config_prune": prune}
+
+
+@triton.autotune(configs=_configs("fwd"), key=["C", "ADD_RESIDUAL", "HAS_BIAS"], prune_configs_by=_pruner("fwd"))
 @triton.jit
 def _layernorm_fwd_kernel(X, R, H, Y, W, B, MEAN, RSTD, M, C, stride_x, stride_r, stride_h, stride_y, eps,
                           ADD_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -90,6 +128,7 @@ def _layernorm_fwd_kernel(X, R, H, Y, W, B, MEAN, RSTD, M, C, stride_x, stride_r
     tl.store(RSTD + rows, rstd, mask=rmask)
 
 
+@triton.autotune(configs=_configs("bwd"), key=["C", "HAS_DH", "HAS_BIAS"], prune_configs_by=_pruner("bwd"))
 @triton.jit
 def _layernorm_bwd_kernel(X, DY, DH, DX, W, MEAN, RSTD, DW_PART, DB_PART, M, C, ROWS_PER_GROUP,
                           stride_x, stride_dy, stride_dh, stride_dx,
@@ -129,30 +168,29 @@ def _layernorm_bwd_kernel(X, DY, DH, DX, W, MEAN, RSTD, DW_PART, DB_PART, M, C, 
         tl.store(DB_PART + group * C + cols, db_acc, mask=cmask)
 
 
+@triton.jit
+def _layernorm_dwdb_kernel(DW_PART, DB_PART, DW, DB, n_groups, C, HAS_BIAS: tl.constexpr,
+                           BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Second stage: column sums of the (n_groups, C) partials, written in the weight's dtype (one launch for dw
+    and db instead of a torch sum plus a cast per tensor)."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < C
+    dw = tl.zeros([BLOCK_C], dtype=tl.float32)
+    db = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for g0 in range(0, n_groups, BLOCK_G):
+        g = g0 + tl.arange(0, BLOCK_G)
+        mask = (g < n_groups)[:, None] & cmask[None, :]
+        offs = g[:, None] * C + cols[None, :]
+        dw += tl.sum(tl.load(DW_PART + offs, mask=mask, other=0.0), axis=0)
+        if HAS_BIAS:
+            db += tl.sum(tl.load(DB_PART + offs, mask=mask, other=0.0), axis=0)
+    tl.store(DW + cols, dw.to(DW.dtype.element_ty), mask=cmask)
+    if HAS_BIAS:
+        tl.store(DB + cols, db.to(DB.dtype.element_ty), mask=cmask)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Launchers
-
-
-# Tile choice. Both kernels are memory bound, so what matters is bytes in flight per SM: enough resident warps,
-# each with wide (8 x bf16 = 16-byte) loads, and no register spills. ptxas (sm_90) puts the forward at ~4 and
-# the backward at ~7 registers per element a thread holds, so the forward holds ~8 elements of a row per thread
-# (<= 64 registers, 32 resident warps per SM) and the backward ~4 (~40-64 registers, 32-48 warps per SM).
-# Narrow rows are stacked BLOCK_M to a tile so a program still moves a useful amount.
-FWD_TILE, FWD_ELEMS_PER_THREAD = 4096, 8
-BWD_TILE, BWD_ELEMS_PER_THREAD = 2048, 4
-BWD_GROUPS_PER_SM = 2  # more groups: better latency hiding, but a bigger (n_groups, C) partial buffer to reduce
-_TILE_OVERRIDE = {}  # ("fwd"|"bwd", C) -> (BLOCK_M, num_warps); set only by the benchmark's --sweep
-
-
-def _tile(C, kind):
-    """(BLOCK_M, BLOCK_C, num_warps) for kind "fwd" or "bwd"."""
-    block_c = triton.next_power_of_2(C)
-    if (kind, C) in _TILE_OVERRIDE:
-        return _TILE_OVERRIDE[kind, C][0], block_c, _TILE_OVERRIDE[kind, C][1]
-    tile, per_thread = (FWD_TILE, FWD_ELEMS_PER_THREAD) if kind == "fwd" else (BWD_TILE, BWD_ELEMS_PER_THREAD)
-    block_m = max(1, tile // block_c)
-    num_warps = min(32, max(1, block_m * block_c // (32 * per_thread)))
-    return block_m, block_c, num_warps
 
 
 def _rows(t, C):
@@ -172,15 +210,16 @@ def _check(x, weight, bias):
         raise ValueError(f"layernorm: x on {x.device} but weight on {weight.device}")
 
 
-def layernorm_fwd(x, weight, bias, eps, residual=None):
+def layernorm_fwd(x, weight, bias, eps, residual=None, out_dtype=None):
     """Returns (y, h, mean, rstd) with y, h of x's shape (h is None without residual), mean/rstd fp32 (M,).
-    y is in x's dtype, or in h's (x + residual's promoted dtype) with a residual."""
+    h is in x + residual's promoted dtype; y in out_dtype if given (e.g. bf16 for a matmul under autocast: the
+    same rounding autocast would do, without a separate cast pass), else in x's (or h's) dtype."""
     _check(x, weight, bias)
     C = x.shape[-1]
     x2 = _rows(x, C)  # (M, C)
     M = x2.shape[0]
-    out_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    y = torch.empty((M, C), dtype=out_dtype, device=x.device)
+    h_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    y = torch.empty((M, C), dtype=out_dtype or h_dtype, device=x.device)
     mean = torch.empty(M, dtype=torch.float32, device=x.device)
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
     h = r2 = None
@@ -188,24 +227,18 @@ def layernorm_fwd(x, weight, bias, eps, residual=None):
         if residual.shape != x.shape:
             raise ValueError(f"add_layernorm: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
         r2 = _rows(residual, C)
-        h = torch.empty((M, C), dtype=out_dtype, device=x.device)
+        h = torch.empty((M, C), dtype=h_dtype, device=x.device)
     if M > 0:
-        block_m, block_c, num_warps = _tile(C, "fwd")
-        _layernorm_fwd_kernel[(triton.cdiv(M, block_m),)](
+        _layernorm_fwd_kernel[lambda meta: (triton.cdiv(M, meta["BLOCK_M"]),)](
             x2, r2, h, y, weight, bias, mean, rstd, M, C, x2.stride(0),
             0 if r2 is None else r2.stride(0), 0 if h is None else h.stride(0), y.stride(0), eps,
-            ADD_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-            BLOCK_M=block_m, BLOCK_C=block_c, num_warps=num_warps)
+            ADD_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, BLOCK_C=triton.next_power_of_2(C))
     return y.view(x.shape), (None if h is None else h.view(x.shape)), mean, rstd
 
 
-def _n_groups(device, M, block_m):
-    """Row groups for the backward: about one resident wave of programs; the partial buffer stays small."""
-    if device.type == "cuda":
-        target = BWD_GROUPS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        target = 3  # interpreter: still exercises several groups and uneven group sizes
-    return max(1, min(target, triton.cdiv(M, block_m)))
+@functools.lru_cache(maxsize=None)
+def _sm_count(device):
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def layernorm_bwd(dy, x, weight, has_bias, mean, rstd, dh=None, n_groups=None):
@@ -215,22 +248,28 @@ def layernorm_bwd(dy, x, weight, has_bias, mean, rstd, dh=None, n_groups=None):
     dh2 = None if dh is None else _rows(dh, C)
     M = x2.shape[0]
     dx = torch.empty((M, C), dtype=x.dtype, device=x.device)
-    block_m, block_c, num_warps = _tile(C, "bwd")
-    n_groups = n_groups or _n_groups(x.device, M, block_m)
-    # whole tiles per group, so only the very last tile of the last group is partial
-    rows_per_group = triton.cdiv(triton.cdiv(M, n_groups), block_m) * block_m if M > 0 else block_m
-    n_groups = max(1, triton.cdiv(M, rows_per_group))
+    # row groups: a few resident programs per SM (3 in the interpreter: several groups, uneven sizes); whole
+    # tiles per group, so only the very last tile of the last group is partial
+    n_groups = n_groups or (BWD_GROUPS_PER_SM * _sm_count(x.device) if x.is_cuda else 3)
+    rows_per_group = triton.cdiv(triton.cdiv(max(M, 1), n_groups), BWD_GROUP_ALIGN) * BWD_GROUP_ALIGN
+    n_groups = triton.cdiv(max(M, 1), rows_per_group)
     # every group writes its whole row of partials (zeros if it has no rows), so no memset is needed
     part = torch.empty((2 if has_bias else 1, n_groups, C), dtype=torch.float32, device=x.device)
+    dw = torch.empty(C, dtype=weight.dtype, device=x.device)
+    db = torch.empty(C, dtype=weight.dtype, device=x.device) if has_bias else None
     if M > 0:
         _layernorm_bwd_kernel[(n_groups,)](
             x2, dy2, dh2, dx, weight, mean, rstd, part[0], part[-1], M, C, rows_per_group,
             x2.stride(0), dy2.stride(0), 0 if dh2 is None else dh2.stride(0), dx.stride(0),
-            HAS_DH=dh is not None, HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=num_warps)
+            HAS_DH=dh is not None, HAS_BIAS=has_bias, BLOCK_C=triton.next_power_of_2(C))
     else:
         part.zero_()
-    sums = part.sum(1).to(weight.dtype)  # (2 or 1, C): the tiny second-stage reduction, one launch for dw and db
-    return dx.view(x.shape), sums[0], (sums[1] if has_bias else None)
+    # second stage over the (n_groups, C) partials (~3 MB for C = 768): narrow column strips so that C / 32
+    # programs share the work, and 128 group rows per loop step so that each program has few dependent steps
+    # (measured on an H200: 128 columns x 32 rows a step took 55 us, latency bound)
+    _layernorm_dwdb_kernel[(triton.cdiv(C, 32),)](part[0], part[-1], dw, db, n_groups, C, HAS_BIAS=has_bias,
+                                                  BLOCK_G=128, BLOCK_C=32, num_warps=4)
+    return dx.view(x.shape), dw, db
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -345,7 +384,12 @@ def _bench(M, C, dtype, copy_gbs, compile_ok):
         del y
         t_fb = triton.testing.do_bench(lambda: fn(x, w, b).backward(dy), grad_to_none=[x, w, b],
                                        return_mode="median")
-        rows.append(dict(op="layernorm", impl=name, M=M, C=C, dtype=str(dtype).split(".")[-1], fwd_ms=t_f,
+        try:  # GPU time alone: the same fwd+bwd replayed from a CUDA graph (no Python/launch overhead)
+            t_g = triton.testing.do_bench_cudagraph(lambda: fn(x, w, b).backward(dy), return_mode="median")
+        except Exception:  # noqa: BLE001  (capture unsupported: report no number rather than fail the table)
+            t_g = float("nan")
+        rows.append(dict(op="layernorm", impl=name, M=M, C=C, dtype=str(dtype).split(".")[-1], fwd_bwd_graph_ms=t_g,
+                         fwd_ms=t_f,
                          bwd_ms=t_b, fwd_bwd_ms=t_fb, fwd_gbs=fwd_bytes / t_f / 1e6, bwd_gbs=bwd_bytes / t_b / 1e6,
                          fwd_bwd_gbs=(fwd_bytes + bwd_bytes) / t_fb / 1e6))
     eager_ms = next(q["fwd_bwd_ms"] for q in rows if q["impl"] == "eager")
@@ -356,41 +400,19 @@ def _bench(M, C, dtype, copy_gbs, compile_ok):
     return rows
 
 
-def _sweep(M, C, dtype):
-    """Time the forward, then fwd+bwd, over (BLOCK_M, num_warps) around the heuristic, and the backward's number
-    of row groups: the numbers to retune FWD_*/BWD_* constants with."""
-    global BWD_GROUPS_PER_SM
+def _tuned(M, C, dtype):
+    """Run fwd+bwd once at (M, C) and print the tiles the autotuner picked."""
     x = torch.randn(M, C, device="cuda", dtype=dtype, requires_grad=True)
     w = torch.ones(C, device="cuda", dtype=dtype, requires_grad=True)
-    b = torch.zeros(C, device="cuda", dtype=dtype, requires_grad=True)
-    dy = torch.randn(M, C, device="cuda", dtype=dtype)
-    fwd = lambda: layernorm(x, w, b)  # noqa: E731
-    fwd_bwd = lambda: layernorm(x, w, b).backward(dy)  # noqa: E731
-    block_c = triton.next_power_of_2(C)
-    print(f"sweep {M}x{C}: heuristic (BLOCK_M, BLOCK_C, num_warps) fwd {_tile(C, 'fwd')} bwd {_tile(C, 'bwd')}")
-    for kind, fn in (("fwd", fwd), ("bwd", fwd_bwd)):
-        for block_m in (1, 2, 4, 8, 16):
-            for num_warps in (2, 4, 8, 16, 32):
-                per_thread = block_m * block_c // (32 * num_warps)
-                if not 2 <= per_thread <= 32 or block_m * block_c > 16384:
-                    continue
-                _TILE_OVERRIDE[kind, C] = (block_m, num_warps)
-                ms = triton.testing.do_bench(fn, grad_to_none=[x, w, b], return_mode="median")
-                print(f"  {kind} BLOCK_M={block_m:2d} num_warps={num_warps:2d} ({per_thread:2d}/thread): "
-                      f"{'fwd' if kind == 'fwd' else 'fwd+bwd'} {ms * 1e3:7.1f} us")
-        _TILE_OVERRIDE.clear()
-    default = BWD_GROUPS_PER_SM
-    for groups in (1, 2, 3, 4, 8):
-        BWD_GROUPS_PER_SM = groups
-        ms = triton.testing.do_bench(fwd_bwd, grad_to_none=[x, w, b], return_mode="median")
-        print(f"  BWD_GROUPS_PER_SM={groups}: fwd+bwd {ms * 1e3:7.1f} us")
-    BWD_GROUPS_PER_SM = default
+    layernorm(x, w, None).backward(torch.randn(M, C, device="cuda", dtype=dtype))
+    for name, k in (("fwd", _layernorm_fwd_kernel), ("bwd", _layernorm_bwd_kernel)):
+        print(f"  tuned {name} {M}x{C} {str(dtype).split('.')[-1]}: {k.best_config}")
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="two shapes, no torch.compile")
-    p.add_argument("--sweep", action="store_true", help="also sweep tile sizes at 16384x768 and 4096x8192")
+    p.add_argument("--sweep", action="store_true", help="also print the autotuned tiles at 16384x768 and 4096x8192")
     p.add_argument("--out", help="append JSON lines here")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -404,22 +426,23 @@ def main():
     shapes = [(16384, 768), (4096, 8192)] if args.quick else \
         [(16384, 768), (16384, 1024), (16384, 1600), (8192, 4096), (4096, 8192), (2048, 16384)]
     print(f"{'shape':>12} {'impl':>8} {'fwd ms':>8} {'GB/s':>5} {'%copy':>5} {'bwd ms':>8} {'GB/s':>5} {'%copy':>5} "
-          f"{'f+b ms':>8} {'GB/s':>5} {'%copy':>5} {'f+b vs eager':>12}")
+          f"{'f+b ms':>8} {'GB/s':>5} {'%copy':>5} {'f+b vs eager':>12} {'graph f+b':>9}")
     out = open(args.out, "a") if args.out else None
     for M, C in shapes:
         for r in _bench(M, C, dtype, copy_gbs, compile_ok=not args.quick):
             cells = " ".join(f"{r[k + '_ms']:8.4f} {r[k + '_gbs']:5.0f} {r[k + '_pct_copy']:4.0f}%"
                              for k in ("fwd", "bwd", "fwd_bwd"))
-            print(f"{f'{M}x{C}':>12} {r['impl']:>8} {cells} {r['speedup_fwd_bwd']:11.2f}x")
+            print(f"{f'{M}x{C}':>12} {r['impl']:>8} {cells} {r['speedup_fwd_bwd']:11.2f}x "
+                  f"{r['fwd_bwd_graph_ms']:8.4f}")
             if out:
                 out.write(json.dumps(dict(r, device=torch.cuda.get_device_name(), copy_gbs=copy_gbs)) + "\n")
     print("GB/s counts the bytes that must move: fwd x, w, b in and y out; bwd x, dy, w, mean, rstd in and dx, dw, "
-          "db out")
+          "db out; 'graph f+b' = ms of fwd+bwd replayed from a CUDA graph (GPU time without launch overhead)")
     if out:
         out.close()
     if args.sweep:
-        _sweep(16384, 768, dtype)
-        _sweep(4096, 8192, dtype)
+        _tuned(16384, 768, dtype)
+        _tuned(4096, 8192, dtype)
 
 
 if __name__ == "__main__":

@@ -47,27 +47,42 @@ class TorchOps:
 class TritonOps:
     """nanopara's fused Triton kernels (CUDA). Imported lazily so CPU-only use never touches Triton.
 
-    `interpret=True` calls the Triton paths directly even on CPU tensors (tests, under TRITON_INTERPRET=1).
+    The kernels are called through the `nanopara::` custom ops of kernels/ops.py, so torch.compile treats each as
+    one opaque node and compiles the rest of the model around them. `interpret=True` runs the Triton paths even on
+    CPU tensors (tests, under TRITON_INTERPRET=1); otherwise CPU tensors get the PyTorch references.
+    `ce` picks the loss: "inplace" (eager fused kernel, dlogits written into the logits buffer; under
+    torch.compile a graph break at the loss) or "op" (custom ops: no graph break, one more pass over the logits).
     """
 
-    def __init__(self, interpret: bool = False):
-        from kernels import attention, cross_entropy, layernorm
-        self._attn = attention.attention_triton if interpret else attention.attention
-        self._ln = layernorm.layernorm_triton if interpret else layernorm.layernorm
-        self._add_ln = layernorm.add_layernorm_triton if interpret else layernorm.add_layernorm
-        self._ce = cross_entropy.cross_entropy_triton if interpret else cross_entropy.cross_entropy
+    def __init__(self, interpret: bool = False, ce: str = "inplace"):
+        from kernels import attention, cross_entropy, layernorm, ops
+        if ce not in ("inplace", "op"):
+            raise ValueError(f"TritonOps: ce must be 'inplace' or 'op', got {ce!r}")
+        self._k, self._interpret, self._ce_mode = ops, interpret, ce
+        self._ref = attention.attention, layernorm.layernorm, layernorm.add_layernorm, cross_entropy.cross_entropy
+
+    def _triton(self, t):
+        return self._interpret or t.is_cuda
 
     def attention(self, q, k, v):
-        return self._attn(q, k, v, causal=True)
+        return (self._k.attention if self._triton(q) else self._ref[0])(q, k, v, causal=True)
 
+    # every LayerNorm output feeds a Linear: under autocast it is written in the matmul's dtype directly
     def layernorm(self, x, ln):
-        return self._ln(x, ln.weight, ln.bias, ln.eps)
+        if not self._triton(x):
+            return self._ref[1](x, ln.weight, ln.bias, ln.eps)
+        return self._k.layernorm(x, ln.weight, ln.bias, ln.eps, out_dtype=self._k.matmul_dtype(x))
 
     def add_layernorm(self, x, residual, ln):
-        return self._add_ln(x, residual, ln.weight, ln.bias, ln.eps)
+        if not self._triton(x):
+            return self._ref[2](x, residual, ln.weight, ln.bias, ln.eps)
+        return self._k.add_layernorm(x, residual, ln.weight, ln.bias, ln.eps, out_dtype=self._k.matmul_dtype(x))
 
     def cross_entropy(self, logits, targets, n_vocab):
-        return self._ce(logits, targets, n_vocab=n_vocab, ignore_index=-1)
+        if not self._triton(logits):
+            return self._ref[3](logits, targets, n_vocab=n_vocab, ignore_index=-1)
+        ce = self._k.cross_entropy_inplace if self._ce_mode == "inplace" else self._k.cross_entropy
+        return ce(logits, targets, n_vocab=n_vocab, ignore_index=-1)
 
 
 def make_ops(kind: str, device: torch.device | str):
