@@ -17,19 +17,12 @@ blocks left of its diagonal without any mask and applies the mask only on the di
 the diagonal are never loaded. The backward uses no atomics: one kernel owns a query block and loops over keys
 (dq, and delta = rowsum(dout * out) for its rows, stored for the next kernel); a second owns a key block and loops
 over queries (dk, dv). P is recomputed from the stored lse, so the backward uses exactly the lse and out it is given.
-(A fused backward that adds dq with TMA reductions from the dk/dv kernel, 5 dots instead of 7, measured slower on
-an H200: its extra live tiles spill. bench/notes_attention.md has the numbers.)
-
-Tiles of q, k, v and dO arrive through TMA: host-built 4-D tensor descriptors over (B, H, T, D) with the tensor's
-own strides. The copy engine zero-fills rows past T and columns past D, and no tensor of pointers holds registers
-(with pointer loads the same tiles used about twice the registers and spilled).
 
 Shapes: q (B, H, Tq, D), k and v (B, H, Tk, D), any strides (views of a fused qkv projection are read in place).
 bf16/fp16 in (fp32 too: on the GPU its dots run in tf32), fp32 accumulation, out in the input dtype, lse (B, H, Tq)
-fp32. Head dims that are not powers of 2 (e.g. 80, 96) are padded to the next power of 2 inside the kernel (TMA
-zero fill). Inputs TMA cannot read in place (rows not 16-byte aligned, zero strides) are copied once first. Any
-sequence length: tails are masked. The out and the grads are (B, H, T, D) views of (B, T, H, D) memory, so merging
-heads afterwards (`y.transpose(1, 2).reshape(B, T, H * D)`) is free.
+fp32. Head dims that are not powers of 2 (e.g. 80, 96) are padded to the next power of 2 inside the kernel with
+masked loads. Any sequence length: tails are masked. The out and the grads are (B, H, T, D) views of (B, T, H, D)
+memory, so merging heads afterwards (`y.transpose(1, 2).reshape(B, T, H * D)`) is free.
 
 Callers: `nanopara/model.py` uses `attention()` (Triton on CUDA tensors, SDPA on CPU tensors);
 `nanopara/cp.py` (ring attention) calls `attention_block_fwd` per key/value block, merges the partial results by
@@ -45,7 +38,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
 LN2 = 0.6931471805599453  # ln(2): converts the kernel's base-2 lse back to natural log
@@ -94,35 +86,22 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head-dim class (padded D <= 64, D >= 128). Forward and dq:
 # a query block of BLOCK_M rows walks key blocks of BLOCK_N, and the causal split into unmasked and diagonal blocks
 # needs BLOCK_M % BLOCK_N == 0; dk/dv: a key block of BLOCK_N walks query blocks of BLOCK_M, BLOCK_N % BLOCK_M == 0.
-# Kept: the fastest few per class on an H200 (CUDA-graph timings, bench/notes_attention.md); under `ptxas -v`
-# (sm_90a, bf16) all compile with no register spills except dk/dv at D=128, where every tile tried spills (728 bytes
-# for these three; 64x64 w8 does not spill but ran 40% slower).
-# A handful per class keeps first-call autotuning to seconds.
+# Kept: tiles that `ptxas -v` (sm_90a, bf16) compiles with no register spills, or a few dozen bytes; the tiles
+# left out spill hundreds to thousands of bytes. A handful per class keeps first-call autotuning to seconds.
 _TILES = {
-    "fwd": {64: [(64, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 4, 2)],
-            128: [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4)]},
-    "dq": {64: [(128, 32, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2)],
-           128: [(128, 32, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3)]},
-    "dkdv": {64: [(64, 64, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2)],
-             128: [(32, 64, 4, 3), (32, 64, 4, 4), (32, 128, 8, 3)]},
+    "fwd": {64: [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 4)],
+            128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)]},
+    "dq": {64: [(128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3)],
+           128: [(128, 32, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4)]},
+    "dkdv": {64: [(32, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 4)],
+             128: [(32, 128, 8, 3), (32, 128, 8, 2), (64, 64, 8, 3), (32, 64, 4, 4)]},
 }
 _CPU_TILE = {"fwd": (64, 32), "dq": (64, 32), "dkdv": (32, 64)}  # the interpreter: one small tile, no tuning
-
-# Which block size sets each descriptor's rows: query-side tiles are BLOCK_M rows, key-side tiles BLOCK_N rows.
-_DESC_ROWS = {"Q_desc": "BLOCK_M", "DO_desc": "BLOCK_M", "K_desc": "BLOCK_N", "V_desc": "BLOCK_N"}
-
-
-def _set_desc_blocks(nargs):
-    """Autotune pre-hook: the host descriptors get the tile of the config about to run ((1, 1, rows, BLOCK_D))."""
-    for name, rows in _DESC_ROWS.items():
-        if name in nargs:
-            nargs[name].block_shape = [1, 1, nargs[rows], nargs["BLOCK_D"]]
 
 
 def _configs(kind):
     tiles = [_CPU_TILE[kind] + (4, 1)] if _INTERPRET else sorted(set(_TILES[kind][64] + _TILES[kind][128]))
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s, pre_hook=_set_desc_blocks)
-            for m, n, w, s in tiles]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in tiles]
 
 
 def _pruner(kind):
@@ -143,14 +122,27 @@ _NO_SPEC = ["Tq", "Tk", "T_BUCKET"]  # one binary for every length (no recompile
 # ---------------------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _attn_fwd_inner(acc, l_i, m_i, q, K_desc, V_desc, b, h, offs_m, lo, hi, Tk, qk_scale,
-                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr):
+def _attn_fwd_inner(acc, l_i, m_i, q, K_base, V_base, stride_kt, stride_kd, stride_vt, stride_vd,
+                    offs_m, offs_d, lo, hi, Tk, qk_scale,
+                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    MASK: tl.constexpr, CAUSAL: tl.constexpr):
     """Online softmax over key blocks [lo, hi). MASK: mask keys >= Tk (and, if CAUSAL, keys right of the row)."""
+    offs_n = lo + tl.arange(0, BLOCK_N)
+    d_ok = offs_d < HEAD_DIM
+    kt_ptrs = K_base + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kt  # (BLOCK_D, BLOCK_N)
+    v_ptrs = V_base + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd  # (BLOCK_N, BLOCK_D)
     for start_n in range(lo, hi, BLOCK_N):
-        # TMA tiles: rows past Tk and columns past HEAD_DIM arrive as zeros, so no load needs a mask
-        k = K_desc.load([b, h, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
-        v = V_desc.load([b, h, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
-        s = tl.dot(q, k.T) * qk_scale  # (BLOCK_M, BLOCK_N) scores in log2 units
+        if MASK:
+            n_ok = (start_n + tl.arange(0, BLOCK_N)) < Tk
+            kt = tl.load(kt_ptrs, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        else:
+            kt = tl.load(kt_ptrs)
+            v = tl.load(v_ptrs)
+        s = tl.dot(q, kt) * qk_scale  # (BLOCK_M, BLOCK_N) scores in log2 units
         if MASK:
             cols = start_n + tl.arange(0, BLOCK_N)
             keep = cols[None, :] < Tk
@@ -164,12 +156,17 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K_desc, V_desc, b, h, offs_m, lo, hi, Tk, 
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
+        kt_ptrs += BLOCK_N * stride_kt
+        v_ptrs += BLOCK_N * stride_vt
     return acc, l_i, m_i
 
 
 @triton.autotune(configs=_configs("fwd"), key=_KEY, prune_configs_by=_pruner("fwd"))
 @triton.jit(do_not_specialize=_NO_SPEC)
-def _attn_fwd_kernel(Q_desc, K_desc, V_desc, O, LSE, qk_scale,
+def _attn_fwd_kernel(Q, K, V, O, LSE, qk_scale,
+                     stride_qb, stride_qh, stride_qt, stride_qd,
+                     stride_kb, stride_kh, stride_kt, stride_kd,
+                     stride_vb, stride_vh, stride_vt, stride_vd,
                      stride_ob, stride_oh, stride_ot, stride_od,
                      H, Tq, Tk, T_BUCKET,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
@@ -178,35 +175,42 @@ def _attn_fwd_kernel(Q_desc, K_desc, V_desc, O, LSE, qk_scale,
     if CAUSAL:  # the last query blocks have the most keys: launch them first so the tail of the grid is short
         pid_m = tl.num_programs(0) - 1 - pid_m
     pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    K_base = K + b * stride_kb + h * stride_kh
+    V_base = V + b * stride_vb + h * stride_vh
 
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    q = Q_desc.load([b, h, m0, 0]).reshape(BLOCK_M, BLOCK_D)
+    m_ok = offs_m < Tq
+    d_ok = offs_d < HEAD_DIM
+    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if CAUSAL:
         # keys [0, m0) lie left of the diagonal for every row of the block: no mask; then the diagonal blocks
-        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K_desc, V_desc, b, h, offs_m, 0, m0, Tk, qk_scale,
-                                        BLOCK_N, BLOCK_D, False, False)
-        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K_desc, V_desc, b, h, offs_m, m0,
-                                        tl.minimum(m0 + BLOCK_M, Tk), Tk, qk_scale, BLOCK_N, BLOCK_D, True, True)
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K_base, V_base, stride_kt, stride_kd, stride_vt,
+                                        stride_vd, offs_m, offs_d, 0, m0, Tk, qk_scale,
+                                        BLOCK_N, HEAD_DIM, BLOCK_D, False, False)
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K_base, V_base, stride_kt, stride_kd, stride_vt,
+                                        stride_vd, offs_m, offs_d, m0, tl.minimum(m0 + BLOCK_M, Tk), Tk,
+                                        qk_scale, BLOCK_N, HEAD_DIM, BLOCK_D, True, True)
     else:
         tk_full = (Tk // BLOCK_N) * BLOCK_N  # whole key blocks, then the masked tail
-        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K_desc, V_desc, b, h, offs_m, 0, tk_full, Tk, qk_scale,
-                                        BLOCK_N, BLOCK_D, False, False)
-        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K_desc, V_desc, b, h, offs_m, tk_full, Tk, Tk, qk_scale,
-                                        BLOCK_N, BLOCK_D, True, False)
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K_base, V_base, stride_kt, stride_kd, stride_vt,
+                                        stride_vd, offs_m, offs_d, 0, tk_full, Tk, qk_scale,
+                                        BLOCK_N, HEAD_DIM, BLOCK_D, False, False)
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K_base, V_base, stride_kt, stride_kd, stride_vt,
+                                        stride_vd, offs_m, offs_d, tk_full, Tk, Tk, qk_scale,
+                                        BLOCK_N, HEAD_DIM, BLOCK_D, True, False)
 
     out = acc / l_i[:, None]
-    m_ok = offs_m < Tq
-    o_ptrs = (O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_ot
-              + offs_d[None, :] * stride_od)
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=m_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+    o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
     tl.store(LSE + pid_bh.to(tl.int64) * Tq + offs_m, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=m_ok)
 
 
@@ -215,29 +219,49 @@ def _attn_fwd_kernel(Q_desc, K_desc, V_desc, O, LSE, qk_scale,
 # ---------------------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _attn_bwd_dq_inner(dq, q, do, lse2, delta, K_desc, V_desc, b, h, offs_m, lo, hi, Tk, qk_scale,
-                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr):
+def _attn_bwd_dq_inner(dq, q, do, lse2, delta, K_base, V_base, stride_kt, stride_kd, stride_vt, stride_vd,
+                       offs_m, offs_d, lo, hi, Tk, qk_scale,
+                       BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                       MASK: tl.constexpr, CAUSAL: tl.constexpr):
     """dq += dS @ k over key blocks [lo, hi) (dq is unscaled here)."""
+    offs_n = lo + tl.arange(0, BLOCK_N)
+    d_ok = offs_d < HEAD_DIM
+    kt_ptrs = K_base + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kt  # (BLOCK_D, BLOCK_N)
+    vt_ptrs = V_base + offs_d[:, None] * stride_vd + offs_n[None, :] * stride_vt  # (BLOCK_D, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
-        k = K_desc.load([b, h, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
-        v = V_desc.load([b, h, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
-        p = tl.exp2(tl.dot(q, k.T) * qk_scale - lse2[:, None])  # (BLOCK_M, BLOCK_N) = P, from the given lse
+        if MASK:
+            n_ok = (start_n + tl.arange(0, BLOCK_N)) < Tk
+            kt = tl.load(kt_ptrs, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+            vt = tl.load(vt_ptrs, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
+            vt = tl.load(vt_ptrs, mask=d_ok[:, None], other=0.0)
+        else:
+            kt = tl.load(kt_ptrs)
+            vt = tl.load(vt_ptrs)
+        p = tl.exp2(tl.dot(q, kt) * qk_scale - lse2[:, None])  # (BLOCK_M, BLOCK_N) = P, from the given lse
         if MASK:
             cols = start_n + tl.arange(0, BLOCK_N)
             keep = cols[None, :] < Tk
             if CAUSAL:
                 keep = keep & (cols[None, :] <= offs_m[:, None])
             p = tl.where(keep, p, 0.0)
-        dp = tl.dot(do, v.T)  # (BLOCK_M, BLOCK_N)
+        dp = tl.dot(do, vt)  # (BLOCK_M, BLOCK_N)
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)  # (BLOCK_M, BLOCK_D)
+        dq += tl.dot(ds.to(kt.dtype), tl.trans(kt))  # (BLOCK_M, BLOCK_D)
+        kt_ptrs += BLOCK_N * stride_kt
+        vt_ptrs += BLOCK_N * stride_vt
     return dq
 
 
 @triton.autotune(configs=_configs("dq"), key=_KEY, prune_configs_by=_pruner("dq"))
 @triton.jit(do_not_specialize=_NO_SPEC)
-def _attn_bwd_dq_kernel(Q_desc, K_desc, V_desc, DO_desc, O, LSE, DELTA, DQ, qk_scale, sm_scale,
+def _attn_bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, qk_scale, sm_scale,
+                        stride_qb, stride_qh, stride_qt, stride_qd,
+                        stride_kb, stride_kh, stride_kt, stride_kd,
+                        stride_vb, stride_vh, stride_vt, stride_vd,
                         stride_ob, stride_oh, stride_ot, stride_od,
+                        stride_dob, stride_doh, stride_dot, stride_dod,
                         stride_dqb, stride_dqh, stride_dqt, stride_dqd,
                         H, Tq, Tk, T_BUCKET,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
@@ -246,18 +270,22 @@ def _attn_bwd_dq_kernel(Q_desc, K_desc, V_desc, DO_desc, O, LSE, DELTA, DQ, qk_s
     if CAUSAL:  # heaviest query blocks first
         pid_m = tl.num_programs(0) - 1 - pid_m
     pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    K_base = K + b * stride_kb + h * stride_kh
+    V_base = V + b * stride_vb + h * stride_vh
 
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < Tq
     md_ok = m_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    q = Q_desc.load([b, h, m0, 0]).reshape(BLOCK_M, BLOCK_D)
-    do = DO_desc.load([b, h, m0, 0]).reshape(BLOCK_M, BLOCK_D)
-    o = tl.load(O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_ot
-                + offs_d[None, :] * stride_od, mask=md_ok, other=0.0)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd,
+                mask=md_ok, other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :] * stride_dod,
+                 mask=md_ok, other=0.0)
+    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :] * stride_od,
+                mask=md_ok, other=0.0)
     # delta = rowsum(dO * O) from the given out; stored for the dk/dv kernel, which runs after this one
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     row = pid_bh.to(tl.int64) * Tq + offs_m
@@ -266,54 +294,71 @@ def _attn_bwd_dq_kernel(Q_desc, K_desc, V_desc, DO_desc, O, LSE, DELTA, DQ, qk_s
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if CAUSAL:
-        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, K_desc, V_desc, b, h, offs_m, 0, m0, Tk, qk_scale,
-                                BLOCK_N, BLOCK_D, False, False)
-        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, K_desc, V_desc, b, h, offs_m, m0,
-                                tl.minimum(m0 + BLOCK_M, Tk), Tk, qk_scale, BLOCK_N, BLOCK_D, True, True)
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, K_base, V_base, stride_kt, stride_kd, stride_vt, stride_vd,
+                                offs_m, offs_d, 0, m0, Tk, qk_scale, BLOCK_N, HEAD_DIM, BLOCK_D, False, False)
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, K_base, V_base, stride_kt, stride_kd, stride_vt, stride_vd,
+                                offs_m, offs_d, m0, tl.minimum(m0 + BLOCK_M, Tk), Tk, qk_scale,
+                                BLOCK_N, HEAD_DIM, BLOCK_D, True, True)
     else:
         tk_full = (Tk // BLOCK_N) * BLOCK_N
-        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, K_desc, V_desc, b, h, offs_m, 0, tk_full, Tk, qk_scale,
-                                BLOCK_N, BLOCK_D, False, False)
-        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, K_desc, V_desc, b, h, offs_m, tk_full, Tk, Tk, qk_scale,
-                                BLOCK_N, BLOCK_D, True, False)
-    dq_ptrs = (DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh + offs_m[:, None] * stride_dqt
-               + offs_d[None, :] * stride_dqd)
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, K_base, V_base, stride_kt, stride_kd, stride_vt, stride_vd,
+                                offs_m, offs_d, 0, tk_full, Tk, qk_scale, BLOCK_N, HEAD_DIM, BLOCK_D, False, False)
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, K_base, V_base, stride_kt, stride_kd, stride_vt, stride_vd,
+                                offs_m, offs_d, tk_full, Tk, Tk, qk_scale, BLOCK_N, HEAD_DIM, BLOCK_D, True, False)
+    dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :] * stride_dqd
     tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=md_ok)
 
 
 @triton.jit
-def _attn_bwd_dkdv_inner(dk, dv, k, v, Q_desc, DO_desc, LSE_base, DELTA_base, b, h, offs_n, lo, hi, Tq, qk_scale,
-                         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr):
-    """dv += P^T @ dO, dk += dS^T @ q over query blocks [lo, hi), all transposed: rows are keys (dk unscaled).
-    Transposed so that k and v are the dots' left operands, which wgmma reads from registers (an operand on the
-    right must sit in shared memory, and Triton would re-store a loop-invariant one there every step)."""
+def _attn_bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base,
+                         stride_qt, stride_qd, stride_dot, stride_dod,
+                         offs_n, offs_d, lo, hi, Tq, qk_scale,
+                         BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         MASK: tl.constexpr, CAUSAL: tl.constexpr):
+    """dv += P^T @ dO, dk += dS^T @ q over query blocks [lo, hi), all transposed: rows are keys (dk unscaled)."""
+    offs_m = lo + tl.arange(0, BLOCK_M)
+    d_ok = offs_d < HEAD_DIM
+    qt_ptrs = Q_base + offs_d[:, None] * stride_qd + offs_m[None, :] * stride_qt  # (BLOCK_D, BLOCK_M)
+    do_ptrs = DO_base + offs_m[:, None] * stride_dot + offs_d[None, :] * stride_dod  # (BLOCK_M, BLOCK_D)
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
-        q = Q_desc.load([b, h, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
-        do = DO_desc.load([b, h, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
         if MASK:
             m_ok = rows < Tq
+            qt = tl.load(qt_ptrs, mask=d_ok[:, None] & m_ok[None, :], other=0.0)
+            do = tl.load(do_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
             lse2 = tl.load(LSE_base + rows, mask=m_ok, other=0.0) * 1.4426950408889634
             delta = tl.load(DELTA_base + rows, mask=m_ok, other=0.0)
         else:
+            if BLOCK_D != HEAD_DIM:
+                qt = tl.load(qt_ptrs, mask=d_ok[:, None], other=0.0)
+                do = tl.load(do_ptrs, mask=d_ok[None, :], other=0.0)
+            else:
+                qt = tl.load(qt_ptrs)
+                do = tl.load(do_ptrs)
             lse2 = tl.load(LSE_base + rows) * 1.4426950408889634
             delta = tl.load(DELTA_base + rows)
-        pt = tl.exp2(tl.dot(k, q.T) * qk_scale - lse2[None, :])  # (BLOCK_N, BLOCK_M) = P^T
+        pt = tl.exp2(tl.dot(k, qt) * qk_scale - lse2[None, :])  # (BLOCK_N, BLOCK_M) = P^T
         if MASK:
             keep = rows[None, :] < Tq
             if CAUSAL:
                 keep = keep & (rows[None, :] >= offs_n[:, None])
             pt = tl.where(keep, pt, 0.0)
         dv += tl.dot(pt.to(do.dtype), do)  # (BLOCK_N, BLOCK_D)
-        dpt = tl.dot(v, do.T)  # (BLOCK_N, BLOCK_M) = dP^T
-        dst = (pt * (dpt - delta[None, :])).to(q.dtype)
-        dk += tl.dot(dst, q)  # (BLOCK_N, BLOCK_D)
+        dpt = tl.dot(v, tl.trans(do))  # (BLOCK_N, BLOCK_M) = dP^T
+        dst = pt * (dpt - delta[None, :])
+        dk += tl.dot(dst.to(qt.dtype), tl.trans(qt))  # (BLOCK_N, BLOCK_D)
+        qt_ptrs += BLOCK_M * stride_qt
+        do_ptrs += BLOCK_M * stride_dot
     return dk, dv
 
 
 @triton.autotune(configs=_configs("dkdv"), key=_KEY, prune_configs_by=_pruner("dkdv"))
 @triton.jit(do_not_specialize=_NO_SPEC)
-def _attn_bwd_dkdv_kernel(Q_desc, K_desc, V_desc, DO_desc, LSE, DELTA, DK, DV, qk_scale, sm_scale,
+def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, qk_scale, sm_scale,
+                          stride_qb, stride_qh, stride_qt, stride_qd,
+                          stride_kb, stride_kh, stride_kt, stride_kd,
+                          stride_vb, stride_vh, stride_vt, stride_vd,
+                          stride_dob, stride_doh, stride_dot, stride_dod,
                           stride_dkb, stride_dkh, stride_dkt, stride_dkd,
                           stride_dvb, stride_dvh, stride_dvt, stride_dvd,
                           H, Tq, Tk, T_BUCKET,
@@ -321,16 +366,21 @@ def _attn_bwd_dkdv_kernel(Q_desc, K_desc, V_desc, DO_desc, LSE, DELTA, DK, DV, q
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_n = tl.program_id(0)  # causal: the first key blocks see the most queries and already launch first
     pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    Q_base = Q + b * stride_qb + h * stride_qh
+    DO_base = DO + b * stride_dob + h * stride_doh
     LSE_base = LSE + pid_bh.to(tl.int64) * Tq
     DELTA_base = DELTA + pid_bh.to(tl.int64) * Tq
 
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    k = K_desc.load([b, h, n0, 0]).reshape(BLOCK_N, BLOCK_D)
-    v = V_desc.load([b, h, n0, 0]).reshape(BLOCK_N, BLOCK_D)
+    nd_ok = (offs_n < Tk)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    k = tl.load(K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd,
+                mask=nd_ok, other=0.0)  # (BLOCK_N, BLOCK_D)
+    v = tl.load(V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd,
+                mask=nd_ok, other=0.0)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -338,22 +388,22 @@ def _attn_bwd_dkdv_kernel(Q_desc, K_desc, V_desc, DO_desc, LSE, DELTA, DK, DV, q
     if CAUSAL:
         # queries [n0, n0 + BLOCK_N) straddle the diagonal (masked); later ones see every key of the block
         lo = n0 + BLOCK_N
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Q_desc, DO_desc, LSE_base, DELTA_base, b, h, offs_n, n0,
-                                      tl.minimum(lo, Tq), Tq, qk_scale, BLOCK_M, BLOCK_D, True, True)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, stride_qt, stride_qd,
+                                      stride_dot, stride_dod, offs_n, offs_d, n0, tl.minimum(lo, Tq), Tq,
+                                      qk_scale, BLOCK_M, HEAD_DIM, BLOCK_D, True, True)
     else:
         lo = n0 * 0
     # the masked query tail, then the whole query blocks in between. This order matters for speed only: with the
     # unmasked loop first on fresh zero accumulators (non-causal), ptxas serializes its wgmmas (warning C7515)
-    dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Q_desc, DO_desc, LSE_base, DELTA_base, b, h, offs_n,
-                                  tl.maximum(lo, tq_full), Tq, Tq, qk_scale, BLOCK_M, BLOCK_D, True, False)
-    dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Q_desc, DO_desc, LSE_base, DELTA_base, b, h, offs_n, lo, tq_full,
-                                  Tq, qk_scale, BLOCK_M, BLOCK_D, False, False)
+    dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, stride_qt, stride_qd,
+                                  stride_dot, stride_dod, offs_n, offs_d, tl.maximum(lo, tq_full), Tq, Tq,
+                                  qk_scale, BLOCK_M, HEAD_DIM, BLOCK_D, True, False)
+    dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, Q_base, DO_base, LSE_base, DELTA_base, stride_qt, stride_qd,
+                                  stride_dot, stride_dod, offs_n, offs_d, lo, tq_full, Tq, qk_scale,
+                                  BLOCK_M, HEAD_DIM, BLOCK_D, False, False)
 
-    nd_ok = (offs_n < Tk)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    dk_ptrs = (DK + b.to(tl.int64) * stride_dkb + h.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkt
-               + offs_d[None, :] * stride_dkd)
-    dv_ptrs = (DV + b.to(tl.int64) * stride_dvb + h.to(tl.int64) * stride_dvh + offs_n[:, None] * stride_dvt
-               + offs_d[None, :] * stride_dvd)
+    dk_ptrs = DK + b * stride_dkb + h * stride_dkh + offs_n[:, None] * stride_dkt + offs_d[None, :] * stride_dkd
+    dv_ptrs = DV + b * stride_dvb + h * stride_dvh + offs_n[:, None] * stride_dvt + offs_d[None, :] * stride_dvd
     tl.store(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), mask=nd_ok)
     tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=nd_ok)
 
@@ -374,22 +424,6 @@ def _launch_args(q, k, causal, sm_scale):
     return B, H, Tq, Tk, D, scale, meta, triton.next_power_of_2(max(Tq, Tk))  # T_BUCKET of the autotune key
 
 
-def _desc(t):
-    """TMA descriptor of a (B, H, T, D) tensor read in place; the block shape is set per config (_set_desc_blocks).
-    TMA needs a unit stride along D and 16-byte aligned base and strides: views of a fused qkv projection and
-    (B, T, H, D) memory qualify as they are; anything else (an expanded dO of stride 0, an odd D) is first copied
-    into a (B, H, T, D) buffer whose rows are padded to 16 bytes."""
-    align = 16 // t.element_size()
-    ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(
-        s > 0 and s % align == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
-    if not ok:
-        B, H, T, D = t.shape
-        t = torch.empty(B, H, T, triton.cdiv(D, align) * align, dtype=t.dtype, device=t.device)[..., :D].copy_(t)
-    # a size-1 dim is never stepped over, but TMA still checks its stride: any aligned value will do
-    strides = [s if n > 1 else align for s, n in zip(t.stride()[:-1], t.shape[:-1])] + [1]
-    return TensorDescriptor(t, list(t.shape), strides, [1, 1, 16, 16])
-
-
 def _bthd_empty(B, H, T, D, like):
     """(B, H, T, D) view of (B, T, H, D) memory: head merging after attention becomes a free view."""
     return torch.empty(B, T, H, D, dtype=like.dtype, device=like.device).transpose(1, 2)
@@ -407,7 +441,7 @@ def attention_block_fwd(q, k, v, causal, sm_scale=None):
     def grid(cfg):
         return (triton.cdiv(Tq, cfg["BLOCK_M"]), B * H)
 
-    _attn_fwd_kernel[grid](_desc(q), _desc(k), _desc(v), out, lse, scale * LOG2E, *out.stride(),
+    _attn_fwd_kernel[grid](q, k, v, out, lse, scale * LOG2E, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
                            H, Tq, Tk, t_bucket, **meta)
     return out, lse
 
@@ -427,7 +461,6 @@ def attention_block_bwd(do, q, k, v, out, lse, causal, sm_scale=None):
     dv = _bthd_empty(B, H, Tk, D, v)
     if dq.numel() == 0:
         return dq, dk.zero_(), dv.zero_()
-    q_d, k_d, v_d, do_d = _desc(q), _desc(k), _desc(v), _desc(do)
 
     def grid_q(cfg):
         return (triton.cdiv(Tq, cfg["BLOCK_M"]), B * H)
@@ -436,10 +469,12 @@ def attention_block_bwd(do, q, k, v, out, lse, causal, sm_scale=None):
         return (triton.cdiv(Tk, cfg["BLOCK_N"]), B * H)
 
     # dq first: it also writes delta, which the dk/dv kernel reads (same stream, so ordered)
-    _attn_bwd_dq_kernel[grid_q](q_d, k_d, v_d, do_d, out, lse, delta, dq, scale * LOG2E, scale,
-                                *out.stride(), *dq.stride(), H, Tq, Tk, t_bucket, **meta)
-    _attn_bwd_dkdv_kernel[grid_kv](q_d, k_d, v_d, do_d, lse, delta, dk, dv, scale * LOG2E, scale,
-                                   *dk.stride(), *dv.stride(), H, Tq, Tk, t_bucket, **meta)
+    _attn_bwd_dq_kernel[grid_q](q, k, v, out, do, lse, delta, dq, scale * LOG2E, scale,
+                                *q.stride(), *k.stride(), *v.stride(), *out.stride(), *do.stride(), *dq.stride(),
+                                H, Tq, Tk, t_bucket, **meta)
+    _attn_bwd_dkdv_kernel[grid_kv](q, k, v, do, lse, delta, dk, dv, scale * LOG2E, scale,
+                                   *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+                                   H, Tq, Tk, t_bucket, **meta)
     return dq, dk, dv
 
 
