@@ -145,6 +145,9 @@ def main():
                     help="cpu: a gloo smoke test of this script on the tiny preset, not a measurement")
     args = ap.parse_args()
     mesh = Mesh.build(dp=-1, device=args.device)
+    if not dist.is_initialized():  # one process (the dp=1 baseline): torch DDP and barriers still want a group
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=0, world_size=1,
+                                device_id=mesh.device if args.device == "cuda" else None)
     n = mesh.world
     warmup, steps = (2, 5) if args.quick else (3, 15)
     name = torch.cuda.get_device_name(mesh.device) if args.device == "cuda" else "CPU (smoke test)"
