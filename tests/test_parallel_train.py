@@ -3,7 +3,8 @@
 Every layout trains the same model on the same global batch per step (loader: rank r takes rows r*B..(r+1)*B-1
 of the global batch), so losses agree up to the order of fp32 sums: DP averages per-rank means, ZeRO reduces in
 chunks, TP splits matmul reductions over ranks. Measured worst loss difference over 20 steps on the
-2-core CPU (torch 2.13): 4.8e-7 for dp2 x ZeRO-0/3, tp2+sp and dp2 x tp2 + sp + ZeRO-1 (1 ulp of ~5). The bound 1e-4 leaves room for compounding through AdamW on other CPUs without hiding a real bug (a wrong
+2-core CPU (torch 2.13): 4.8e-7 for dp2 x ZeRO-0/3, tp2+sp and dp2 x tp2 + sp + ZeRO-1 (1 ulp of ~5).
+The bound 1e-4 leaves room for compounding through AdamW on other CPUs without hiding a real bug (a wrong
 shard or a missing all-reduce moves the loss by >1e-2 within two steps).
 """
 import json
