@@ -6,13 +6,18 @@
                micro_batch sequences of T=1024 per GPU, bf16 autocast, synthetic tokens, one micro-step per
                optimizer step, grad clip 1.0, fused AdamW. Per mode: warm-up steps, then timed steps.
                tok/s = N*B*T*steps / time (slowest rank), MFU = flops/token * tok/s / (N * 989 TFLOP/s) with
-               flops/token = 6*params + 12*n_layer*n_embd*T, peak = torch.cuda.max_memory_allocated (max over
-               ranks, model states + activations + transients), states = engine.memory_bytes() (params + grads
-               + Adam m, v that the rank holds). torch_ddp: DistributedDataParallel(bucket_cap_mb=25,
-               gradient_as_bucket_view=True) + clip_grad_norm_ + the same AdamW.
+               flops/token = 6*params + 12*n_layer*n_embd*T. Memory (max over ranks): base =
+               torch.cuda.memory_allocated() after the warm-up steps (every state exists, AdamW's lazy m, v too)
+               and a reset of the peak counter; peak = max_memory_allocated over the timed steps; transient =
+               peak - base (activations, autocast copies, gradients in flight, ZeRO-3's gathered units); states =
+               engine.memory_bytes() (params + grads + Adam m, v that the rank holds). A mode must give back all
+               it allocated (checked: a warning names any leftover, which would inflate the next mode).
+               torch_ddp: DistributedDataParallel(bucket_cap_mb=25, gradient_as_bucket_view=True) +
+               clip_grad_norm_ + the same AdamW.
 2. memory      a large preset (gpt2_1558m by default) with micro_batch 1 per ZeRO stage: the model states this
                rank holds (memory_bytes) next to the ZeRO paper's formula for fp32 params/grads + fp32 Adam m, v
-               (16Ψ, 8Ψ+8Ψ/N, 4Ψ+12Ψ/N, 16Ψ/N; ours adds padding of < N elements per flat buffer), and the peak.
+               (16Ψ, 8Ψ+8Ψ/N, 4Ψ+12Ψ/N, 16Ψ/N; ours adds padding of < N elements per flat buffer), the step
+               transient on top of them, and the peak; it should fall with the stage.
 
 Rank 0 prints one table row per mode; --out writes the rows as JSON. ~2 minutes on 4 H100s (--quick: ~1).
 """
@@ -96,6 +101,8 @@ def engine_step_fn(model, mesh, cfg):
 
 
 def run_mode(mode, cfg, mesh, warmup, steps):
+    cuda = mesh.device.type == "cuda"
+    start = torch.cuda.memory_allocated() if cuda else 0
     model = build(cfg, mesh)
     n_params, psi = model.num_params(), sum(p.numel() for p in model.parameters())  # the tied weight once
     step, engine = (torch_ddp_step_fn if mode == "torch_ddp" else engine_step_fn)(model, mesh, cfg)
@@ -103,29 +110,37 @@ def run_mode(mode, cfg, mesh, warmup, steps):
     g = torch.Generator(device=mesh.device).manual_seed(mesh.rank)
     xy = torch.randint(0, cfg.model.vocab_size, (B, T + 1), device=mesh.device, generator=g)
     x, y = xy[:, :-1].contiguous(), xy[:, 1:].contiguous()
-    cuda = mesh.device.type == "cuda"
+    for _ in range(warmup):
+        step(x, y)
+    sync(mesh.device)
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    for _ in range(warmup):
-        step(x, y)
-    sync(mesh.device)
+    base = torch.cuda.memory_allocated() / GB if cuda else 0.0  # the states (and the batch): what a step starts from
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(steps):
         step(x, y)
     sync(mesh.device)
     peak = torch.cuda.max_memory_allocated() / GB if cuda else 0.0
-    stats = torch.tensor([time.perf_counter() - t0, peak], device=mesh.device)
+    stats = torch.tensor([time.perf_counter() - t0, peak, base, peak - base], device=mesh.device)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-    dt, peak = stats.tolist()
+    dt, peak, base, transient = stats.tolist()
     states = engine.memory_bytes() if engine is not None else None
-    del step, engine, model
-    gc.collect()  # engines hold hooks that refer back to them: collect the cycles before the next mode
+    if engine is not None:
+        engine.close()
+    del step, engine, model, xy, x, y
+    gc.collect()
+    left = 0.0
     if cuda:
         torch.cuda.empty_cache()
+        left = (torch.cuda.memory_allocated() - start) / GB
+        if left > 0.1:  # cuBLAS workspaces (tens of MB) may stay after the first mode; a model would not
+            print(f"WARNING rank {mesh.rank}: {mode} left {left:.2f} GB allocated after cleanup; the next mode's "
+                  f"memory numbers include it", flush=True)
     return {"mode": mode, "tok_s": mesh.world * B * T * steps / dt, "step_ms": dt / steps * 1e3, "peak_GB": peak,
+            "base_GB": base, "transient_GB": transient, "left_GB": left,
             "states_GB": None if states is None else sum(states.values()) / GB, "n_params": n_params, "psi": psi}
 
 
@@ -177,20 +192,20 @@ def main():
         print(f"data parallel on {n} x {name}, torch {torch.__version__}, {datetime.date.today()}; {small}, "
               f"B={args.micro_batch}/GPU, T={args.seq_len}, bf16 autocast, kernels=torch, {steps} timed steps")
         print(f"{'mode':>10} | {'tok/s':>10} {'vs torch':>8} {'MFU':>6} {'step ms':>8} | {'peak GB':>8} "
-              f"{'states GB':>9}")
+              f"{'states GB':>9} {'base GB':>8} {'transient':>9}")
         for r in rows:
             rel = f"{r['tok_s'] / base:.3f}" if base else "-"
             st = f"{r['states_GB']:.2f}" if r["states_GB"] is not None else "-"
             print(f"{r['mode']:>10} | {r['tok_s']:10,.0f} {rel:>8} {r['mfu'] * 100:5.1f}% {r['step_ms']:8.1f} | "
-                  f"{r['peak_GB']:8.2f} {st:>9}")
+                  f"{r['peak_GB']:8.2f} {st:>9} {r['base_GB']:8.2f} {r['transient_GB']:9.2f}")
         if large:
             print(f"\n{big}: Ψ = {large[0]['psi'] / 1e9:.3f}B parameters, B=1, per ZeRO stage on {n} GPUs")
-            print(f"{'stage':>6} | {'states GB':>9} {'formula GB':>10} {'(paper)':>16} | {'peak GB':>8} "
-                  f"{'tok/s':>9}")
+            print(f"{'stage':>6} | {'states GB':>9} {'formula GB':>10} {'(paper)':>16} | {'base GB':>8} "
+                  f"{'transient':>9} {'peak GB':>8} | {'tok/s':>9}")
             paper = ["16Ψ", "8Ψ+8Ψ/N", "4Ψ+12Ψ/N", "16Ψ/N"]
             for r in large:
                 print(f"{r['stage']:>6} | {r['states_GB']:9.2f} {r['formula_GB']:10.2f} {paper[r['stage']]:>16} | "
-                      f"{r['peak_GB']:8.2f} {r['tok_s']:9,.0f}")
+                      f"{r['base_GB']:8.2f} {r['transient_GB']:9.2f} {r['peak_GB']:8.2f} | {r['tok_s']:9,.0f}")
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"bench": "dp", "gpus": n, "device": name, "torch": torch.__version__,

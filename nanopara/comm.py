@@ -293,7 +293,8 @@ class _ZeroGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # grad (N*k,) in the gather dtype
         g = grad.float().contiguous()  # reduce in fp32 whatever the compute dtype: the same sums as DDP's
-        out = g.new_empty(g.numel() // dist.get_world_size(ctx.group))  # (k,): this rank's shard
+        k = g.numel() // dist.get_world_size(ctx.group)
+        out = g[dist.get_rank(ctx.group) * k:][:k]  # (k,): this rank's shard, in place (recv = send + r*k)
         work = dist.reduce_scatter_tensor(out, g, group=ctx.group, async_op=True)
         ctx.on_reduce(work, out, g)  # the engine waits before the optimizer step; comm overlaps the rest of bwd
         return None, None, None, None
@@ -301,5 +302,6 @@ class _ZeroGather(torch.autograd.Function):
 
 def zero_gathered(anchor: torch.Tensor, full: torch.Tensor, group, on_reduce) -> torch.Tensor:
     """fwd: `full` (a unit's all-gathered flat parameters), bwd: reduce-scatter its gradient over `group` and pass
-    (work, shard_grad, sent) to `on_reduce`. `anchor` is any leaf that requires grad, so backward reaches here."""
+    (work, shard_grad, sent) to `on_reduce`. `anchor` is any leaf that requires grad, so backward reaches here.
+    `on_reduce` lives in the autograd graph (C++, invisible to gc): it should not hold its engine strongly."""
     return _ZeroGather.apply(anchor, full, group, on_reduce)

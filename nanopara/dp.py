@@ -23,7 +23,14 @@ parameters (the tied wte/lm_head counted once), ZeRO paper Fig. 1 with K = 8 (fp
     ZeRO-1    4Ψ'      4Ψ'      8Ψ'/N    8Ψ + 8Ψ/N
     ZeRO-2    4Ψ'      4Ψ'/N    8Ψ'/N    4Ψ + 12Ψ/N
     ZeRO-3    4Ψ'/N    4Ψ'/N    8Ψ'/N    16Ψ/N
-plus transients: buckets in flight, and ZeRO-3's gathered units (at most two blocks and the root).
+plus the transients of a step (bf16 autocast on GPU; Ψ_b = one bucket or ZeRO-3 unit, A = activations):
+    all       A, autocast's bf16 weight copies 2Ψ (ZeRO-3: none, it gathers matrices in bf16), bf16 weight grads
+              of one layer at a time
+    ZeRO-1    nothing more: reduce-scatter into f.grad's own slice, all-gather of the params in place
+    ZeRO-2    fp32 p.grad of the buckets still filling + at most 2 full-bucket fp32 copies in flight (8Ψ_b)
+    ZeRO-3    gathered: root (fp32) + at most 2 blocks (bf16 matrices); backward: a unit's bf16 grad + its fp32
+              copy, at most 2 units in flight; optimizer and clipping work on the shards in place
+Hooks hold the engine weakly (`_weak`), so `del engine` frees everything; `close()` also removes the hooks.
 
 DDP: gradients live in flat buckets of ~parallel.bucket_mb, filled in reverse registration order (≈ backward
 order); p.grad is a view into its bucket. A post-accumulate-grad hook counts each bucket's parameters; once all
@@ -45,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -104,6 +112,23 @@ def _views(buf: torch.Tensor, sizes) -> list[torch.Tensor]:
     return [buf[o:o + s] for o, s in zip(offsets, sizes)]
 
 
+def _weak(obj, name: str):
+    """A callable that calls obj.<name> (looked up at call time, so a patched method is honoured) without keeping
+    `obj` alive (a no-op once it is gone).
+
+    Hooks on parameters and autograd nodes are held by C++ structures that Python's gc cannot traverse: a hook
+    holding the engine strongly (a bound method, a lambda over self) makes engine -> params -> hook -> engine an
+    uncollectable cycle, and the engine, the model and every buffer they own outlive `del engine` (they did: each
+    mode of bench/bench_dp.py added its whole model state to the next one's peak).
+    """
+    ref = weakref.ref(obj)
+
+    def call(*args, **kwargs):
+        o = ref()
+        return None if o is None else getattr(o, name)(*args, **kwargs)
+    return call
+
+
 def _check_fp32(params) -> None:
     bad = [tuple(p.shape) for p in params if p.dtype != torch.float32]
     if bad:
@@ -129,6 +154,16 @@ class _Engine:
         self.names = {id(p): name for name, p in named}
         self.params = [p for _, p in named]
         self.optimizer = None
+        self._handles = []  # hook handles, removed by close()
+
+    def close(self) -> None:
+        """Wait for the gradient communication in flight (starts none) and remove this engine's hooks from the
+        model (idempotent). Not needed to free memory (hooks hold the engine weakly, so `del engine` frees it);
+        call it before handing the model to another engine, so the old hooks stop running."""
+        self._wait_inflight()
+        for h in self._handles:
+            h.remove()
+        self._handles = []
 
     @contextlib.contextmanager
     def no_sync(self, skip: bool = True):
@@ -206,6 +241,7 @@ class _Engine:
     def _before_backward(self): pass
     def _after_backward(self): pass
     def _finish_grads(self): pass
+    def _wait_inflight(self): pass
     def _after_step(self): pass
     def _extra_params(self): return []
     def _extra_grads(self): return []
@@ -284,7 +320,7 @@ class _BucketHooks:
         self._ready, self._next, self._works = [0] * len(buckets), 0, []
         for b in buckets:
             for p in b:
-                p.register_post_accumulate_grad_hook(self._on_grad)
+                self._handles.append(p.register_post_accumulate_grad_hook(_weak(self, "_on_grad")))
 
     def _counts_now(self) -> bool:
         return self._sync
@@ -347,6 +383,12 @@ class DDP(_BucketHooks, _Engine):
 
     def _finish_grads(self):
         self._launch_ready(force=True)  # a step after no_sync-only micro-steps still reduces
+        for work in self._works:
+            work.wait()
+        self._works = []
+        self._reset_buckets()
+
+    def _wait_inflight(self):
         for work in self._works:
             work.wait()
         self._works = []

@@ -11,14 +11,17 @@ contiguous piece: AdamW steps a few views of the slice, and Adam's m, v are flat
 ZeRO-1 (P_os): DDP's buckets, but parameters are views of flat buffers. A bucket whose gradients are all in is
   reduce-scattered (async, overlapping backward; each rank receives the sum of its 1/N), each rank updates its
   slice, and the flat parameter buffers are all-gathered after the step. no_sync skips the reduction as in DDP.
-ZeRO-2 (P_os+g): a bucket's full gradient exists only until its reduce-scatter starts; the rank keeps its shard.
+  Both collectives run in place (f.grad's / f.param's own [lo, hi) is the shard), so ZeRO-1 adds no buffers.
+ZeRO-2 (P_os+g): a bucket's full gradient exists only until its reduce-scatter ends (at most `max_inflight` = 2
+  bucket copies at once: the older is drained before a third starts); the rank keeps its shard.
   ZeRO-2/3 reduce on every micro-step and accumulate shards (no_sync is a no-op for them: skipping the reduction
   would mean holding the full gradient, which is what they exist to avoid).
 ZeRO-3 (P_os+g+p): units instead of buckets: the root (every parameter outside the blocks: wte = lm_head, wpe,
   ln_f) and each transformer block. A rank keeps 1/N of each unit in fp32. A block's weights are all-gathered
   by a forward pre-hook (the next block's gather prefetched), freed by the forward hook, gathered again by a hook
   on the block output's gradient (the previous block prefetched) and freed once their gradient is
-  reduce-scattered (comm.zero_gathered, whose backward starts the reduce-scatter asynchronously). The root stays
+  reduce-scattered (comm.zero_gathered, whose backward starts the reduce-scatter asynchronously; at most 2 units'
+  fp32 gradients are in flight, older ones are drained inside backward). The root stays
   gathered from forward through backward: the tied wte is used at both ends, so there is nothing to free in
   between. Gather dtypes: a block's matrices in the compute dtype (bf16 under autocast: exactly the values
   autocast would cast fp32 weights to, so the numerics are DDP's, at half the bytes), its vectors (LayerNorm,
@@ -43,7 +46,7 @@ import torch.nn as nn
 
 from nanopara.comm import all_gather_flat, zero_gathered
 from nanopara.config import Config
-from nanopara.dp import _BucketHooks, _buckets, _check_fp32, _Engine, _views, compute_dtype, param_kind
+from nanopara.dp import _BucketHooks, _buckets, _check_fp32, _Engine, _views, _weak, compute_dtype, param_kind
 from nanopara.mesh import Mesh
 
 
@@ -137,6 +140,9 @@ class Zero(_BucketHooks, _Engine):
         self.stage, self.label = stage, f"ZeRO-{stage}"
         self._src = dist.get_global_rank(self.group, 0)
         self._works = []  # (flat, work, reduced shard, sent): reduce-scatters in flight
+        # ZeRO-2/3 hold a full-size fp32 copy per reduction in flight: at most this many (2 buckets; ZeRO-3's 2
+        # units of 2 flats), so the gradients alive at once stay O(bucket/unit), never O(model)
+        self.max_inflight = 2 if stage < 3 else 4
         if stage < 3:
             groups = _buckets(self.params[::-1], int(cfg.parallel.bucket_mb * 2 ** 20) // 4)
             self.flats = [Flat(f"bucket{i}", b, [self.names[id(p)] for p in b], self.n, self.r)
@@ -195,15 +201,17 @@ class Zero(_BucketHooks, _Engine):
 
     def _launch(self, i):
         f = self.flats[i]
-        if self.stage == 1:
-            sent = f.grad  # (padded,), p.grad views: accumulated over the micro-steps
-        else:
-            sent = torch.zeros(f.padded, device=self.device)
-            for p, view in zip(f.params, _views(sent, f.sizes)):
-                if p.grad is not None:
-                    view.copy_(p.grad.reshape(-1))
-                p.grad = None  # ZeRO-2: the full gradient is freed; only the reduced shard is kept
-        out = torch.empty(f.shard, device=self.device)
+        if self.stage == 1:  # in place: the input is f.grad (p.grad views, accumulated over the micro-steps) and
+            # the output its own [lo, hi) (NCCL and gloo reduce in place when recv = send + r*shard): no copy
+            out = f.grad[f.lo:f.hi]
+            return f, dist.reduce_scatter_tensor(out, f.grad, group=self.group, async_op=True), out, None
+        self._drain(keep=self.max_inflight - 1)  # bounds the full-size bucket copies alive at once
+        sent = torch.zeros(f.padded, device=self.device)  # (padded,): one bucket, alive until its reduction ends
+        for p, view in zip(f.params, _views(sent, f.sizes)):
+            if p.grad is not None:
+                view.copy_(p.grad.reshape(-1))
+            p.grad = None  # ZeRO-2: the full gradient is freed; only the reduced shard is kept
+        out = sent[f.lo:f.hi]  # in place, as above
         return f, dist.reduce_scatter_tensor(out, sent, group=self.group, async_op=True), out, sent
 
     def _before_backward(self):
@@ -219,15 +227,22 @@ class Zero(_BucketHooks, _Engine):
                 self._reset_buckets()
             self._drain()
 
-    def _drain(self):
-        """Wait for the reduce-scatters in flight and accumulate them into the persistent gradient shards."""
-        for f, work, out, _ in self._works:
+    def _drain(self, keep: int = 0):
+        """Wait for all but the newest `keep` reduce-scatters in flight; ZeRO-2/3 accumulate each into its
+        persistent gradient shard and drop the full-size input (ZeRO-1 reduced into f.grad's own slice).
+
+        On NCCL, wait() only orders the compute stream after the collective (the CPU does not block), so draining
+        inside backward costs no overlap beyond making a reduction finish `keep` buckets/units later."""
+        while len(self._works) > keep:
+            f, work, out, _ = self._works.pop(0)
             work.wait()
-            if self.stage == 1:
-                f.grad[f.lo:f.hi].copy_(out)  # the rest of f.grad (other ranks' slices) is never read
-            else:
+            if self.stage >= 2:
                 f.grad_shard.add_(out)
-        self._works = []
+
+    def _wait_inflight(self):
+        self._drain()
+        if self.stage < 3:
+            self._reset_buckets()
 
     def _finish_grads(self):
         if self.stage == 1:
@@ -243,11 +258,10 @@ class Zero(_BucketHooks, _Engine):
     def _after_step(self):
         if self.stage == 3:
             return  # the master shards were updated in place; forward gathers them
-        works = []
-        for f in self.flats:
-            sent = f.param[f.lo:f.hi].clone()  # not in place: gloo may not allow the input to alias the output
-            works.append((dist.all_gather_into_tensor(f.param, sent, group=self.group, async_op=True), sent))
-        for work, _ in works:
+        # in place (the input is the output's own [lo, hi), which NCCL and gloo allow): no (shard,) copies
+        works = [dist.all_gather_into_tensor(f.param, f.param[f.lo:f.hi], group=self.group, async_op=True)
+                 for f in self.flats]
+        for work in works:
             work.wait()
 
     def _zero_grads(self):
@@ -302,26 +316,28 @@ class Zero(_BucketHooks, _Engine):
                     self.param_objs[self.names[id(p)]] = p  # kept for its attributes (tp_dim, ...) only
                     p.data = torch.empty(0, device=self.device)
                 f.full = torch.empty(f.padded, dtype=gather_dtype, device=self.device)
-                self._bind(f, f.full)  # attributes exist (right shape and dtype) outside forward ...
-                self._free(f)          # ... but hold no memory
+                self._free(f)  # binds the attributes (right shape and dtype) outside forward, holding no memory
                 unit.append(f)
             self.flats += unit
             self.units.append(unit)
         self.params = []
-        model.register_forward_pre_hook(lambda m, args: self._pre_forward(0))
-        model.register_forward_hook(lambda m, args, out: self._post_forward(0, out))
-        for i, b in enumerate(blocks, start=1):
-            b.register_forward_pre_hook(lambda m, args, i=i: self._pre_forward(i))
-            b.register_forward_hook(lambda m, args, out, i=i: self._post_forward(i, out))
+        pre, post = _weak(self, "_pre_forward"), _weak(self, "_post_forward")  # hooks must not keep the engine alive
+        self._pre_backward_weak, self._on_unit_grad_weak = _weak(self, "_pre_backward"), _weak(self, "_on_unit_grad")
+        for i, mod in enumerate([model] + blocks):
+            self._handles += [mod.register_forward_pre_hook(lambda m, args, i=i: pre(i)),
+                              mod.register_forward_hook(lambda m, args, out, i=i: post(i, out))]
 
     def _bind(self, f: Flat, full: torch.Tensor):
         for view, shape, own in zip(full.split(f.sizes + [f.padded - f.numel]), f.shapes, f.owners):
             for mod, attr in own:
                 setattr(mod, attr, view.view(shape))
 
-    @staticmethod
-    def _free(f: Flat):
-        f.full.untyped_storage().resize_(0)
+    def _free(self, f: Flat):
+        """Release a unit's gathered memory, and rebind the module attributes to the raw (graph-free) buffer: the
+        views bound in forward carry the autograd node of comm.zero_gathered, which must not outlive the step."""
+        if f.full.untyped_storage().nbytes():  # already free: bound to the raw buffer when it was freed
+            self._bind(f, f.full)  # before the resize: a tensor without storage cannot be split into views
+            f.full.untyped_storage().resize_(0)
 
     def _gather(self, unit: list, into_own: bool = False):
         """Start the all-gathers of a unit's shards: into new buffers (forward) or their own storage (backward)."""
@@ -357,7 +373,7 @@ class Zero(_BucketHooks, _Engine):
         for f in self.units[i]:
             full = f.full = self._wait(f)
             if torch.is_grad_enabled():
-                full = zero_gathered(self.anchor, full, self.group, functools.partial(self._on_unit_grad, f))
+                full = zero_gathered(self.anchor, full, self.group, functools.partial(self._on_unit_grad_weak, f))
             self._bind(f, full)
 
     def _post_forward(self, i: int, out):
@@ -367,7 +383,8 @@ class Zero(_BucketHooks, _Engine):
             for f in self.units[i]:
                 self._free(f)
         if i > 0 and needs_grad:
-            next(t for t in outs if t.requires_grad).register_hook(lambda grad, i=i: self._pre_backward(i))
+            pre_backward = self._pre_backward_weak
+            next(t for t in outs if t.requires_grad).register_hook(lambda grad, i=i: pre_backward(i))
 
     def _pre_backward(self, i: int):
         self._gather(self.units[i], into_own=True)
@@ -379,6 +396,15 @@ class Zero(_BucketHooks, _Engine):
     def _on_unit_grad(self, f: Flat, work, out, sent):
         self._works.append((f, work, out, sent))
         self._free(f)
+        self._drain(keep=self.max_inflight)  # the unit-size fp32 gradients alive at once stay bounded
+
+    def close(self) -> None:
+        super().close()
+        if self.stage == 3:
+            for f in self.flats:
+                if f.pending is not None:
+                    self._wait(f)
+                self._free(f)
 
     # ---- checkpoints
     def _step_count(self) -> int:

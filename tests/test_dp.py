@@ -8,6 +8,9 @@ weights against the reference; bucket reductions start inside backward (overlap)
 ZeRO-3 keeps at most 3 units gathered and every block's gather was prefetched; memory_bytes() equals the ZeRO
 formulas; state_dict -> torch.save -> fresh engine -> load -> continue is bit-exact; ZeRO-3 shards -> unshard ->
 DDP continues; sp_partial / tp_dim rules (SingleDevice at tp=2; DDP and ZeRO-3 at dp=2 x tp=2).
+Memory (test_engines_free_memory_and_bound_transients): after `del engine, model` + gc nothing survives (weakrefs);
+per step, ZeRO-1 reduces in place, ZeRO-2 holds no p.grad after backward, ZeRO-2/3 keep at most max_inflight
+full-size copies in flight, ZeRO-3 frees every unit and leaves no autograd graph on the model; close() unhooks.
 GPU (NCCL, bf16): `pytest tests/test_dp.py -m gpu` on 2+ GPUs.
 
 Tolerance (measured, see LOSS_ATOL below): changing the layout changes the order of fp32 sums (a rank's mean over
@@ -15,11 +18,13 @@ its micro-batch, then a sum over ranks and micro-steps, versus one mean over 8 s
 sharded norm terms), so gradients differ by ~1 ulp; Adam divides by sqrt(v), which turns ulp-level differences
 of near-zero gradients into larger relative ones, and 20 steps compound them. Same-layout resume is bit-exact.
 """
+import gc
 import io
 import json
 import os
 import socket
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -283,6 +288,114 @@ def test_bad_layout_and_formats_are_clear_errors(reference):
         engine.load_model_state_dict({"transformer.wte.weight": torch.zeros(1)})
     sd = engine.state_dict()
     assert sd["format"] == "full" and sd["step"] == 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# memory: nothing outlives an engine; the transients of a step (CPU allocator events, gloo)
+
+def _alive_after_delete(mode: str, mesh, tokens, rows) -> list:
+    """Build an engine, train 2 steps, delete it and its model: names of the objects still alive (weakrefs)."""
+    cfg = make_cfg(zero=MODES.index(mode))
+    model = make_model(cfg)
+    engine = build_engine(model, mesh, cfg)
+    run(engine, tokens, 0, 2, rows, 1)
+    refs = {"engine": weakref.ref(engine), "model": weakref.ref(model), "optimizer": weakref.ref(engine.optimizer)}
+    refs.update({f"param {i}": weakref.ref(p) for i, p in enumerate(model.parameters())})  # ZeRO-3: none left
+    refs.update({f"{f.name}.{k}": weakref.ref(getattr(f, k)) for f in getattr(engine, "flats", [])
+                 for k in FLAT_BUFFERS if hasattr(f, k)})  # comprehensions: no loop variable keeps one alive
+    refs.update({f"bucket {i}": weakref.ref(b) for i, b in enumerate(getattr(engine, "bufs", []))})
+    del engine, model  # no close(): the hooks must not keep anything alive on their own
+    gc.collect()
+    return [k for k, r in refs.items() if r() is not None]
+
+
+FLAT_BUFFERS = ("param", "grad", "grad_shard", "master", "full", "exp_avg", "exp_avg_sq")
+
+
+def mem_cfg(zero: int) -> Config:
+    """8 blocks of ~12.7k parameters (~11% of Ψ each: ZeRO-3 units) and buckets of ~6k floats, so "bounded by a
+    few buckets / units" and "the whole model" are far apart."""
+    cfg = make_cfg(zero)
+    cfg.model = ModelConfig(n_layer=8, n_head=2, n_embd=32, block_size=T, vocab_size=251, vocab_multiple=1,
+                            kernels="torch")
+    cfg.parallel.bucket_mb = 6000 * 4 / 2 ** 20
+    return cfg
+
+
+def _check_step_buffers(mode: str, mesh, rank: int) -> float:
+    """One step's buffers, checked at the hook points (a CPU stand-in for an allocator trace: gloo's collectives
+    copy internally, so CPU allocator totals would not say what NCCL holds). Returns the most full-size gradient
+    elements held by reductions in flight at once, as a fraction of Ψ."""
+    cfg = mem_cfg(MODES.index(mode))
+    engine = build_engine(make_model(cfg), mesh, cfg)
+    x = torch.randint(0, 251, (1, 4), generator=torch.Generator().manual_seed(rank))  # (1, 4)
+    psi = sum(f.numel for f in engine.flats) if mode != "ddp" else sum(p.numel() for p in engine.params)
+    inflight = [0]
+    if mode == "zero1":  # reduce-scatters run in place on f.grad: no buffer of their own
+        launch = engine._launch
+
+        def spy(i):
+            f, work, out, sent = launch(i)
+            assert sent is None and out.untyped_storage().data_ptr() == f.grad.untyped_storage().data_ptr()
+            return f, work, out, sent
+        engine._launch = spy
+    if mode in ("zero2", "zero3"):  # full-size gradient copies in flight, counted at every new reduction
+        hook = "_launch" if mode == "zero2" else "_on_unit_grad"
+        orig = getattr(engine, hook)
+
+        def spy(*args):
+            out = orig(*args)
+            new = [out] if mode == "zero2" else []  # ZeRO-2's newest is returned, not yet in _works
+            inflight.append(sum(w[3].numel() for w in engine._works + new))
+            return out
+        setattr(engine, hook, spy)
+
+    _, loss = engine.model(x, x)
+    engine.backward(loss)
+    if mode == "zero2":  # every full gradient went into a reduce-scatter and was dropped
+        assert all(p.grad is None for p in engine.params), "ZeRO-2 kept a full gradient after backward"
+    if mode == "zero3":  # blocks freed as their gradients left; nothing the model holds refers to the graph
+        assert all(f.full.untyped_storage().nbytes() == 0 for u in engine.units[1:] for f in u)
+        held = [t for m in engine.model.modules() for t in vars(m).values() if torch.is_tensor(t)]
+        assert held and all(t.grad_fn is None for t in held), "module attributes keep the autograd graph"
+    del loss
+    engine.step(LR)
+    if mode == "zero3":
+        assert all(f.full.untyped_storage().nbytes() == 0 for f in engine.flats)  # every unit freed
+    if mode != "ddp":
+        assert not engine._works  # nothing in flight between steps
+        biggest = max(f.padded for f in engine.flats)
+        # bounded by max_inflight buckets (ZeRO-2) / unit flats (ZeRO-3), never the whole model's gradient
+        assert max(inflight) <= getattr(engine, "max_inflight", 0) * biggest < psi, (mode, inflight, biggest, psi)
+    return max(inflight) / psi
+
+
+def _memory_worker(rank, n, out_path):
+    mesh = Mesh.build(dp=n, device="cpu")
+    tokens, rows = make_tokens(), slice(rank * BATCH // n, (rank + 1) * BATCH // n)
+    res = {}
+    for mode in MODES:
+        alive = _alive_after_delete(mode, mesh, tokens, rows)
+        assert not alive, f"{mode}: still alive after del + gc.collect(): {alive}"
+        res[mode] = _check_step_buffers(mode, mesh, rank)
+    # close(): hooks removed, so a second engine on the same model is the only one that reacts
+    cfg = make_cfg(zero=2)
+    model = make_model(cfg)
+    first = build_engine(model, mesh, cfg)
+    first.close()
+    second = build_engine(model, mesh, cfg)
+    run(second, tokens, 0, 1, rows, 1)
+    assert sum(first._ready) == 0 and not first._works  # its hooks never ran
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+def test_engines_free_memory_and_bound_transients(tmp_path):
+    out = tmp_path / "mem.json"
+    spawn(_memory_worker, 2, str(out))
+    for mode, frac in json.loads(out.read_text()).items():
+        print(f"{mode:6s} full-size gradient copies in flight at most {frac:.3f} Ψ")
 
 
 # ----------------------------------------------------------------------------------------------------------------
