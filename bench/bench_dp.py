@@ -171,8 +171,11 @@ def main():
 
     rows = []
     for mode in args.modes.split(","):
-        zero = {"torch_ddp": 0, "ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[mode]
+        base_mode, _, bucket = mode.partition("@")  # "ddp@50": our DDP with 50 MB buckets (a bucket-size sweep)
+        zero = {"torch_ddp": 0, "ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[base_mode]
         cfg = make_cfg(small, args.micro_batch, zero, args.seq_len, args.device)
+        if bucket:
+            cfg.parallel.bucket_mb = float(bucket)
         r = run_mode(mode, cfg, mesh, warmup, steps)
         m = cfg.model
         fpt = 6 * r["n_params"] + 12 * m.n_layer * m.n_embd * args.seq_len
