@@ -325,12 +325,10 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         cfg = parse_args(sys.argv[1:] if argv is None else argv)
         return train(cfg)
-    except (ConfigError, MeshError, checkpoint.CheckpointError, TrainingError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        if argv is not None:
-            raise
-        sys.exit(2)
-    except (FileNotFoundError, ValueError) as e:  # data errors (missing shards, bad headers, token ids)
+    # user-caused: bad config or layout, missing/corrupt data or checkpoint (data errors are FileNotFoundError and
+    # ValueError from nanopara/data.py), repeated non-finite loss. One line, no traceback, exit code 2; a caller
+    # passing argv (tests, notebooks) gets the exception itself.
+    except (ConfigError, MeshError, checkpoint.CheckpointError, TrainingError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         if argv is not None:
             raise

@@ -131,9 +131,10 @@ def find_shards(dataset, split, data_dir="data/shards"):
         pattern = os.path.join(data_dir, dataset, f"*{split}*.bin")
         files = sorted(glob.glob(pattern))
         if not files:
-            how = (f"make data DATASET={dataset}` or `python data/prepare.py {dataset}" if dataset in DATASETS
-                   else f"python data/prepare.py NAME` (NAME in {', '.join(DATASETS)}")
-            raise FileNotFoundError(f"no {split} shards for dataset {dataset!r} ({pattern}); make them with `{how}`")
+            how = (f"`make data DATASET={dataset}` or `python data/prepare.py {dataset}`" if dataset in DATASETS
+                   else f"`python data/prepare.py NAME` (NAME in {', '.join(DATASETS)}), or pass a path/glob of .bin "
+                        f"shards")
+            raise FileNotFoundError(f"no {split} shards for dataset {dataset!r} ({pattern}); make them with {how}")
         return files
     pattern = os.path.join(dataset, "*.bin") if os.path.isdir(dataset) else dataset
     files = sorted(f for f in glob.glob(pattern) if split in os.path.basename(f))
