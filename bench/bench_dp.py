@@ -13,13 +13,20 @@
                engine.memory_bytes() (params + grads + Adam m, v that the rank holds). A mode must give back all
                it allocated (checked: a warning names any leftover, which would inflate the next mode).
                torch_ddp: DistributedDataParallel(bucket_cap_mb=25, gradient_as_bucket_view=True) +
-               clip_grad_norm_ + the same AdamW.
+               clip_grad_norm_ + the same AdamW. tail ms (ours only) = GPU time the compute stream waits for
+               gradient communication after backward (CUDA events around engine._finish_grads): the exposed part.
+               Modes: torch_ddp, ddp, zero1..3; "ddp@50" = 50 MB buckets; "ddp:bf16" = parallel.reduce_dtype=bf16;
+               "ddp:nocomm" = a control with every all-reduce skipped (the engine's own cost, the upper bound of
+               scaling; not a training mode); "ddp:single" = a control of N independent one-GPU runs at once (the
+               SingleDevice engine on every rank: what the machine itself loses when all its GPUs work).
+               step ms is the slowest rank's; "fast ms" the fastest rank's.
 2. memory      a large preset (gpt2_1558m by default) with micro_batch 1 per ZeRO stage: the model states this
                rank holds (memory_bytes) next to the ZeRO paper's formula for fp32 params/grads + fp32 Adam m, v
                (16Ψ, 8Ψ+8Ψ/N, 4Ψ+12Ψ/N, 16Ψ/N; ours adds padding of < N elements per flat buffer), the step
                transient on top of them, and the peak; it should fall with the stage.
 
 Rank 0 prints one table row per mode; --out writes the rows as JSON. ~2 minutes on 4 H100s (--quick: ~1).
+Scaling 1 -> N: run it with N = 1 and N on the same machine, compare tok/s / N.
 """
 from __future__ import annotations
 
@@ -38,13 +45,14 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanopara.config import PRESETS  # noqa: E402
-from nanopara.dp import build_engine  # noqa: E402
+from nanopara.dp import SingleDevice, build_engine  # noqa: E402
 from nanopara.mesh import Mesh  # noqa: E402
 from nanopara.model import GPT  # noqa: E402
 from nanopara.optim import build_adamw  # noqa: E402
 
 PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s
 MODES = ["torch_ddp", "ddp", "zero1", "zero2", "zero3"]
+ACCUM = 1  # micro-steps per optimizer step (--accum)
 GB = 1e9
 
 
@@ -79,9 +87,11 @@ def torch_ddp_step_fn(model, mesh, cfg):
     opt = build_adamw(model.named_parameters(), cfg.train, mesh.device)
 
     def step(x, y):
-        with amp(mesh.device):
-            _, loss = ddp(x, y)
-        loss.backward()
+        for m in range(ACCUM):  # the same micro-batch ACCUM times: the timing, not the data, is measured
+            with ddp.no_sync() if m < ACCUM - 1 else contextlib.nullcontext():
+                with amp(mesh.device):
+                    _, loss = ddp(x, y)
+                (loss / ACCUM).backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -89,23 +99,47 @@ def torch_ddp_step_fn(model, mesh, cfg):
     return step, None
 
 
-def engine_step_fn(model, mesh, cfg):
-    engine = build_engine(model, mesh, cfg)
+class _Done:
+    def wait(self):
+        pass
+
+
+def engine_step_fn(model, mesh, cfg, variant=""):
+    engine = SingleDevice(model, mesh, cfg) if variant == "single" else build_engine(model, mesh, cfg)
+    if variant == "nocomm":  # control, not a result: the engine's hooks and buffers, its all-reduces skipped
+        engine._launch = lambda i: _Done()
+    tails = []  # (start, end) CUDA events around the gradient wait at the step: exposed communication
+    if mesh.device.type == "cuda":
+        finish = engine._finish_grads
+
+        def timed_finish():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            finish()
+            b.record()
+            tails.append((a, b))
+        engine._finish_grads = timed_finish
 
     def step(x, y):
-        with amp(mesh.device):
-            _, loss = engine.model(x, y)
-        engine.backward(loss)
+        for m in range(ACCUM):
+            with engine.no_sync(m < ACCUM - 1):
+                with amp(mesh.device):
+                    _, loss = engine.model(x, y)
+                engine.backward(loss / ACCUM)
         return engine.step(cfg.train.lr)
+    step.tails = tails
     return step, engine
 
 
-def run_mode(mode, cfg, mesh, warmup, steps):
+def run_mode(mode, cfg, mesh, warmup, steps, variant=""):
     cuda = mesh.device.type == "cuda"
     start = torch.cuda.memory_allocated() if cuda else 0
     model = build(cfg, mesh)
     n_params, psi = model.num_params(), sum(p.numel() for p in model.parameters())  # the tied weight once
-    step, engine = (torch_ddp_step_fn if mode == "torch_ddp" else engine_step_fn)(model, mesh, cfg)
+    if mode == "torch_ddp":
+        step, engine = torch_ddp_step_fn(model, mesh, cfg)
+    else:
+        step, engine = engine_step_fn(model, mesh, cfg, variant)
     B, T = cfg.train.micro_batch, cfg.train.seq_len
     g = torch.Generator(device=mesh.device).manual_seed(mesh.rank)
     xy = torch.randint(0, cfg.model.vocab_size, (B, T + 1), device=mesh.device, generator=g)
@@ -118,15 +152,20 @@ def run_mode(mode, cfg, mesh, warmup, steps):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated() / GB if cuda else 0.0  # the states (and the batch): what a step starts from
+    tails = getattr(step, "tails", None)
+    if tails is not None:
+        tails.clear()
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(steps):
         step(x, y)
     sync(mesh.device)
+    dt_mine = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() / GB if cuda else 0.0
-    stats = torch.tensor([time.perf_counter() - t0, peak, base, peak - base], device=mesh.device)
+    tail = sum(a.elapsed_time(b) for a, b in tails) / steps if tails else float("nan")
+    stats = torch.tensor([dt_mine, peak, base, peak - base, tail, -dt_mine], device=mesh.device)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-    dt, peak, base, transient = stats.tolist()
+    dt, peak, base, transient, tail, dt_fastest = stats.tolist()
     states = engine.memory_bytes() if engine is not None else None
     if engine is not None:
         engine.close()
@@ -139,7 +178,9 @@ def run_mode(mode, cfg, mesh, warmup, steps):
         if left > 0.1:  # cuBLAS workspaces (tens of MB) may stay after the first mode; a model would not
             print(f"WARNING rank {mesh.rank}: {mode} left {left:.2f} GB allocated after cleanup; the next mode's "
                   f"memory numbers include it", flush=True)
-    return {"mode": mode, "tok_s": mesh.world * B * T * steps / dt, "step_ms": dt / steps * 1e3, "peak_GB": peak,
+    return {"mode": mode + (f":{variant}" if variant else ""), "tok_s": mesh.world * B * T * ACCUM * steps / dt,
+            "step_ms": dt / steps * 1e3, "fastest_rank_step_ms": -dt_fastest / steps * 1e3, "tail_ms": tail,
+            "peak_GB": peak,
             "base_GB": base, "transient_GB": transient, "left_GB": left,
             "states_GB": None if states is None else sum(states.values()) / GB, "n_params": n_params, "psi": psi}
 
@@ -154,29 +195,42 @@ def main():
     ap.add_argument("--out", default="", help="write the results as JSON here")
     ap.add_argument("--micro_batch", type=int, default=16, help="sequences per GPU per step (124M part)")
     ap.add_argument("--seq_len", type=int, default=1024)
+    ap.add_argument("--baseline", default="", help="the --out JSON of a 1-GPU run on this machine: adds scaling "
+                    "= tok/s / (N * 1-GPU tok/s of the same engine; ours at dp=1 is the SingleDevice engine)")
+    ap.add_argument("--accum", type=int, default=1, help="micro-steps per optimizer step (gradient accumulation; "
+                    "communication on the last one only). GPT-2's 0.5M-token batch at B=16 x T=1024: 32 / N GPUs")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed steps per mode")
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per mode")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
     ap.add_argument("--large", default="gpt2_1558m", help="preset of the memory part ('' skips it)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: a gloo smoke test of this script on the tiny preset, not a measurement")
     args = ap.parse_args()
+    global ACCUM
+    ACCUM = args.accum
     mesh = Mesh.build(dp=-1, device=args.device)
     if not dist.is_initialized():  # one process (the dp=1 baseline): torch DDP and barriers still want a group
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=0, world_size=1,
                                 device_id=mesh.device if args.device == "cuda" else None)
     n = mesh.world
-    warmup, steps = (2, 5) if args.quick else (3, 15)
+    warmup, steps = (2, 5) if args.quick else (args.warmup, args.steps)
     name = torch.cuda.get_device_name(mesh.device) if args.device == "cuda" else "CPU (smoke test)"
     small, big = ("gpt2_124m", args.large) if args.device == "cuda" else ("tiny", "tiny" if args.large else "")
     peak_flops = next((v for k, v in PEAK.items() if k in name), 0.0)
 
     rows = []
     for mode in args.modes.split(","):
-        base_mode, _, bucket = mode.partition("@")  # "ddp@50": our DDP with 50 MB buckets (a bucket-size sweep)
+        # "ddp@50": 50 MB buckets (a bucket-size sweep); "ddp:bf16": parallel.reduce_dtype=bf16; "ddp:nocomm": the
+        # control with every gradient all-reduce skipped (what the engine costs without communication)
+        mode, _, variant = mode.partition(":")
+        base_mode, _, bucket = mode.partition("@")
         zero = {"torch_ddp": 0, "ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[base_mode]
         cfg = make_cfg(small, args.micro_batch, zero, args.seq_len, args.device)
         if bucket:
             cfg.parallel.bucket_mb = float(bucket)
-        r = run_mode(mode, cfg, mesh, warmup, steps)
+        if variant == "bf16":
+            cfg.parallel.reduce_dtype = "bf16"
+        r = run_mode(mode, cfg, mesh, warmup, steps, variant)
         m = cfg.model
         fpt = 6 * r["n_params"] + 12 * m.n_layer * m.n_embd * args.seq_len
         r["mfu"] = fpt * r["tok_s"] / (n * peak_flops) if peak_flops else 0.0
@@ -193,13 +247,23 @@ def main():
 
     if mesh.is_main:
         print(f"data parallel on {n} x {name}, torch {torch.__version__}, {datetime.date.today()}; {small}, "
-              f"B={args.micro_batch}/GPU, T={args.seq_len}, bf16 autocast, kernels=torch, {steps} timed steps")
-        print(f"{'mode':>10} | {'tok/s':>10} {'vs torch':>8} {'MFU':>6} {'step ms':>8} | {'peak GB':>8} "
-              f"{'states GB':>9} {'base GB':>8} {'transient':>9}")
+              f"B={args.micro_batch}/GPU x {args.accum} micro-steps, T={args.seq_len}, bf16 autocast, kernels=torch, "
+              f"{steps} timed steps")
+        print(f"{'mode':>12} | {'tok/s':>10} {'vs torch':>8} {'scaling':>7} {'MFU':>6} {'step ms':>8} {'fast ms':>7} {'tail ms':>7} | "
+              f"{'peak GB':>8} {'states GB':>9} {'base GB':>8} {'transient':>9}")
+        one = {}
+        if args.baseline:
+            with open(args.baseline) as f:
+                one = {r["mode"]: r["tok_s"] for r in json.load(f)["rows"]}
         for r in rows:
+            ref = one.get("torch_ddp" if r["mode"] == "torch_ddp" else "ddp")
+            r["scaling"] = r["tok_s"] / (n * ref) if ref else None
             rel = f"{r['tok_s'] / base:.3f}" if base else "-"
             st = f"{r['states_GB']:.2f}" if r["states_GB"] is not None else "-"
-            print(f"{r['mode']:>10} | {r['tok_s']:10,.0f} {rel:>8} {r['mfu'] * 100:5.1f}% {r['step_ms']:8.1f} | "
+            tail = "-" if r["tail_ms"] != r["tail_ms"] else f"{r['tail_ms']:.2f}"
+            scale = "-" if r["scaling"] is None else f"{100 * r['scaling']:.1f}%"
+            print(f"{r['mode']:>12} | {r['tok_s']:10,.0f} {rel:>8} {scale:>7} {r['mfu'] * 100:5.1f}% "
+                  f"{r['step_ms']:8.1f} {r['fastest_rank_step_ms']:7.1f} {tail:>7} | "
                   f"{r['peak_GB']:8.2f} {st:>9} {r['base_GB']:8.2f} {r['transient_GB']:9.2f}")
         if large:
             print(f"\n{big}: Ψ = {large[0]['psi'] / 1e9:.3f}B parameters, B=1, per ZeRO stage on {n} GPUs")
@@ -211,7 +275,7 @@ def main():
                       f"{r['base_GB']:8.2f} {r['transient_GB']:9.2f} {r['peak_GB']:8.2f} | {r['tok_s']:9,.0f}")
         if args.out:
             with open(args.out, "w") as f:
-                json.dump({"bench": "dp", "gpus": n, "device": name, "torch": torch.__version__,
+                json.dump({"bench": "dp", "gpus": n, "accum": args.accum, "device": name, "torch": torch.__version__,
                            "date": str(datetime.date.today()), "micro_batch": args.micro_batch,
                            "seq_len": args.seq_len, "rows": rows, "large": large}, f, indent=1)
     mesh.destroy()

@@ -3,6 +3,7 @@
 #   tests  NCCL tests of dp/tp (need >= 2 GPUs)
 #   comm   ring all-reduce vs NCCL bus bandwidth on 2 and N GPUs
 #   dp     GPT-2 124M tokens/s: our DDP and ZeRO-1/2/3 vs torch DDP at dp = 1, 2, N; ZeRO memory on gpt2_1558m
+#   scale  DDP scaling 1 -> N on this machine (30 timed steps): torch DDP, ours fp32 and bf16 reduction, no-comm control
 #   tp     tp = 2 and N on gpt2_124m and gpt_1b, sp off/on: tokens/s, MFU, memory, comm overhead
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -19,6 +20,18 @@ for s in "$@"; do
     dp)    { run 1 bench/bench_dp.py --quick --modes torch_ddp,ddp --large '' --out "$OUT/dp_1.json"
              run 2 bench/bench_dp.py --quick --modes torch_ddp,ddp,zero1,zero2,zero3 --large '' --out "$OUT/dp_2.json"
              run $N bench/bench_dp.py --quick --out "$OUT/dp_$N.json"; } 2>&1 | grep -v Warning | tee "$OUT/dp.txt" ;;
+    scale) { run 1 bench/bench_dp.py --modes torch_ddp,ddp --large '' --out "$OUT/scale_1.json"
+             for k in $(seq 1 $((N - 1))); do  # every other card alone: are the cards equally fast?
+               CUDA_VISIBLE_DEVICES=$k run 1 bench/bench_dp.py --modes ddp --large '' | tail -1 | sed "s/^/GPU $k alone: /"
+             done
+             run $N bench/bench_dp.py --modes ddp:single,ddp:nocomm,torch_ddp,ddp,ddp:bf16,zero1,zero2,zero3 \
+               --large '' --baseline "$OUT/scale_1.json" --out "$OUT/scale_$N.json"
+             # GPT-2's 0.5M-token batch (B=16 x T=1024 x 32 sequences per step on one GPU, 32/N micro-steps on N)
+             run 1 bench/bench_dp.py --modes torch_ddp,ddp --accum 32 --warmup 1 --steps 4 --large '' \
+               --out "$OUT/scale_1_acc.json"
+             run $N bench/bench_dp.py --modes torch_ddp,ddp --accum $((32 / N)) --warmup 2 --steps $((4 * N)) --large '' \
+               --baseline "$OUT/scale_1_acc.json" --out "$OUT/scale_${N}_acc.json"
+           } 2>&1 | grep -v Warning | tee "$OUT/scale.txt" ;;
     tp)    { for n in 2 $N; do run $n bench/bench_tp.py --preset gpt2_124m --quick --out "$OUT/tp124_$n.json"; done
              run $N bench/bench_tp.py --preset gpt2_124m --sp --quick --out "$OUT/tp124sp_$N.json"
              run $N bench/bench_tp.py --preset gpt_1b --quick --out "$OUT/tp1b_$N.json"

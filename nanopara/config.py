@@ -56,6 +56,7 @@ class ParallelConfig:
     sp: bool = False             # sequence parallel (needs tp > 1)
     pp_schedule: str = "1f1b"    # gpipe | 1f1b | interleaved
     bucket_mb: float = 25.0      # DDP gradient bucket size
+    reduce_dtype: str = "fp32"   # DDP gradient all-reduce in fp32 | bf16 (half the bytes; grads stay fp32)
     timeout_s: int = 600         # collective timeout: a rank mismatch errors instead of hanging forever
 
 
@@ -133,6 +134,10 @@ class Config:
             raise ConfigError(f"train.tokens_per_step must be >= 0, got {t.tokens_per_step}")
         if p.zero not in (0, 1, 2, 3):
             raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3, got {p.zero}")
+        if p.reduce_dtype not in ("fp32", "bf16"):
+            raise ConfigError(f"parallel.reduce_dtype must be fp32 or bf16, got {p.reduce_dtype!r}")
+        if p.reduce_dtype != "fp32" and p.zero != 0:
+            raise ConfigError("parallel.reduce_dtype=bf16 is implemented for DDP (parallel.zero=0) only")
         for name in ("tp", "pp", "cp", "ep"):
             if getattr(p, name) < 1:
                 raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(p, name)}")

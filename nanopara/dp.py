@@ -35,7 +35,9 @@ Hooks hold the engine weakly (`_weak`), so `del engine` frees everything; `close
 DDP: gradients live in flat buckets of ~parallel.bucket_mb, filled in reverse registration order (≈ backward
 order); p.grad is a view into its bucket. A post-accumulate-grad hook counts each bucket's parameters; once all
 are in, the bucket's all-reduce starts (async_op=True) while backward goes on. Buckets start in index order so
-every rank issues the same collectives in the same order; step() waits on the handles.
+every rank issues the same collectives in the same order; step() waits on the handles. parallel.reduce_dtype=bf16
+sends a bf16 copy of each bucket instead (half the bytes; the sum is rounded to bf16 and copied back into the
+fp32 bucket, so the optimizer still sees fp32 gradients) — the trade torch's bf16_compress_hook makes.
 
 Clipping uses the global norm: squares of the grads this rank holds, summed over dp x cp when they are shards
 (ZeRO), the part of parameters sharded over tp (`p.tp_dim`) summed over tp, tp-replicated ones counted once.
@@ -345,6 +347,18 @@ class _BucketHooks:
         self._ready, self._next = [0] * len(self._sizes), 0
 
 
+class _Widen:
+    """A reduction of a low-precision copy of a bucket: wait() also copies the sum back into the fp32 bucket."""
+
+    def __init__(self, work, low: torch.Tensor, buf: torch.Tensor):
+        self.work, self.low, self.buf = work, low, buf
+
+    def wait(self):
+        self.work.wait()
+        self.buf.copy_(self.low)
+        self.low = None
+
+
 class DDP(_BucketHooks, _Engine):
     """Replicated AdamW; bucketed gradient all-reduce overlapped with backward."""
 
@@ -357,6 +371,7 @@ class DDP(_BucketHooks, _Engine):
         for p in self.params:  # replicas start identical even if a caller forgot to seed alike
             dist.broadcast(p.data, src=src, group=self.group)
         self.optimizer = build_adamw(model.named_parameters(), cfg.train, mesh.device)
+        self.reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.parallel.reduce_dtype]
         self.buckets = _buckets(self.params[::-1], int(cfg.parallel.bucket_mb * 2 ** 20) // 4)
         self.bufs = [torch.zeros(sum(p.numel() for p in b), device=self.device) for b in self.buckets]
         self._attach_grads()
@@ -370,7 +385,10 @@ class DDP(_BucketHooks, _Engine):
                 p.grad = g.view_as(p)
 
     def _launch(self, i):
-        return dist.all_reduce(self.bufs[i], group=self.group, async_op=True)
+        if self.reduce_dtype == torch.float32:
+            return dist.all_reduce(self.bufs[i], group=self.group, async_op=True)
+        low = self.bufs[i].to(self.reduce_dtype)  # (bucket,) bf16: half the bytes on the wire, alive until wait()
+        return _Widen(dist.all_reduce(low, group=self.group, async_op=True), low, self.bufs[i])
 
     def _before_backward(self):
         self._check_single_sync()

@@ -41,6 +41,8 @@ def test_round_trip_through_dict():
     (["--parallel.sp=true"], "needs parallel.tp > 1"),
     (["--parallel.tp=5"], "not divisible by parallel.tp=5"),
     (["--parallel.zero=4"], "parallel.zero must be"),
+    (["--parallel.reduce_dtype=fp16"], "reduce_dtype must be fp32 or bf16"),
+    (["--parallel.reduce_dtype=bf16", "--parallel.zero=2"], "DDP .parallel.zero=0. only"),
     (["--train.dtype=fp8"], "train.dtype"),
     (["--model.n_head=7"], "not divisible by model.n_head=7"),
     (["--parallel.tp=2", "--parallel.sp=true", "--train.seq_len=1023"], "not divisible by parallel.tp=2"),
