@@ -39,6 +39,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.launch import fast
+
 LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
 LN2 = 0.6931471805599453  # ln(2): converts the kernel's base-2 lse back to natural log
 
@@ -409,8 +411,11 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, qk_scale, sm_scale,
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Launchers
+# Launchers (kernels/launch.py: after the first call per specialization, the compiled binaries launch directly)
 # ---------------------------------------------------------------------------------------------------------------
+
+_fwd, _bwd_dq, _bwd_dkdv = fast(_attn_fwd_kernel), fast(_attn_bwd_dq_kernel), fast(_attn_bwd_dkdv_kernel)
+
 
 def _launch_args(q, k, causal, sm_scale):
     B, H, Tq, D = q.shape
@@ -441,7 +446,7 @@ def attention_block_fwd(q, k, v, causal, sm_scale=None):
     def grid(cfg):
         return (triton.cdiv(Tq, cfg["BLOCK_M"]), B * H)
 
-    _attn_fwd_kernel[grid](q, k, v, out, lse, scale * LOG2E, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+    _fwd[grid](q, k, v, out, lse, scale * LOG2E, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
                            H, Tq, Tk, t_bucket, **meta)
     return out, lse
 
@@ -469,10 +474,10 @@ def attention_block_bwd(do, q, k, v, out, lse, causal, sm_scale=None):
         return (triton.cdiv(Tk, cfg["BLOCK_N"]), B * H)
 
     # dq first: it also writes delta, which the dk/dv kernel reads (same stream, so ordered)
-    _attn_bwd_dq_kernel[grid_q](q, k, v, out, do, lse, delta, dq, scale * LOG2E, scale,
+    _bwd_dq[grid_q](q, k, v, out, do, lse, delta, dq, scale * LOG2E, scale,
                                 *q.stride(), *k.stride(), *v.stride(), *out.stride(), *do.stride(), *dq.stride(),
                                 H, Tq, Tk, t_bucket, **meta)
-    _attn_bwd_dkdv_kernel[grid_kv](q, k, v, do, lse, delta, dk, dv, scale * LOG2E, scale,
+    _bwd_dkdv[grid_kv](q, k, v, do, lse, delta, dk, dv, scale * LOG2E, scale,
                                    *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
                                    H, Tq, Tk, t_bucket, **meta)
     return dq, dk, dv

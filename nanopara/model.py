@@ -47,8 +47,10 @@ class TorchOps:
 class TritonOps:
     """nanopara's fused Triton kernels (CUDA). Imported lazily so CPU-only use never touches Triton.
 
-    The kernels are called through the `nanopara::` custom ops of kernels/ops.py, so torch.compile treats each as
-    one opaque node and compiles the rest of the model around them. `interpret=True` runs the Triton paths even on
+    Under torch.compile the kernels are called through the `nanopara::` custom ops of kernels/ops.py, so the
+    compiler treats each as one opaque node and compiles the rest of the model around them; in eager mode through
+    their autograd Functions directly (the custom-op dispatch cost ~300 us of host time per LayerNorm fwd+bwd on
+    an H200, bench/bench_launch.py: the CPU must stay ahead of the GPU). `interpret=True` runs the Triton paths even on
     CPU tensors (tests, under TRITON_INTERPRET=1); otherwise CPU tensors get the PyTorch references.
     `ce` picks the loss: "inplace" (eager fused kernel, dlogits written into the logits buffer; under
     torch.compile a graph break at the loss) or "op" (custom ops: no graph break, one more pass over the logits).
@@ -60,23 +62,28 @@ class TritonOps:
             raise ValueError(f"TritonOps: ce must be 'inplace' or 'op', got {ce!r}")
         self._k, self._interpret, self._ce_mode = ops, interpret, ce
         self._ref = attention.attention, layernorm.layernorm, layernorm.add_layernorm, cross_entropy.cross_entropy
+        self._eager = attention.attention_triton, layernorm.layernorm_triton, layernorm.add_layernorm_triton
 
     def _triton(self, t):
         return self._interpret or t.is_cuda
 
     def attention(self, q, k, v):
-        return (self._k.attention if self._triton(q) else self._ref[0])(q, k, v, causal=True)
+        if not self._triton(q):
+            return self._ref[0](q, k, v, causal=True)
+        return (self._k.attention if torch.compiler.is_compiling() else self._eager[0])(q, k, v, causal=True)
 
     # every LayerNorm output feeds a Linear: under autocast it is written in the matmul's dtype directly
     def layernorm(self, x, ln):
         if not self._triton(x):
             return self._ref[1](x, ln.weight, ln.bias, ln.eps)
-        return self._k.layernorm(x, ln.weight, ln.bias, ln.eps, out_dtype=self._k.matmul_dtype(x))
+        fn = self._k.layernorm if torch.compiler.is_compiling() else self._eager[1]
+        return fn(x, ln.weight, ln.bias, ln.eps, out_dtype=self._k.matmul_dtype(x))
 
     def add_layernorm(self, x, residual, ln):
         if not self._triton(x):
             return self._ref[2](x, residual, ln.weight, ln.bias, ln.eps)
-        return self._k.add_layernorm(x, residual, ln.weight, ln.bias, ln.eps, out_dtype=self._k.matmul_dtype(x))
+        fn = self._k.add_layernorm if torch.compiler.is_compiling() else self._eager[2]
+        return fn(x, residual, ln.weight, ln.bias, ln.eps, out_dtype=self._k.matmul_dtype(x))
 
     def cross_entropy(self, logits, targets, n_vocab):
         if not self._triton(logits):
