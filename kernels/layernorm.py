@@ -70,11 +70,13 @@ def add_layernorm_ref(x, residual, weight, bias, eps=1e-5):
 # wide 16-byte loads, no register spills) and, in the backward, how many rows each loop step has in flight (its
 # loads wait a full DRAM latency before the row reductions can start). The best (BLOCK_M rows per tile,
 # num_warps) depends on the width, the dtypes (fp32 residual stream vs bf16) and the chip, so it is autotuned on
-# first use per (C, flags, dtypes) among tiles of 2..16 row elements per thread (ptxas, sm_90: ~4 registers per
-# element held in the forward, ~7 in the backward). The interpreter runs one small tile, no tuning.
+# first use per (C, flags, dtypes) among tiles of 4..16 (forward) / 2..64 (backward) row elements per thread (ptxas,
+# sm_90: ~4 registers per element held in the forward, ~7 in the backward). The interpreter runs one small tile.
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_PER_THREAD = {"fwd": (4, 16), "bwd": (2, 16)}  # row elements a thread holds, min and max
+# row elements a thread holds, min and max. The backward's best tiles hold many: at 16384x768 on an H200
+# (`--sweep`, main kernel alone) 4 rows x 2 warps (64 per thread) 26.2 us, 8 x 4 warps 27.3, 2 x 4 warps (16) 30.1
+_PER_THREAD = {"fwd": (4, 16), "bwd": (2, 64)}
 BWD_GROUPS_PER_SM = 4  # backward row groups: more = more rows in flight, but a bigger (n_groups, C) partial buffer
 BWD_GROUP_ALIGN = 16  # rows per group rounded up to this (the largest BLOCK_M), so groups split into whole tiles
 
@@ -268,11 +270,11 @@ def layernorm_bwd(dy, x, weight, has_bias, mean, rstd, dh=None, n_groups=None):
             HAS_DH=dh is not None, HAS_BIAS=has_bias, BLOCK_C=triton.next_power_of_2(C))
     else:
         part.zero_()
-    # second stage over the (n_groups, C) partials (~3 MB for C = 768): narrow column strips so that C / 32
-    # programs share the work, and 128 group rows per loop step so that each program has few dependent steps
-    # (measured on an H200: 128 columns x 32 rows a step took 55 us, latency bound)
-    _dwdb[(triton.cdiv(C, 32),)](part[0], part[-1], dw, db, n_groups, C, HAS_BIAS=has_bias,
-                                                  BLOCK_G=128, BLOCK_C=32, num_warps=4)
+    # second stage over the (n_groups, C) partials (~3 MB for C = 768): latency bound, so many narrow column
+    # strips (C / 8 programs) with 256 group rows per loop step, few dependent steps each. Measured on an H200
+    # at 16384x768 (512 groups, `--sweep`): 8 x 256 3.7 us, 16 x 128 5.5 us, 32 x 128 6.9 us, 64 x 64 12.1 us
+    _dwdb[(triton.cdiv(C, 8),)](part[0], part[-1], dw, db, n_groups, C, HAS_BIAS=has_bias,
+                                BLOCK_G=256, BLOCK_C=8, num_warps=4)
     return dx.view(x.shape), dw, db
 
 
@@ -435,6 +437,40 @@ def _groups_sweep(M, C, dtype):
     print(f"  {M}x{C} GPU time: fwd {t_f * 1e3:.1f} us; bwd by row groups per SM: {', '.join(cells)}")
 
 
+def _bwd_sweep(M, C, dtype):
+    """GPU time of the two backward kernels alone over explicit tiles (graph replay): where the backward goes."""
+    x = torch.randn(M, C, device="cuda", dtype=dtype)
+    w = torch.ones(C, device="cuda")
+    dy = torch.randn_like(x)
+    _, _, mean, rstd = layernorm_fwd(x, w, None, 1e-5)
+    dx = torch.empty_like(x)
+    res = []
+    for g in (2, 4, 8):
+        n = g * _sm_count(x.device)
+        rows = triton.cdiv(triton.cdiv(M, n), BWD_GROUP_ALIGN) * BWD_GROUP_ALIGN
+        n = triton.cdiv(M, rows)
+        part = torch.empty((2, n, C), device="cuda")
+        for m in (1, 2, 4, 8):
+            for nw in (2, 4, 8, 16):
+                def main_only():
+                    _layernorm_bwd_kernel.fn[(n,)](x, dy, None, dx, w, mean, rstd, part[0], part[1], M, C, rows,
+                                                   C, C, 0, C, HAS_DH=False, HAS_BIAS=True, BLOCK_M=m,
+                                                   BLOCK_C=triton.next_power_of_2(C), num_warps=nw)
+                try:
+                    res.append((triton.testing.do_bench_cudagraph(main_only, return_mode="median") * 1e3, g, m, nw))
+                except Exception:  # noqa: BLE001  (a tile that does not compile / spills out of resources)
+                    pass
+        dw, db = torch.empty(C, device="cuda"), torch.empty(C, device="cuda")
+        for bc, bg, nw in ((32, 128, 4), (16, 128, 4), (16, 64, 2), (32, 64, 4), (64, 64, 4), (8, 256, 4)):
+            t = triton.testing.do_bench_cudagraph(
+                lambda: _layernorm_dwdb_kernel[(triton.cdiv(C, bc),)](part[0], part[1], dw, db, n, C, HAS_BIAS=True,
+                                                                      BLOCK_G=bg, BLOCK_C=bc, num_warps=nw),
+                return_mode="median")
+            print(f"    dwdb {M}x{C} groups {g}/SM ({n}): BLOCK_C {bc} BLOCK_G {bg} w{nw}: {t * 1e3:.1f} us")
+    for t, g, m, nw in sorted(res)[:8]:
+        print(f"    bwd main {M}x{C}: {t:.1f} us  groups {g}/SM BLOCK_M {m} w{nw}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="two shapes, no torch.compile")
@@ -471,6 +507,7 @@ def main():
         for M, C in ((16384, 768), (32768, 768), (4096, 8192)):
             _tuned(M, C, dtype)
             _groups_sweep(M, C, dtype)
+        _bwd_sweep(16384, 768, dtype)
 
 
 if __name__ == "__main__":

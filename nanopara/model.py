@@ -154,10 +154,16 @@ class Block(nn.Module):
         self.ln_2 = LayerNorm(cfg.n_embd, cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, ops, kv_cache=None):
-        a = self.attn(ops.layernorm(x, self.ln_1), ops, kv_cache)
-        y, x = ops.add_layernorm(a, x, self.ln_2)  # x <- x + a; y = ln_2(x), one pass over the residual stream
-        return x + self.mlp(y)
+    def forward(self, x, ops, kv_cache=None, m=None):
+        """x: the residual stream; m: the previous block's MLP output, not yet added to it (None for block 0).
+        Returns (x, m) the same way: every residual add is fused into the LayerNorm that reads its sum."""
+        if m is None:
+            h = ops.layernorm(x, self.ln_1)
+        else:
+            h, x = ops.add_layernorm(m, x, self.ln_1)  # x <- x + m; h = ln_1(x), one pass over the residual stream
+        a = self.attn(h, ops, kv_cache)
+        y, x = ops.add_layernorm(a, x, self.ln_2)  # x <- x + a; y = ln_2(x)
+        return x, self.mlp(y)
 
 
 class KVCache:
@@ -228,9 +234,10 @@ class GPT(nn.Module):
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
         x = F.dropout(x, self.cfg.dropout, self.training)
         ops = self.ops_for(idx.device)
+        m = None
         for i, block in enumerate(self.transformer.h):
-            x = block(x, ops, None if kv_caches is None else kv_caches[i])
-        x = ops.layernorm(x, self.transformer.ln_f)
+            x, m = block(x, ops, None if kv_caches is None else kv_caches[i], m)
+        x = ops.layernorm(x, self.transformer.ln_f) if m is None else ops.add_layernorm(m, x, self.transformer.ln_f)[0]
         logits = self.lm_head(x)  # (B, T, Vp)
         loss = None if targets is None else self.loss_fn(logits, targets)
         return logits, loss

@@ -19,8 +19,8 @@ ZeRO-2 (P_os+g): a bucket's full gradient exists only until its reduce-scatter e
 ZeRO-3 (P_os+g+p): units instead of buckets: the root (every parameter outside the blocks: wte = lm_head, wpe,
   ln_f) and each transformer block. A rank keeps 1/N of each unit in fp32. A block's weights are all-gathered
   by a forward pre-hook (the next block's gather prefetched), freed by the forward hook, gathered again by a hook
-  on the block output's gradient (the previous block prefetched) and freed once their gradient is
-  reduce-scattered (comm.zero_gathered, whose backward starts the reduce-scatter asynchronously; at most 2 units'
+  on the gradient of whichever block output gets one first (the previous block prefetched) and freed once their
+  gradient is reduce-scattered (comm.zero_gathered, whose backward starts the reduce-scatter asynchronously; at most 2 units'
   fp32 gradients are in flight, older ones are drained inside backward). The root stays
   gathered from forward through backward: the tied wte is used at both ends, so there is nothing to free in
   between. Gather dtypes: a block's matrices in the compute dtype (bf16 under autocast: exactly the values
@@ -382,11 +382,15 @@ class Zero(_BucketHooks, _Engine):
         if i > 0 or not needs_grad:  # with grad, the root is freed once its gradient is reduce-scattered
             for f in self.units[i]:
                 self._free(f)
-        if i > 0 and needs_grad:
+        if i > 0 and needs_grad:  # a block returns (residual, pending MLP output): whichever grad comes first
             pre_backward = self._pre_backward_weak
-            next(t for t in outs if t.requires_grad).register_hook(lambda grad, i=i: pre_backward(i))
+            for t in outs:
+                if t.requires_grad:
+                    t.register_hook(lambda grad, i=i: pre_backward(i))
 
     def _pre_backward(self, i: int):
+        if all(f.pending is None and f.full.untyped_storage().nbytes() for f in self.units[i]):
+            return  # another output's hook of this block ran first: already gathered for this backward
         self._gather(self.units[i], into_own=True)
         if i - 1 >= 1:
             self._gather(self.units[i - 1], into_own=True)  # prefetch the block whose backward comes next

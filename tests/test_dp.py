@@ -153,8 +153,9 @@ def _spy(engine, mode: str) -> dict:
         pre_forward(i)
         seen["live"].append(live())
 
-    def spy_backward(i):
-        seen["prefetched"].append(i == len(engine.units) - 1 or all(f.pending is not None for f in engine.units[i]))
+    def spy_backward(i):  # runs once per block output with a gradient: only the first call of a block gathers
+        if not all(f.pending is None and f.full.untyped_storage().nbytes() for f in engine.units[i]):
+            seen["prefetched"].append(i == len(engine.units) - 1 or all(f.pending is not None for f in engine.units[i]))
         pre_backward(i)
         seen["live"].append(live())
     engine._pre_forward, engine._pre_backward = spy_forward, spy_backward
