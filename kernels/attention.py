@@ -544,7 +544,8 @@ def _bench(argv=None):
     ap.add_argument("--out", default=None, help="also write the table as JSON lines to this file")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("the benchmark needs a CUDA GPU (tests run the kernels on CPU: pytest tests/test_attention.py)")
+        raise SystemExit("the benchmark needs a CUDA GPU "
+                         "(tests run the kernels on CPU: pytest tests/test_attention.py)")
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
