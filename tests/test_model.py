@@ -147,10 +147,11 @@ def test_hf_mapping_rejects_wrong_shapes():
 
 
 def test_triton_op_table_matches_torch_ops():
-    """The model wired to the Triton kernels (CPU interpreter, fp32) gives the loss and grads of the torch path."""
+    """The model wired to the Triton kernels (CPU interpreter, fp32) gives the loss and grads of the torch path.
+    Two layers: block 1's ln_1 and ln_f take the previous MLP output through the fused residual add."""
     from nanopara.model import TorchOps, TritonOps
     torch.manual_seed(0)
-    cfg = small(n_layer=1, n_head=2, n_embd=64, block_size=32, vocab_size=200)
+    cfg = small(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=200)
     idx = torch.randint(0, 200, (2, 19))
     tgt = idx.roll(-1, 1)
     tgt[0, :3] = -1
@@ -167,3 +168,19 @@ def test_triton_op_table_matches_torch_ops():
     torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-5)
     for n in g0:
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_eager_triton_path_skips_the_custom_ops(monkeypatch):
+    """Eager mode calls the autograd Functions directly: the torch.library custom ops (kernels/ops.py) cost ~300 us
+    of host time per LayerNorm fwd+bwd and are only for torch.compile (tests/test_ops.py covers that path)."""
+    from kernels import ops as kops
+    from nanopara.model import TritonOps
+    calls = []
+    for name in ("attention", "layernorm", "add_layernorm"):
+        monkeypatch.setattr(kops, name, lambda *a, _n=name, **k: calls.append(_n))
+    model = GPT(small(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=200))
+    model._ops["cpu"] = TritonOps(interpret=True)
+    idx = torch.randint(0, 200, (1, 9))
+    _, loss = model(idx, idx)
+    loss.backward()
+    assert calls == [] and torch.isfinite(loss)

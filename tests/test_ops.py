@@ -91,8 +91,8 @@ def test_cross_entropy_op_matches_reference(loss_scale, grad):
     assert a.grad[:, 123:].abs().max() == 0  # padding columns never get gradient
 
 
-def _tiny():
-    return ModelConfig(n_layer=1, n_head=2, n_embd=64, block_size=32, vocab_size=200, vocab_multiple=64)
+def _tiny():  # two layers: block 1's ln_1 and ln_f take the pending MLP output through add_layernorm
+    return ModelConfig(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=200, vocab_multiple=64)
 
 
 @pytest.mark.parametrize("ce", ["op", "inplace"])
