@@ -61,6 +61,7 @@ bench: setup
 	$(PY) -m kernels.layernorm $(BENCH_ARGS)
 	$(PY) -m kernels.cross_entropy $(BENCH_ARGS)
 	$(PY) -m kernels.adamw $(BENCH_ARGS)
+	$(PY) bench/bench_launch.py
 
 plot: setup
 	@$(PY) -c 'import matplotlib' 2>/dev/null || $(PY) -m pip install -q matplotlib
