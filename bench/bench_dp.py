@@ -131,7 +131,52 @@ def engine_step_fn(model, mesh, cfg, variant=""):
     return step, engine
 
 
-def run_mode(mode, cfg, mesh, warmup, steps, variant=""):
+def _union_ms(spans):
+    """Length of the union of (start, end) intervals, in ms (inputs in us)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total / 1e3
+
+
+def profile_step(step, x, y, mesh, label, out_dir):
+    """One step under torch.profiler on rank 0 (every rank runs it: collectives). Prints how much of the step's
+    GPU span the compute kernels fill, the NCCL kernels' time, and the top compute kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    if mesh.device.type != "cuda":  # GPU kernels only; every rank takes the same branch
+        return
+    sync(mesh.device)
+    dist.barrier()
+    if not mesh.is_main:
+        step(x, y)
+        sync(mesh.device)
+        return
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(x, y)
+        sync(mesh.device)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not kernels:
+        return
+    comm = [e for e in kernels if "nccl" in e.name.lower()]
+    compute = [e for e in kernels if "nccl" not in e.name.lower()]
+    span = (max(e.time_range.end for e in kernels) - min(e.time_range.start for e in kernels)) / 1e3
+    busy = _union_ms([(e.time_range.start, e.time_range.end) for e in compute])
+    by_name = {}
+    for e in compute:
+        by_name[e.name] = by_name.get(e.name, 0.0) + (e.time_range.end - e.time_range.start) / 1e3
+    nccl = _union_ms([(e.time_range.start, e.time_range.end) for e in comm])
+    lines = [f"profile {label} (rank 0, one step): GPU span {span:.2f} ms, compute kernels busy {busy:.2f} ms "
+             f"(idle {span - busy:.2f} ms), NCCL kernels {nccl:.2f} ms"]
+    lines += [f"  {t:7.2f} ms  {n[:100]}" for n, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:12]]
+    print("\n".join(lines), flush=True)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"profile_dp_{label.replace(':', '_').replace('@', '_')}.txt"), "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+
+
+def run_mode(mode, cfg, mesh, warmup, steps, variant="", profile_dir=""):
     cuda = mesh.device.type == "cuda"
     start = torch.cuda.memory_allocated() if cuda else 0
     model = build(cfg, mesh)
@@ -166,6 +211,8 @@ def run_mode(mode, cfg, mesh, warmup, steps, variant=""):
     stats = torch.tensor([dt_mine, peak, base, peak - base, tail, -dt_mine], device=mesh.device)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     dt, peak, base, transient, tail, dt_fastest = stats.tolist()
+    if profile_dir:
+        profile_step(step, x, y, mesh, mode + (f":{variant}" if variant else ""), profile_dir)
     states = engine.memory_bytes() if engine is not None else None
     if engine is not None:
         engine.close()
@@ -200,6 +247,8 @@ def main():
     ap.add_argument("--accum", type=int, default=1, help="micro-steps per optimizer step (gradient accumulation; "
                     "communication on the last one only). GPT-2's 0.5M-token batch at B=16 x T=1024: 32 / N GPUs")
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps per mode")
+    ap.add_argument("--profile", default="", metavar="DIR",
+                    help="after each mode's timed steps, profile one step on rank 0 (GPU idle, NCCL time, top kernels)")
     ap.add_argument("--steps", type=int, default=30, help="timed steps per mode")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
     ap.add_argument("--large", default="gpt2_1558m", help="preset of the memory part ('' skips it)")
@@ -230,7 +279,7 @@ def main():
             cfg.parallel.bucket_mb = float(bucket)
         if variant == "bf16":
             cfg.parallel.reduce_dtype = "bf16"
-        r = run_mode(mode, cfg, mesh, warmup, steps, variant)
+        r = run_mode(mode, cfg, mesh, warmup, steps, variant, args.profile)
         m = cfg.model
         fpt = 6 * r["n_params"] + 12 * m.n_layer * m.n_embd * args.seq_len
         r["mfu"] = fpt * r["tok_s"] / (n * peak_flops) if peak_flops else 0.0
@@ -249,8 +298,8 @@ def main():
         print(f"data parallel on {n} x {name}, torch {torch.__version__}, {datetime.date.today()}; {small}, "
               f"B={args.micro_batch}/GPU x {args.accum} micro-steps, T={args.seq_len}, bf16 autocast, kernels=torch, "
               f"{steps} timed steps")
-        print(f"{'mode':>12} | {'tok/s':>10} {'vs torch':>8} {'scaling':>7} {'MFU':>6} {'step ms':>8} {'fast ms':>7} {'tail ms':>7} | "
-              f"{'peak GB':>8} {'states GB':>9} {'base GB':>8} {'transient':>9}")
+        print(f"{'mode':>12} | {'tok/s':>10} {'vs torch':>8} {'scaling':>7} {'MFU':>6} {'step ms':>8} {'fast ms':>7} "
+              f"{'tail ms':>7} | {'peak GB':>8} {'states GB':>9} {'base GB':>8} {'transient':>9}")
         one = {}
         if args.baseline:
             with open(args.baseline) as f:

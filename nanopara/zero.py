@@ -18,10 +18,10 @@ ZeRO-2 (P_os+g): a bucket's full gradient exists only until its reduce-scatter e
   would mean holding the full gradient, which is what they exist to avoid).
 ZeRO-3 (P_os+g+p): units instead of buckets: the root (every parameter outside the blocks: wte = lm_head, wpe,
   ln_f) and each transformer block. A rank keeps 1/N of each unit in fp32. A block's weights are all-gathered
-  by a forward pre-hook (the next block's gather prefetched), freed by the forward hook, gathered again by a hook
-  on the gradient of whichever block output gets one first (the previous block prefetched) and freed once their
-  gradient is reduce-scattered (comm.zero_gathered, whose backward starts the reduce-scatter asynchronously; at most 2 units'
-  fp32 gradients are in flight, older ones are drained inside backward). The root stays
+  by a forward pre-hook (the next PREFETCH blocks' gathers started), freed by the forward hook, gathered again by
+  a hook on the gradient of whichever block output gets one first (the previous PREFETCH blocks prefetched), freed
+  once their gradient is reduce-scattered (comm.zero_gathered, whose backward starts the reduce-scatter
+  asynchronously; at most 2 units' fp32 gradients are in flight, older ones are drained inside backward). The root stays
   gathered from forward through backward: the tied wte is used at both ends, so there is nothing to free in
   between. Gather dtypes: a block's matrices in the compute dtype (bf16 under autocast: exactly the values
   autocast would cast fp32 weights to, so the numerics are DDP's, at half the bytes), its vectors (LayerNorm,
@@ -48,6 +48,12 @@ from nanopara.comm import all_gather_flat, zero_gathered
 from nanopara.config import Config
 from nanopara.dp import _BucketHooks, _buckets, _check_fp32, _Engine, _views, _weak, compute_dtype, param_kind
 from nanopara.mesh import Mesh
+
+# ZeRO-3 gathers this many units ahead of the one running (forward: the next blocks; backward: the previous ones).
+# Each costs one more block of bf16 weights. 1 is what bench/bench_dp.py measured; a profile of one step
+# (results/profile_dp_zero3.txt) shows the compute stream idle 12.6 ms of 65.9 (DDP: 7.3 of 59.8) while every
+# gather syncs the ranks, so a deeper queue (2) that absorbs their skew is the next thing to measure.
+PREFETCH = 1
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -368,8 +374,8 @@ class Zero(_BucketHooks, _Engine):
                 if f.pending is not None and self._wait(f) is f.full:
                     self._free(f)
         self._gather(self.units[i])
-        if i + 1 < len(self.units):
-            self._gather(self.units[i + 1])  # prefetch: the next unit's gather overlaps this unit's compute
+        for j in range(i + 1, min(i + 1 + PREFETCH, len(self.units))):
+            self._gather(self.units[j])  # prefetch: the next units' gathers overlap this unit's compute
         for f in self.units[i]:
             full = f.full = self._wait(f)
             if torch.is_grad_enabled():
@@ -392,8 +398,8 @@ class Zero(_BucketHooks, _Engine):
         if all(f.pending is None and f.full.untyped_storage().nbytes() for f in self.units[i]):
             return  # another output's hook of this block ran first: already gathered for this backward
         self._gather(self.units[i], into_own=True)
-        if i - 1 >= 1:
-            self._gather(self.units[i - 1], into_own=True)  # prefetch the block whose backward comes next
+        for j in range(i - 1, max(i - 1 - PREFETCH, 0), -1):
+            self._gather(self.units[j], into_own=True)  # prefetch the blocks whose backward comes next
         for f in self.units[i]:
             self._wait(f)
 
