@@ -11,6 +11,7 @@ How: `fast(kernel)` wraps a `@triton.jit` function or a `@triton.autotune`d one 
     tensors       dtype, and whether the address is 16-byte aligned
     ints          == 1, divisible by 16, fits in int32            (bools and None by value, floats by type)
     constexprs    by value; the autotuner's key arguments also by value (so a new T bucket is tuned anew)
+    device        the current CUDA device (the JIT keeps one cache per device)
 On a miss the kernel runs the normal way (tuning and compiling if needed) and the CompiledKernel it returns is
 kept with the chosen config; on a hit the binary is launched directly: `compiled[grid](*args, *constexprs)`.
 The key is conservative: it may hold more entries than the JIT's cache, never fewer, so a binary is only reused
@@ -55,7 +56,8 @@ class FastKernel:
     def run(self, grid, args, constexprs):
         if _INTERPRET:
             return self.kernel[grid](*args, **constexprs)
-        key = (_spec(args), tuple(args[i] for i in self.tuned_on if i < len(args)), tuple(constexprs.items()))
+        key = (torch.cuda.current_device(), _spec(args), tuple(args[i] for i in self.tuned_on if i < len(args)),
+               tuple(constexprs.items()))  # binaries are per device, as in the JIT's own cache
         hit = self.cache.get(key)
         if hit is None:  # tune / compile / launch the normal way, then keep the binary and its config
             compiled = self.kernel[grid](*args, **constexprs)
