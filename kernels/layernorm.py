@@ -26,7 +26,7 @@ Callers: nanopara/model.py (ln_1, ln_2 via add_layernorm, ln_f). Public ops take
 CUDA and the reference on CPU; `layernorm_triton` / `add_layernorm_triton` force the Triton path (tests run it
 on CPU under TRITON_INTERPRET=1).
 
-Run: `python -m kernels.layernorm [--quick] [--sweep] [--out FILE]` prints parity, then a benchmark table
+Run: `python -m kernels.layernorm [--quick] [--out FILE]` prints parity, then a benchmark table
 (ms, GB/s, % of measured D2D copy bandwidth, speed-up vs eager F.layer_norm and torch.compile).
 """
 import argparse
@@ -75,7 +75,8 @@ def add_layernorm_ref(x, residual, weight, bias, eps=1e-5):
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # row elements a thread holds, min and max. The backward's best tiles hold many: at 16384x768 on an H200
-# (`--sweep`, main kernel alone) 4 rows x 2 warps (64 per thread) 26.2 us, 8 x 4 warps 27.3, 2 x 4 warps (16) 30.1
+# (bench/sweep_layernorm.py, main kernel alone) 4 rows x 2 warps (64 per thread) 26.2 us, 8 x 4 warps 27.3,
+# 2 x 4 warps (16) 30.1
 _PER_THREAD = {"fwd": (4, 32), "bwd": (2, 64)}
 BWD_GROUPS_PER_SM = 2  # backward row groups per SM: 2 measured best with the wide tiles (30.3 vs 33.0 us at 16384x768)
 BWD_GROUP_ALIGN = 16  # rows per group rounded up to this (the largest BLOCK_M), so groups split into whole tiles
@@ -272,7 +273,8 @@ def layernorm_bwd(dy, x, weight, has_bias, mean, rstd, dh=None, n_groups=None):
         part.zero_()
     # second stage over the (n_groups, C) partials (~3 MB for C = 768): latency bound, so many narrow column
     # strips (C / 8 programs) with 256 group rows per loop step, few dependent steps each. Measured on an H200
-    # at 16384x768 (512 groups, `--sweep`): 8 x 256 3.7 us, 16 x 128 5.5 us, 32 x 128 6.9 us, 64 x 64 12.1 us
+    # at 16384x768 (512 groups, bench/sweep_layernorm.py): 8 x 256 3.7 us, 16 x 128 5.5 us, 32 x 128 6.9 us,
+    # 64 x 64 12.1 us
     _dwdb[(triton.cdiv(C, 8),)](part[0], part[-1], dw, db, n_groups, C, HAS_BIAS=has_bias,
                                 BLOCK_G=256, BLOCK_C=8, num_warps=4)
     return dx.view(x.shape), dw, db
@@ -337,7 +339,7 @@ def add_layernorm(x, residual, weight, bias, eps=1e-5):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Parity + benchmark: python -m kernels.layernorm [--quick] [--sweep] [--out FILE]
+# Parity + benchmark: python -m kernels.layernorm [--quick] [--out FILE] (tile sweeps: bench/sweep_layernorm.py)
 
 
 def _copy_bandwidth():
@@ -412,69 +414,9 @@ def _bench(M, C, dtype, copy_gbs, compile_ok):
     return rows
 
 
-def _tuned(M, C, dtype):
-    """Run fwd+bwd once at (M, C) and print the tiles the autotuner picked."""
-    x = torch.randn(M, C, device="cuda", dtype=dtype, requires_grad=True)
-    w = torch.ones(C, device="cuda", dtype=dtype, requires_grad=True)
-    layernorm(x, w, None).backward(torch.randn(M, C, device="cuda", dtype=dtype))
-    for name, k in (("fwd", _layernorm_fwd_kernel), ("bwd", _layernorm_bwd_kernel)):
-        print(f"  tuned {name} {M}x{C} {str(dtype).split('.')[-1]}: {k.best_config}")
-
-
-def _groups_sweep(M, C, dtype):
-    """GPU time (CUDA-graph replay) of the forward and of the backward at several row-group counts per SM."""
-    x = torch.randn(M, C, device="cuda", dtype=dtype)
-    w, b = torch.ones(C, device="cuda"), torch.zeros(C, device="cuda")
-    dy = torch.randn_like(x)
-    _, _, mean, rstd = layernorm_fwd(x, w, b, 1e-5)
-    t_f = triton.testing.do_bench_cudagraph(lambda: layernorm_fwd(x, w, b, 1e-5), return_mode="median")
-    cells = []
-    for g in (2, 4, 8, 16, 32):
-        n = g * _sm_count(x.device)
-        t = triton.testing.do_bench_cudagraph(lambda: layernorm_bwd(dy, x, w, True, mean, rstd, n_groups=n),
-                                              return_mode="median")
-        cells.append(f"{g}/SM {t * 1e3:.1f} us")
-    print(f"  {M}x{C} GPU time: fwd {t_f * 1e3:.1f} us; bwd by row groups per SM: {', '.join(cells)}")
-
-
-def _bwd_sweep(M, C, dtype):
-    """GPU time of the two backward kernels alone over explicit tiles (graph replay): where the backward goes."""
-    x = torch.randn(M, C, device="cuda", dtype=dtype)
-    w = torch.ones(C, device="cuda")
-    dy = torch.randn_like(x)
-    _, _, mean, rstd = layernorm_fwd(x, w, None, 1e-5)
-    dx = torch.empty_like(x)
-    res = []
-    for g in (2, 4, 8):
-        n = g * _sm_count(x.device)
-        rows = triton.cdiv(triton.cdiv(M, n), BWD_GROUP_ALIGN) * BWD_GROUP_ALIGN
-        n = triton.cdiv(M, rows)
-        part = torch.empty((2, n, C), device="cuda")
-        for m in (1, 2, 4, 8):
-            for nw in (2, 4, 8, 16):
-                def main_only():
-                    _layernorm_bwd_kernel.fn[(n,)](x, dy, None, dx, w, mean, rstd, part[0], part[1], M, C, rows,
-                                                   C, C, 0, C, HAS_DH=False, HAS_BIAS=True, BLOCK_M=m,
-                                                   BLOCK_C=triton.next_power_of_2(C), num_warps=nw)
-                try:
-                    res.append((triton.testing.do_bench_cudagraph(main_only, return_mode="median") * 1e3, g, m, nw))
-                except Exception:  # noqa: BLE001  (a tile that does not compile / spills out of resources)
-                    pass
-        dw, db = torch.empty(C, device="cuda"), torch.empty(C, device="cuda")
-        for bc, bg, nw in ((32, 128, 4), (16, 128, 4), (16, 64, 2), (32, 64, 4), (64, 64, 4), (8, 256, 4)):
-            t = triton.testing.do_bench_cudagraph(
-                lambda: _layernorm_dwdb_kernel[(triton.cdiv(C, bc),)](part[0], part[1], dw, db, n, C, HAS_BIAS=True,
-                                                                      BLOCK_G=bg, BLOCK_C=bc, num_warps=nw),
-                return_mode="median")
-            print(f"    dwdb {M}x{C} groups {g}/SM ({n}): BLOCK_C {bc} BLOCK_G {bg} w{nw}: {t * 1e3:.1f} us")
-    for t, g, m, nw in sorted(res)[:8]:
-        print(f"    bwd main {M}x{C}: {t:.1f} us  groups {g}/SM BLOCK_M {m} w{nw}")
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="two shapes, no torch.compile")
-    p.add_argument("--sweep", action="store_true", help="also print the autotuned tiles and a backward row-group sweep")
     p.add_argument("--out", help="append JSON lines here")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -503,11 +445,6 @@ def main():
           "no .grad accumulation); the do_bench columns include Python + launch time, which bounds small shapes")
     if out:
         out.close()
-    if args.sweep:
-        for M, C in ((16384, 768), (32768, 768), (4096, 8192)):
-            _tuned(M, C, dtype)
-            _groups_sweep(M, C, dtype)
-        _bwd_sweep(16384, 768, dtype)
 
 
 if __name__ == "__main__":
