@@ -17,9 +17,12 @@
                gradient communication after backward (CUDA events around engine._finish_grads): the exposed part.
                Modes: torch_ddp, ddp, zero1..3; "ddp@50" = 50 MB buckets; "ddp:bf16" = parallel.reduce_dtype=bf16;
                "ddp:nocomm" = a control with every all-reduce skipped (the engine's own cost, the upper bound of
-               scaling; not a training mode); "ddp:single" = a control of N independent one-GPU runs at once (the
+               scaling; not a training mode); "zero3:p2" = ZeRO-3 gathering 2 units ahead (zero.PREFETCH);
+               "ddp:single" = a control of N independent one-GPU runs at once (the
                SingleDevice engine on every rank: what the machine itself loses when all its GPUs work).
-               step ms is the slowest rank's; "fast ms" the fastest rank's.
+               step ms is the slowest rank's; "fast ms" the fastest rank's. host ms (rank 0): CPU time to issue
+               one forward + backward while the GPU is held busy (bench_dp.host_ms): near the GPU's time for the
+               same work, the step is bound by the host.
 2. memory      a large preset (gpt2_1558m by default) with micro_batch 1 per ZeRO stage: the model states this
                rank holds (memory_bytes) next to the ZeRO paper's formula for fp32 params/grads + fp32 Adam m, v
                (16Ψ, 8Ψ+8Ψ/N, 4Ψ+12Ψ/N, 16Ψ/N; ours adds padding of < N elements per flat buffer), the step
@@ -49,6 +52,7 @@ from nanopara.dp import SingleDevice, build_engine  # noqa: E402
 from nanopara.mesh import Mesh  # noqa: E402
 from nanopara.model import GPT  # noqa: E402
 from nanopara.optim import build_adamw  # noqa: E402
+from nanopara import zero  # noqa: E402
 
 PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s
 MODES = ["torch_ddp", "ddp", "zero1", "zero2", "zero3"]
@@ -86,16 +90,23 @@ def torch_ddp_step_fn(model, mesh, cfg):
         gradient_as_bucket_view=True)
     opt = build_adamw(model.named_parameters(), cfg.train, mesh.device)
 
-    def step(x, y):
+    def fwd_bwd(x, y):
         for m in range(ACCUM):  # the same micro-batch ACCUM times: the timing, not the data, is measured
             with ddp.no_sync() if m < ACCUM - 1 else contextlib.nullcontext():
                 with amp(mesh.device):
                     _, loss = ddp(x, y)
                 (loss / ACCUM).backward()
+
+    def finish():
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return norm.item()  # our engines return the norm as a float too (train.py logs it)
+
+    def step(x, y):
+        fwd_bwd(x, y)
+        return finish()
+    step.fwd_bwd, step.finish = fwd_bwd, finish
     return step, None
 
 
@@ -105,29 +116,37 @@ class _Done:
 
 
 def engine_step_fn(model, mesh, cfg, variant=""):
+    if variant.startswith("p"):  # "zero3:p2": ZeRO-3 gathers 2 units ahead (zero.PREFETCH, read at each hook)
+        zero.PREFETCH = int(variant[1:])
     engine = SingleDevice(model, mesh, cfg) if variant == "single" else build_engine(model, mesh, cfg)
     if variant == "nocomm":  # control, not a result: the engine's hooks and buffers, its all-reduces skipped
         engine._launch = lambda i: _Done()
     tails = []  # (start, end) CUDA events around the gradient wait at the step: exposed communication
     if mesh.device.type == "cuda":
-        finish = engine._finish_grads
+        finish_grads = engine._finish_grads
 
         def timed_finish():
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            finish()
+            finish_grads()
             b.record()
             tails.append((a, b))
         engine._finish_grads = timed_finish
 
-    def step(x, y):
+    def fwd_bwd(x, y):
         for m in range(ACCUM):
             with engine.no_sync(m < ACCUM - 1):
                 with amp(mesh.device):
                     _, loss = engine.model(x, y)
                 engine.backward(loss / ACCUM)
+
+    def finish():
         return engine.step(cfg.train.lr)
-    step.tails = tails
+
+    def step(x, y):
+        fwd_bwd(x, y)
+        return finish()
+    step.tails, step.fwd_bwd, step.finish = tails, fwd_bwd, finish
     return step, engine
 
 
@@ -139,6 +158,28 @@ def _union_ms(spans):
             total += b - max(a, end)
             end = b
     return total / 1e3
+
+
+def host_ms(step, x, y, mesh) -> float:
+    """CPU time to issue one step's forward + backward while a sleep kernel keeps the GPU busy (so the CPU never
+    waits for it). Near or above the GPU time of the same work, the step is bound by the host (Python, launches),
+    not by the GPU. The step is then finished normally (every rank does the same: collectives)."""
+    if mesh.device.type != "cuda":
+        return float("nan")
+    sync(mesh.device)
+    dist.barrier()
+    torch.cuda._sleep(1_000_000_000)  # ~0.5 s at H100/H200 clocks
+    slept = torch.cuda.Event()
+    slept.record()
+    t0 = time.perf_counter()
+    step.fwd_bwd(x, y)
+    dt = time.perf_counter() - t0
+    busy = not slept.query()  # still sleeping when the last backward kernel was issued: a valid measurement.
+    # Otherwise nan: the CPU waited for the GPU somewhere, e.g. a full launch queue (~1000 pending kernels; DDP's
+    # per-parameter gradient accumulation kernels take it over that at 124M)
+    step.finish()
+    sync(mesh.device)
+    return dt * 1e3 if busy else float("nan")
 
 
 def profile_step(step, x, y, mesh, label, out_dir):
@@ -170,6 +211,15 @@ def profile_step(step, x, y, mesh, label, out_dir):
     lines = [f"profile {label} (rank 0, one step): GPU span {span:.2f} ms, compute kernels busy {busy:.2f} ms "
              f"(idle {span - busy:.2f} ms), NCCL kernels {nccl:.2f} ms"]
     lines += [f"  {t:7.2f} ms  {n[:100]}" for n, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:12]]
+    lines += ["  largest compute-stream gaps (ms, where in the step, kernel before -> kernel after):"]
+    order, t0 = sorted(compute, key=lambda e: e.time_range.start), min(e.time_range.start for e in kernels)
+    gaps, end, last = [], order[0].time_range.end, order[0]
+    for e in order[1:]:
+        if e.time_range.start > end:
+            gaps.append(((e.time_range.start - end) / 1e3, (end - t0) / 1e3, last.name, e.name))
+        if e.time_range.end > end:
+            end, last = e.time_range.end, e
+    lines += [f"  {g:7.2f} at {at:6.1f}  {a[:45]} -> {b[:45]}" for g, at, a, b in sorted(gaps, reverse=True)[:10]]
     print("\n".join(lines), flush=True)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"profile_dp_{label.replace(':', '_').replace('@', '_')}.txt"), "w") as fh:
@@ -178,7 +228,7 @@ def profile_step(step, x, y, mesh, label, out_dir):
 
 def run_mode(mode, cfg, mesh, warmup, steps, variant="", profile_dir=""):
     cuda = mesh.device.type == "cuda"
-    start = torch.cuda.memory_allocated() if cuda else 0
+    start, prefetch = torch.cuda.memory_allocated() if cuda else 0, zero.PREFETCH
     model = build(cfg, mesh)
     n_params, psi = model.num_params(), sum(p.numel() for p in model.parameters())  # the tied weight once
     if mode == "torch_ddp":
@@ -211,8 +261,10 @@ def run_mode(mode, cfg, mesh, warmup, steps, variant="", profile_dir=""):
     stats = torch.tensor([dt_mine, peak, base, peak - base, tail, -dt_mine], device=mesh.device)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     dt, peak, base, transient, tail, dt_fastest = stats.tolist()
+    host = host_ms(step, x, y, mesh)
     if profile_dir:
         profile_step(step, x, y, mesh, mode + (f":{variant}" if variant else ""), profile_dir)
+    zero.PREFETCH = prefetch  # a "zero3:pK" variant changed it for its own run only
     states = engine.memory_bytes() if engine is not None else None
     if engine is not None:
         engine.close()
@@ -226,7 +278,8 @@ def run_mode(mode, cfg, mesh, warmup, steps, variant="", profile_dir=""):
             print(f"WARNING rank {mesh.rank}: {mode} left {left:.2f} GB allocated after cleanup; the next mode's "
                   f"memory numbers include it", flush=True)
     return {"mode": mode + (f":{variant}" if variant else ""), "tok_s": mesh.world * B * T * ACCUM * steps / dt,
-            "step_ms": dt / steps * 1e3, "fastest_rank_step_ms": -dt_fastest / steps * 1e3, "tail_ms": tail,
+            "step_ms": dt / steps * 1e3, "host_ms": host, "fastest_rank_step_ms": -dt_fastest / steps * 1e3,
+            "tail_ms": tail,
             "peak_GB": peak,
             "base_GB": base, "transient_GB": transient, "left_GB": left,
             "states_GB": None if states is None else sum(states.values()) / GB, "n_params": n_params, "psi": psi}
@@ -299,7 +352,7 @@ def main():
               f"B={args.micro_batch}/GPU x {args.accum} micro-steps, T={args.seq_len}, bf16 autocast, kernels=torch, "
               f"{steps} timed steps")
         print(f"{'mode':>12} | {'tok/s':>10} {'vs torch':>8} {'scaling':>7} {'MFU':>6} {'step ms':>8} {'fast ms':>7} "
-              f"{'tail ms':>7} | {'peak GB':>8} {'states GB':>9} {'base GB':>8} {'transient':>9}")
+              f"{'tail ms':>7} {'host ms':>7} | {'peak GB':>8} {'states GB':>9} {'base GB':>8} {'transient':>9}")
         one = {}
         if args.baseline:
             with open(args.baseline) as f:
@@ -312,7 +365,7 @@ def main():
             tail = "-" if r["tail_ms"] != r["tail_ms"] else f"{r['tail_ms']:.2f}"
             scale = "-" if r["scaling"] is None else f"{100 * r['scaling']:.1f}%"
             print(f"{r['mode']:>12} | {r['tok_s']:10,.0f} {rel:>8} {scale:>7} {r['mfu'] * 100:5.1f}% "
-                  f"{r['step_ms']:8.1f} {r['fastest_rank_step_ms']:7.1f} {tail:>7} | "
+                  f"{r['step_ms']:8.1f} {r['fastest_rank_step_ms']:7.1f} {tail:>7} {r['host_ms']:7.1f} | "
                   f"{r['peak_GB']:8.2f} {st:>9} {r['base_GB']:8.2f} {r['transient_GB']:9.2f}")
         if large:
             print(f"\n{big}: Ψ = {large[0]['psi'] / 1e9:.3f}B parameters, B=1, per ZeRO stage on {n} GPUs")

@@ -9,6 +9,8 @@ tests/test_comm.py, measured against NCCL by `torchrun --nproc_per_node=N bench/
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -283,25 +285,36 @@ def all_gather_flat(shard: torch.Tensor, group, dtype: torch.dtype, out: torch.T
 
 
 class _ZeroGather(torch.autograd.Function):
-    """fwd: the unit's full flat parameters (gathered by the caller), bwd: async reduce-scatter (SUM, fp32)."""
+    """fwd: the unit's parameters as views of its gathered flat buffer, bwd: async reduce-scatter (SUM, fp32)."""
 
     @staticmethod
-    def forward(ctx, anchor, full, group, on_reduce):
-        ctx.group, ctx.on_reduce = group, on_reduce
-        return full  # returned as a view of `full`: the engine can free and refill its storage
+    def forward(ctx, anchor, full, group, on_reduce, shapes):
+        ctx.group, ctx.on_reduce, ctx.numel = group, on_reduce, full.numel()
+        # one node for the whole unit (not a split plus a view per parameter): the hooks run once per block per
+        # pass on the host's critical path. The views keep `full`'s storage, which the engine frees and refills.
+        views, off = [], 0
+        for shape in shapes:
+            n = math.prod(shape)
+            views.append(full[off:off + n].view(shape))
+            off += n
+        return tuple(views)
 
     @staticmethod
-    def backward(ctx, grad):  # grad (N*k,) in the gather dtype
-        g = grad.float().contiguous()  # reduce in fp32 whatever the compute dtype: the same sums as DDP's
+    def backward(ctx, *grads):  # one gradient per view, in the gather dtype (zeros where a view got none)
+        g = grads[0].new_empty(ctx.numel, dtype=torch.float32)  # reduce in fp32 whatever the compute dtype:
+        n = sum(x.numel() for x in grads)                       # the same sums as DDP's
+        torch.cat([x.reshape(-1) for x in grads], out=g[:n])  # one copy kernel, casting on the way
+        g[n:].zero_()  # the flat buffer's padding
         k = g.numel() // dist.get_world_size(ctx.group)
         out = g[dist.get_rank(ctx.group) * k:][:k]  # (k,): this rank's shard, in place (recv = send + r*k)
         work = dist.reduce_scatter_tensor(out, g, group=ctx.group, async_op=True)
         ctx.on_reduce(work, out, g)  # the engine waits before the optimizer step; comm overlaps the rest of bwd
-        return None, None, None, None
+        return None, None, None, None, None
 
 
-def zero_gathered(anchor: torch.Tensor, full: torch.Tensor, group, on_reduce) -> torch.Tensor:
-    """fwd: `full` (a unit's all-gathered flat parameters), bwd: reduce-scatter its gradient over `group` and pass
-    (work, shard_grad, sent) to `on_reduce`. `anchor` is any leaf that requires grad, so backward reaches here.
+def zero_gathered(anchor: torch.Tensor, full: torch.Tensor, group, on_reduce, shapes) -> tuple:
+    """fwd: views of `full` (a unit's all-gathered flat parameters, laid end to end, padding after) with the
+    given shapes; bwd: reduce-scatter the unit's whole gradient over `group` and pass (work, shard_grad, sent) to
+    `on_reduce`. `anchor` is any leaf that requires grad, so backward reaches here.
     `on_reduce` lives in the autograd graph (C++, invisible to gc): it should not hold its engine strongly."""
-    return _ZeroGather.apply(anchor, full, group, on_reduce)
+    return _ZeroGather.apply(anchor, full, group, on_reduce, shapes)

@@ -50,9 +50,8 @@ from nanopara.dp import _BucketHooks, _buckets, _check_fp32, _Engine, _views, _w
 from nanopara.mesh import Mesh
 
 # ZeRO-3 gathers this many units ahead of the one running (forward: the next blocks; backward: the previous ones).
-# Each costs one more block of bf16 weights. 1 is what bench/bench_dp.py measured; a profile of one step
-# (results/profile_dp_zero3.txt) shows the compute stream idle 12.6 ms of 65.9 (DDP: 7.3 of 59.8) while every
-# gather syncs the ranks, so a deeper queue (2) that absorbs their skew is the next thing to measure.
+# Each costs one more block of bf16 weights. Measured on 4 x H200 (results/dp4_zero3_host.txt): 2 is no faster than
+# 1 (0.94x vs 0.93-0.97x DDP in one call); the compute stream's idle gaps at block starts come from the host.
 PREFETCH = 1
 
 
@@ -130,6 +129,12 @@ def unshard_optimizer(shards: list[dict]) -> dict:
     m, v = unshard(shards, "exp_avg"), unshard(shards, "exp_avg_sq")
     return {"format": "full", "step": shards[0]["step"],
             "state": {name: {"exp_avg": m[name], "exp_avg_sq": v[name]} for name in m}}
+
+
+def _views_of(full: torch.Tensor, shapes: list) -> list:
+    """Views of a flat buffer laid end to end with the given shapes."""
+    sizes = [math.prod(s) for s in shapes]
+    return [v.view(s) for v, s in zip(full.split(sizes + [full.numel() - sum(sizes)]), shapes)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -322,7 +327,8 @@ class Zero(_BucketHooks, _Engine):
                     self.param_objs[self.names[id(p)]] = p  # kept for its attributes (tp_dim, ...) only
                     p.data = torch.empty(0, device=self.device)
                 f.full = torch.empty(f.padded, dtype=gather_dtype, device=self.device)
-                self._free(f)  # binds the attributes (right shape and dtype) outside forward, holding no memory
+                f.idle = _views_of(f.full, f.shapes)  # bound outside forward: right shapes and dtype, and once
+                self._free(f)                         # the storage is released, no memory
                 unit.append(f)
             self.flats += unit
             self.units.append(unit)
@@ -333,17 +339,17 @@ class Zero(_BucketHooks, _Engine):
             self._handles += [mod.register_forward_pre_hook(lambda m, args, i=i: pre(i)),
                               mod.register_forward_hook(lambda m, args, out, i=i: post(i, out))]
 
-    def _bind(self, f: Flat, full: torch.Tensor):
-        for view, shape, own in zip(full.split(f.sizes + [f.padded - f.numel]), f.shapes, f.owners):
+    @staticmethod
+    def _bind(f: Flat, views):
+        for view, own in zip(views, f.owners):
             for mod, attr in own:
-                setattr(mod, attr, view.view(shape))
+                setattr(mod, attr, view)
 
     def _free(self, f: Flat):
-        """Release a unit's gathered memory, and rebind the module attributes to the raw (graph-free) buffer: the
-        views bound in forward carry the autograd node of comm.zero_gathered, which must not outlive the step."""
-        if f.full.untyped_storage().nbytes():  # already free: bound to the raw buffer when it was freed
-            self._bind(f, f.full)  # before the resize: a tensor without storage cannot be split into views
-            f.full.untyped_storage().resize_(0)
+        """Release a unit's gathered memory and bind the module attributes to storage-less placeholders: the views
+        bound in forward carry the autograd node of comm.zero_gathered, which must not outlive the step."""
+        self._bind(f, f.idle)
+        f.full.untyped_storage().resize_(0)
 
     def _gather(self, unit: list, into_own: bool = False):
         """Start the all-gathers of a unit's shards: into new buffers (forward) or their own storage (backward)."""
@@ -379,8 +385,11 @@ class Zero(_BucketHooks, _Engine):
         for f in self.units[i]:
             full = f.full = self._wait(f)
             if torch.is_grad_enabled():
-                full = zero_gathered(self.anchor, full, self.group, functools.partial(self._on_unit_grad_weak, f))
-            self._bind(f, full)
+                views = zero_gathered(self.anchor, full, self.group, functools.partial(self._on_unit_grad_weak, f),
+                                      f.shapes)
+            else:
+                views = _views_of(full, f.shapes)
+            self._bind(f, views)
 
     def _post_forward(self, i: int, out):
         outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if torch.is_tensor(t)]

@@ -91,23 +91,26 @@ def _check(rank, n, group):
     with pytest.raises(ValueError, match="expected"):
         ring_reduce_scatter(torch.empty(3), torch.empty(3 * n + 1), group)
 
-    # ZeRO-3's boundary: fwd returns the gathered buffer, bwd reduce-scatters the full gradient (SUM over ranks)
+    # ZeRO-3's boundary: fwd returns views of the gathered buffer (shapes laid end to end, padding after), bwd
+    # reduce-scatters the whole gradient (SUM over ranks; zeros for the padding and for a view the loss ignores)
     shard = _ints((5,), rank, torch.float32)
     full, work, _ = all_gather_flat(shard, group, torch.float32)
     work.wait()
     anchor = torch.zeros(0, requires_grad=True)
     got = []
-    y = zero_gathered(anchor, full, group, lambda w, out, sent: got.append((w, out)))
+    shapes = [(2, 3), (1,), (2,)]  # 9 of the 5n >= 10 elements; the rest is padding
+    a, b, c = zero_gathered(anchor, full, group, lambda w, out, sent: got.append((w, out)), shapes)
     weights = _ints((5 * n,), 50 + rank, torch.float32)  # a different loss on every rank
-    (y * weights).sum().backward()
+    ((a * weights[:6].view(2, 3)).sum() + (c * weights[7:9]).sum()).backward()  # b is unused
     (w, out), = got
     w.wait()
-    total = weights.clone()
+    total = torch.cat([weights[:6], torch.zeros(1), weights[7:9], torch.zeros(5 * n - 9)])
     dist.all_reduce(total, group=group)
     assert torch.equal(out, total[rank * 5:(rank + 1) * 5]) and anchor.grad is None
     ref = torch.empty(5 * n)
     dist.all_gather_into_tensor(ref, shard, group=group)
-    assert torch.equal(y.detach(), ref)
+    assert torch.equal(torch.cat([a.detach().reshape(-1), b.detach(), c.detach()]), ref[:9])
+    assert a.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()  # views, not copies
 
 
 def test_ring_collectives_match_torch():

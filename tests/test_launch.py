@@ -32,3 +32,23 @@ def test_fast_launch_follows_alignment_and_shapes():
         want = ln.layernorm_ref(x, w[:width], b[:width])
         assert (got.float() - want.float()).abs().max().item() <= 0.05, (start, width)  # 1 bf16 ulp, |y| < 8
     assert len(ln._fwd.cache) - before == 3  # (aligned, C), (misaligned, C), (aligned, 1000)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_fast_launch_keeps_one_binary_per_device():
+    """The same call on a second GPU compiles (and runs) its own binary there, as the JIT does."""
+    from kernels import layernorm as ln
+    torch.manual_seed(0)
+    sizes = []
+    for dev in ("cuda:0", "cuda:1", "cuda:0", "cuda:1"):
+        with torch.cuda.device(dev):
+            x = torch.randn(129, 768, device=dev, dtype=torch.bfloat16)
+            w, b = torch.ones(768, device=dev), torch.zeros(768, device=dev)
+            got = ln.layernorm(x, w, b)
+            want = ln.layernorm_ref(x, w, b)
+            assert got.device == x.device
+            assert (got.float() - want.float()).abs().max().item() <= 0.05, dev
+        sizes.append(len(ln._fwd.cache))
+    assert {key[0] for key in ln._fwd.cache} >= {0, 1}  # a binary per device
+    assert sizes[1] == sizes[0] + 1 and sizes[3] == sizes[1]  # cuda:1 got its own; the second visits reuse them
