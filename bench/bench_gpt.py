@@ -9,6 +9,7 @@ Variants append `:key=value` options to a mode (bench/notes_e2e.md has the measu
     ce=inplace|op   triton loss: eager fused kernel, in place (a graph break under compile) | custom ops
     attn=sdpa       triton mode with PyTorch's SDPA instead of our attention (isolates the attention kernel)
     cmode=M         torch.compile(mode=M), e.g. max-autotune-no-cudagraphs, reduce-overhead
+    graph=1         eager mode with each forward + backward replayed from a CUDA graph (nanopara/graph.py)
 e.g. `--modes torch+compile,triton+compile:ce=op,triton+compile:attn=sdpa`.
 
     python bench/bench_gpt.py [--preset gpt2_124m] [--batch 32] [--seq 1024] [--steps 20] [--modes a,b] [--out F]
@@ -33,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanopara.config import PRESETS  # noqa: E402
 from nanopara.dp import build_engine  # noqa: E402
+from nanopara.graph import GraphedMicroStep  # noqa: E402
 from nanopara.mesh import Mesh  # noqa: E402
 from nanopara.model import GPT, TorchOps, TritonOps  # noqa: E402
 from train import flops_per_token, peak_flops  # noqa: E402
@@ -40,7 +42,7 @@ from train import flops_per_token, peak_flops  # noqa: E402
 
 class _TritonSdpaOps(TritonOps):
     """Our kernels except attention, which is PyTorch's SDPA (cuDNN/flash): isolates the attention kernel."""
-    attention = staticmethod(TorchOps.attention)
+    attention_qkv = staticmethod(TorchOps.attention_qkv)
 
 
 def parse_mode(mode: str):
@@ -50,7 +52,7 @@ def parse_mode(mode: str):
     if kernels not in ("torch", "triton") or comp not in ("", "compile"):
         raise ValueError(f"unknown mode {mode!r}")
     kv = dict(o.split("=", 1) for o in opts)
-    unknown = set(kv) - {"ce", "attn", "cmode"}
+    unknown = set(kv) - {"ce", "attn", "cmode", "graph"}
     if unknown:
         raise ValueError(f"unknown mode options {sorted(unknown)} in {mode!r}")
     return kernels, comp == "compile", kv
@@ -70,6 +72,17 @@ def make_step(mode: str, args, mesh: Mesh):
     engine = build_engine(model, mesh, cfg)
     if compiled:
         engine.model = torch.compile(engine.model, mode=kv.get("cmode"))
+
+    if kv.get("graph") == "1":  # forward + backward replayed from a CUDA graph (train.py --train.cuda_graph)
+        if compiled:
+            raise ValueError(f"{mode}: graph=1 is for eager modes (compiled ones use cmode=reduce-overhead)")
+        graphed = GraphedMicroStep(engine.model, lambda: torch.autocast("cuda", dtype=torch.bfloat16), 1.0, engine)
+
+        def step(b):
+            loss = graphed(b[:, :-1], b[:, 1:])
+            engine.step(1e-4)
+            return loss
+        return cfg, model, engine, step
 
     def step(b):
         with torch.autocast("cuda", dtype=torch.bfloat16):

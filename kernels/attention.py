@@ -24,7 +24,8 @@ fp32. Head dims that are not powers of 2 (e.g. 80, 96) are padded to the next po
 masked loads. Any sequence length: tails are masked. The out and the grads are (B, H, T, D) views of (B, T, H, D)
 memory, so merging heads afterwards (`y.transpose(1, 2).reshape(B, T, H * D)`) is free.
 
-Callers: `nanopara/model.py` uses `attention()` (Triton on CUDA tensors, SDPA on CPU tensors);
+Callers: `nanopara/model.py` uses `attention_qkv()` over its packed (B, T, 3*H*D) projection (Triton on CUDA
+tensors, SDPA on CPU tensors): the backward writes dq, dk, dv into one d(qkv) buffer, so no stack copy follows;
 `nanopara/cp.py` (ring attention) calls `attention_block_fwd` per key/value block, merges the partial results by
 lse, and calls `attention_block_bwd` with the merged out and lse.
 
@@ -451,8 +452,10 @@ def attention_block_fwd(q, k, v, causal, sm_scale=None):
     return out, lse
 
 
-def attention_block_bwd(do, q, k, v, out, lse, causal, sm_scale=None):
-    """Backward of one block given the (possibly merged, global) out and lse. Returns (dq, dk, dv)."""
+def attention_block_bwd(do, q, k, v, out, lse, causal, sm_scale=None, grads=None):
+    """Backward of one block given the (possibly merged, global) out and lse. Returns (dq, dk, dv): new (B, H, T, D)
+    views of (B, T, H, D) memory, or `grads` = (dq, dk, dv) given to write into (any strides; every element is
+    written, e.g. views of one packed (B, T, 3, H, D) buffer: see attention_qkv)."""
     _check_inputs(q, k, v, causal)
     if do.shape != q.shape or out.shape != q.shape or lse.shape != q.shape[:3]:
         raise ValueError(f"attention_block_bwd shapes: do {tuple(do.shape)}, out {tuple(out.shape)} should be "
@@ -461,9 +464,13 @@ def attention_block_bwd(do, q, k, v, out, lse, causal, sm_scale=None):
     do = do.to(q.dtype)  # dO enters the dots beside v and q
     lse = lse.to(torch.float32).contiguous()  # (B, H, Tq), indexed as (B*H, Tq) rows
     delta = torch.empty_like(lse)
-    dq = _bthd_empty(B, H, Tq, D, q)
-    dk = _bthd_empty(B, H, Tk, D, k)
-    dv = _bthd_empty(B, H, Tk, D, v)
+    if grads is None:
+        dq, dk, dv = _bthd_empty(B, H, Tq, D, q), _bthd_empty(B, H, Tk, D, k), _bthd_empty(B, H, Tk, D, v)
+    else:
+        dq, dk, dv = grads
+        if dq.shape != q.shape or dk.shape != k.shape or dv.shape != v.shape:
+            raise ValueError(f"attention_block_bwd: grads shapes {[tuple(g.shape) for g in grads]} do not match "
+                             f"q, k, v {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if dq.numel() == 0:
         return dq, dk.zero_(), dv.zero_()
 
@@ -504,6 +511,43 @@ class AttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+def split_qkv(qkv, n_head):
+    """(B, T, 3*H*D) packed projection, columns [q heads | k heads | v heads] -> q, k, v (B, H, T, D) views."""
+    B, T, C3 = qkv.shape
+    if C3 % (3 * n_head):
+        raise ValueError(f"packed qkv width {C3} is not 3 * n_head ({n_head}) * head_dim")
+    return qkv.view(B, T, 3, n_head, C3 // (3 * n_head)).permute(2, 0, 3, 1, 4).unbind(0)
+
+
+def attention_qkv_bwd(do, qkv, out, lse, n_head, causal, sm_scale=None):
+    """Backward of attention over a packed qkv: the gradient of qkv, (B, T, 3*H*D), written in one buffer (no
+    stack of dq, dk, dv afterwards: the kernels store straight into its q, k and v columns)."""
+    dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+    attention_block_bwd(do, *split_qkv(qkv, n_head), out, lse, causal, sm_scale, grads=split_qkv(dqkv, n_head))
+    return dqkv
+
+
+class QKVAttentionFunction(torch.autograd.Function):
+    """Attention over a packed (B, T, 3*H*D) projection: fwd as AttentionFunction, bwd returns d(qkv) directly."""
+
+    @staticmethod
+    def forward(ctx, qkv, n_head, causal, sm_scale):
+        out, lse = attention_block_fwd(*split_qkv(qkv, n_head), causal, sm_scale)
+        ctx.save_for_backward(qkv, out, lse)
+        ctx.n_head, ctx.causal, ctx.sm_scale = n_head, causal, sm_scale
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        qkv, out, lse = ctx.saved_tensors
+        return attention_qkv_bwd(do, qkv, out, lse, ctx.n_head, ctx.causal, ctx.sm_scale), None, None, None
+
+
+def attention_qkv_triton(qkv, n_head, causal=True, sm_scale=None):
+    """attention_triton over the heads of a packed qkv; returns out (B, H, T, D), a view of (B, T, H, D) memory."""
+    return QKVAttentionFunction.apply(qkv, n_head, causal, sm_scale)
+
+
 def attention_triton(q, k, v, causal=True, sm_scale=None):
     """The Triton path with autograd, on any device Triton runs on (CUDA, or CPU under TRITON_INTERPRET=1)."""
     return AttentionFunction.apply(q, k, v, causal, sm_scale)
@@ -515,6 +559,13 @@ def attention(q, k, v, causal=True, sm_scale=None):
         return attention_triton(q, k, v, causal, sm_scale)
     _check_inputs(q, k, v, causal)
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale)
+
+
+def attention_qkv(qkv, n_head, causal=True, sm_scale=None):
+    """attention() over a packed (B, T, 3*H*D) projection: Triton on CUDA (d(qkv) in one buffer), SDPA on CPU."""
+    if qkv.is_cuda:
+        return attention_qkv_triton(qkv, n_head, causal, sm_scale)
+    return attention(*split_qkv(qkv, n_head), causal, sm_scale)
 
 
 # ---------------------------------------------------------------------------------------------------------------

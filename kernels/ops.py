@@ -9,6 +9,8 @@ Ops (namespace `nanopara`), forward and backward each their own op so that the c
 the backward kernel directly:
     attn_fwd(q, k, v, causal, sm_scale) -> (out, lse)          q, k, v, out (B, H, T, D); lse (B, H, T) fp32
     attn_bwd(do, q, k, v, out, lse, causal, sm_scale) -> (dq, dk, dv)
+    attn_qkv_fwd(qkv, n_head, causal, sm_scale) -> (out, lse)  qkv (B, T, 3*H*D) packed [q | k | v] heads
+    attn_qkv_bwd(do, qkv, out, lse, n_head, causal, sm_scale) -> dqkv (B, T, 3*H*D): one buffer, no stack copy
         out/dq/dk/dv are (B, H, T, D) views of (B, T, H, D) memory, as the kernels allocate them: the fake
         functions give the same strides, so Inductor's stride asserts hold and the head merge stays a free view.
     layernorm_fwd(x, weight, bias?, eps, out_dtype?) -> (y, mean, rstd)     x (..., C); mean, rstd (M,) fp32,
@@ -26,10 +28,10 @@ backward instead of dlogits: same memory), and `ce_bwd` reads them again and wri
 B=32, T=1024 on an H200); `cross_entropy_inplace` below keeps the eager in-place path and makes torch.compile
 run it outside the graph (a graph break at the loss), which bench/bench_gpt.py measures against this one.
 
-Public functions (`attention`, `layernorm`, `add_layernorm`, `cross_entropy`, `cross_entropy_inplace`) call the
-ops with autograd; they run the Triton kernels on any device (CPU tensors need TRITON_INTERPRET=1). Callers:
-nanopara/model.py's TritonOps. Tests: tests/test_ops.py (torch.library.opcheck, gradients, fake shapes, and a
-torch.compile smoke test on CPU).
+Public functions (`attention`, `attention_qkv`, `layernorm`, `add_layernorm`, `cross_entropy`,
+`cross_entropy_inplace`) call the ops with autograd; they run the Triton kernels on any device (CPU tensors need
+TRITON_INTERPRET=1). Callers: nanopara/model.py's TritonOps. Tests: tests/test_ops.py (torch.library.opcheck,
+gradients, fake shapes, and a torch.compile smoke test on CPU).
 """
 from __future__ import annotations
 
@@ -94,6 +96,51 @@ attn_fwd.register_autograd(_attn_backward, setup_context=_attn_setup)
 def attention(q, k, v, causal=True, sm_scale=None):
     """Scaled dot-product attention over (B, H, T, D) through the Triton kernels, as one graph node."""
     return torch.ops.nanopara.attn_fwd(q, k, v, causal, sm_scale)[0]
+
+
+# the same over a packed (B, T, 3*H*D) projection: the backward returns d(qkv) as one buffer (no stack afterwards)
+
+@torch.library.custom_op("nanopara::attn_qkv_fwd", mutates_args=())
+def attn_qkv_fwd(qkv: Tensor, n_head: int, causal: bool, sm_scale: Optional[float]) -> tuple[Tensor, Tensor]:
+    return _attn.attention_block_fwd(*_attn.split_qkv(qkv, n_head), causal, sm_scale)
+
+
+@attn_qkv_fwd.register_fake
+def _(qkv, n_head, causal, sm_scale):
+    q = _attn.split_qkv(qkv, n_head)[0]
+    return _bthd_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)  # (B, H, T, D), (B, H, T)
+
+
+@torch.library.custom_op("nanopara::attn_qkv_bwd", mutates_args=())
+def attn_qkv_bwd(do: Tensor, qkv: Tensor, out: Tensor, lse: Tensor, n_head: int, causal: bool,
+                 sm_scale: Optional[float]) -> Tensor:
+    return _attn.attention_qkv_bwd(do, qkv, out, lse, n_head, causal, sm_scale)
+
+
+@attn_qkv_bwd.register_fake
+def _(do, qkv, out, lse, n_head, causal, sm_scale):
+    return qkv.new_empty(qkv.shape)  # contiguous (B, T, 3*H*D)
+
+
+def _attn_qkv_setup(ctx, inputs, output):
+    qkv, n_head, causal, sm_scale = inputs
+    out, lse = output
+    ctx.save_for_backward(qkv, out, lse)
+    ctx.n_head, ctx.causal, ctx.sm_scale = n_head, causal, sm_scale
+    ctx.mark_non_differentiable(lse)
+
+
+def _attn_qkv_backward(ctx, dout, dlse):
+    qkv, out, lse = ctx.saved_tensors
+    return torch.ops.nanopara.attn_qkv_bwd(dout, qkv, out, lse, ctx.n_head, ctx.causal, ctx.sm_scale), None, None, None
+
+
+attn_qkv_fwd.register_autograd(_attn_qkv_backward, setup_context=_attn_qkv_setup)
+
+
+def attention_qkv(qkv, n_head, causal=True, sm_scale=None):
+    """attention() over a packed (B, T, 3*H*D) projection, as one graph node; out (B, H, T, D)."""
+    return torch.ops.nanopara.attn_qkv_fwd(qkv, n_head, causal, sm_scale)[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -20,6 +20,12 @@ import torch.nn.functional as F
 from nanopara.config import ModelConfig
 
 
+def split_qkv(qkv, n_head):
+    """Packed projection (B, T, 3*nh*hs), columns [q heads | k heads | v heads] -> q, k, v: (B, nh, T, hs) views."""
+    B, T, _ = qkv.shape
+    return qkv.view(B, T, 3, n_head, -1).permute(2, 0, 3, 1, 4).unbind(0)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # op tables: one place decides which implementation of each hot op the model uses
 
@@ -27,7 +33,8 @@ class TorchOps:
     """PyTorch's best eager ops; with torch.compile this is the baseline our kernels must beat."""
 
     @staticmethod
-    def attention(q, k, v):  # (B, nh, T, hs) -> (B, nh, T, hs)
+    def attention_qkv(qkv, n_head):  # packed (B, T, 3*nh*hs) -> (B, nh, T, hs)
+        q, k, v = split_qkv(qkv, n_head)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     @staticmethod
@@ -61,16 +68,16 @@ class TritonOps:
         if ce not in ("inplace", "op"):
             raise ValueError(f"TritonOps: ce must be 'inplace' or 'op', got {ce!r}")
         self._k, self._interpret, self._ce_mode = ops, interpret, ce
-        self._ref = attention.attention, layernorm.layernorm, layernorm.add_layernorm, cross_entropy.cross_entropy
-        self._eager = attention.attention_triton, layernorm.layernorm_triton, layernorm.add_layernorm_triton
+        self._ref = attention.attention_qkv, layernorm.layernorm, layernorm.add_layernorm, cross_entropy.cross_entropy
+        self._eager = attention.attention_qkv_triton, layernorm.layernorm_triton, layernorm.add_layernorm_triton
 
     def _triton(self, t):
         return self._interpret or t.is_cuda
 
-    def attention(self, q, k, v):
-        if not self._triton(q):
-            return self._ref[0](q, k, v, causal=True)
-        return (self._k.attention if torch.compiler.is_compiling() else self._eager[0])(q, k, v, causal=True)
+    def attention_qkv(self, qkv, n_head):  # the backward returns d(qkv) in one buffer: no stack of dq, dk, dv
+        if not self._triton(qkv):
+            return self._ref[0](qkv, n_head, causal=True)
+        return (self._k.attention_qkv if torch.compiler.is_compiling() else self._eager[0])(qkv, n_head, causal=True)
 
     # every LayerNorm output feeds a Linear: under autocast it is written in the matmul's dtype directly
     def layernorm(self, x, ln):
@@ -124,10 +131,10 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, ops, kv_cache=None):
         qkv = self.c_attn(x)  # (B, T, 3*nh*hs); under sequence parallel c_attn gathers T, so read T from here
         B, T, _ = qkv.shape
-        q, k, v = qkv.view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)  # (B, nh, T, hs)
         if kv_cache is None:
-            y = ops.attention(q, k, v)
+            y = ops.attention_qkv(qkv, self.n_head)  # (B, nh, T, hs)
         else:  # incremental decoding: append this step's keys/values, attend over everything cached
+            q, k, v = split_qkv(qkv, self.n_head)  # (B, nh, T, hs) views
             k, v = kv_cache.update(k, v)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=(T > 1 and kv_cache.start == 0),
                                                attn_mask=kv_cache.mask(T) if (T > 1 and kv_cache.start > 0) else None)

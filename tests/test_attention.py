@@ -7,8 +7,8 @@ Shapes are small and awkward: T not a multiple of the interpreter tiles (BLOCK 6
 import pytest
 import torch
 
-from kernels.attention import (attention, attention_block_bwd, attention_block_fwd, attention_ref,
-                               attention_triton)
+from kernels.attention import (attention, attention_block_bwd, attention_block_fwd, attention_qkv,
+                               attention_qkv_triton, attention_ref, attention_triton, split_qkv)
 
 # the interpreter itself trips a numpy deprecation on every scalar loop bound; it says nothing about our code
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -148,6 +148,30 @@ def test_zero_stride_upstream_grad():
         torch.testing.assert_close(g, w, **F32)
 
 
+def _qkv_grads(fn, qkv, do):
+    qkv = qkv.detach().requires_grad_()
+    out = fn(qkv)
+    out.backward(do)
+    return out.detach(), qkv.grad
+
+
+@pytest.mark.parametrize("B,T,H,D", [(2, 129, 3, 64), (1, 17, 1, 128), (3, 1, 2, 64), (1, 45, 2, 80)])
+def test_packed_qkv_grad_is_one_buffer(B, T, H, D):
+    """attention over a packed (B, T, 3*H*D) projection: out and d(qkv) equal the reference through the split
+    views, and d(qkv) comes back as one contiguous buffer (the kernels wrote its q, k and v columns)."""
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(B, T, 3 * H * D, generator=g)
+    do = torch.randn(B, H, T, D, generator=g)
+    out, dqkv = _qkv_grads(lambda t: attention_qkv_triton(t, H), qkv, do)
+    out_ref, dqkv_ref = _qkv_grads(lambda t: attention_ref(*split_qkv(t, H), True)[0], qkv, do)
+    torch.testing.assert_close(out, out_ref, **F32)
+    torch.testing.assert_close(dqkv, dqkv_ref, **F32)
+    assert dqkv.is_contiguous() and dqkv.shape == qkv.shape
+    torch.testing.assert_close(attention_qkv(qkv, H), out_ref, **F32)  # CPU tensors: the SDPA path
+    with pytest.raises(ValueError, match="3 \\* n_head"):
+        split_qkv(qkv[..., :-1], H)
+
+
 def test_cpu_fallback_matches_reference():
     q, k, v = _qkv(2, 3, 31, 31, 64)
     for causal in (True, False):
@@ -199,6 +223,22 @@ def test_gpu_bf16_within_2x_sdpa_error(B, H, T, D, causal):
         err, err_sdpa = (o.float() - r).abs().max().item(), (s.float() - r).abs().max().item()
         # eps: 0.1% of the largest value, under bf16's 0.4% resolution; 1e-5 covers all-zero grads (T=1: dq = 0)
         eps = 1e-3 * r.abs().max().item() + 1e-5
+        assert err <= 2 * err_sdpa + eps, f"{name}: ours {err:.3e} vs sdpa {err_sdpa:.3e} (+eps {eps:.1e})"
+
+
+@pytest.mark.gpu
+def test_gpu_packed_qkv_within_2x_sdpa_error():
+    B, T, H, D = 4, 1024, 12, 64  # GPT-2 124M
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qkv = torch.randn(B, T, 3 * H * D, device="cuda", generator=g, dtype=torch.bfloat16)
+    do = torch.randn(B, H, T, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    ref = _qkv_grads(lambda t: attention_ref(*split_qkv(t, H), True)[0], qkv.float(), do.float())
+    ours = _qkv_grads(lambda t: attention_qkv(t, H), qkv, do)
+    sdpa = _qkv_grads(lambda t: torch.nn.functional.scaled_dot_product_attention(*split_qkv(t, H), is_causal=True),
+                      qkv, do)
+    for name, o, s, r in zip(("out", "dqkv"), ours, sdpa, ref):
+        err, err_sdpa = (o.float() - r).abs().max().item(), (s.float() - r).abs().max().item()
+        eps = 1e-3 * r.abs().max().item() + 1e-5  # as in test_gpu_bf16_within_2x_sdpa_error
         assert err <= 2 * err_sdpa + eps, f"{name}: ours {err:.3e} vs sdpa {err_sdpa:.3e} (+eps {eps:.1e})"
 
 

@@ -36,6 +36,28 @@ def test_opcheck_attention():
     assert out.stride() == torch.empty(1, 19, 2, 16).transpose(1, 2).stride()  # the (B, T, H, D) layout
 
 
+def test_opcheck_attention_packed_qkv():
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(2, 19, 3 * 2 * 16, generator=g)  # (B, T, 3*H*D), H=2, D=16
+    torch.library.opcheck(torch.ops.nanopara.attn_qkv_fwd.default, (qkv, 2, True, None))
+    out, lse = torch.ops.nanopara.attn_qkv_fwd(qkv, 2, True, None)
+    do = torch.randn_like(out)
+    torch.library.opcheck(torch.ops.nanopara.attn_qkv_bwd.default, (do, qkv, out, lse, 2, True, None),
+                          test_utils=("test_schema", "test_faketensor"))
+    q, k, v = (t.detach().requires_grad_() for t in _split(qkv))
+    leaf = qkv.detach().requires_grad_()
+    from kernels.ops import attention, attention_qkv
+    attention_qkv(leaf, 2).backward(do)
+    attention(q, k, v).backward(do)
+    torch.testing.assert_close(leaf.grad, torch.stack([q.grad, k.grad, v.grad], 2).transpose(1, 3).reshape(qkv.shape),
+                               **TOL)
+
+
+def _split(qkv, n_head=2):
+    B, T, C3 = qkv.shape
+    return qkv.view(B, T, 3, n_head, -1).permute(2, 0, 3, 1, 4).unbind(0)
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_opcheck_layernorm(bias):
     g = torch.Generator().manual_seed(1)
