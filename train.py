@@ -29,6 +29,7 @@ from nanopara import checkpoint
 from nanopara.config import Config, ConfigError, describe, parse_args
 from nanopara.data import TokenLoader, find_shards, get_tokenizer
 from nanopara.dp import build_engine
+from nanopara.graph import GraphedMicroStep, check_graphable
 from nanopara.mesh import Mesh, MeshError
 from nanopara.model import GPT, from_hf_state_dict
 from nanopara.optim import LossScaler, lr_at
@@ -174,6 +175,8 @@ def train(cfg: Config) -> dict:
         raise ConfigError(f"train.tokens_per_step={tokens_per_step} is not a multiple of micro_batch*seq_len*dp = "
                           f"{t.micro_batch}*{t.seq_len}*{mesh.dp} = {per_micro}")
     accum = tokens_per_step // per_micro
+    if t.cuda_graph:
+        check_graphable(cfg, device, mesh.world)
 
     # data: missing or broken shards fail here, before the model is built
     train_files = find_shards(cfg.data.dataset, "train", cfg.data.data_dir)
@@ -240,6 +243,7 @@ def train(cfg: Config) -> dict:
         log(f"resumed from {resume_path} at step {start}")
     if t.compile:
         engine.model = torch.compile(engine.model)
+    graphed = GraphedMicroStep(engine.model, amp, scaler.scale / accum, engine) if t.cuda_graph else None
 
     os.makedirs(cfg.out_dir, exist_ok=True)
     if mesh.is_main:
@@ -266,10 +270,13 @@ def train(cfg: Config) -> dict:
         for micro in range(accum):
             x, y = next(loader)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            with engine.no_sync(micro < accum - 1):
-                with amp():
-                    _, loss = engine.model(x, y)
-                engine.backward(loss.float() * (scaler.scale / accum))
+            if graphed is not None:  # one GPU: no communication to skip or launch
+                loss = graphed(x, y)
+            else:
+                with engine.no_sync(micro < accum - 1):
+                    with amp():
+                        _, loss = engine.model(x, y)
+                    engine.backward(loss.float() * (scaler.scale / accum))
             loss_sum += loss.detach().float()
         loss_val = all_reduce_mean(loss_sum / accum, mesh, mesh.groups.get("dp_cp")).item()
         grad_norm = engine.step(lr, grad_scale=scaler.scale)

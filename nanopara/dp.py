@@ -144,6 +144,7 @@ def _check_fp32(params) -> None:
 class _Engine:
     sharded_grads = False  # True: the grads this rank holds are 1/N shards (their squares sum over dp x cp)
     label = "engine"       # for messages
+    keep_grad_buffers = False  # SingleDevice: zero .grad in place after a step instead of freeing (CUDA graphs)
 
     def __init__(self, model: nn.Module, mesh: Mesh, cfg: Config):
         self.model, self.mesh, self.cfg, self.device = model, mesh, cfg, mesh.device
@@ -289,7 +290,11 @@ class SingleDevice(_Engine):
         return [(p.grad, param_kind(p)) for p in self.params if p.grad is not None]
 
     def _zero_grads(self):
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not self.keep_grad_buffers)
+
+    def zero_grad_buffers(self):
+        """Zero every gradient in place (nanopara/graph.py: a captured backward accumulates into these buffers)."""
+        torch._foreach_zero_([p.grad for p in self.params if p.grad is not None])
 
     def state_dict(self) -> dict:
         return _named_optim_state(self.optimizer, self.names)

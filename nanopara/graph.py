@@ -1,0 +1,88 @@
+"""One micro-step's forward + backward replayed as a CUDA graph (`--train.cuda_graph=true`).
+
+Why: in eager mode the host launches every kernel of the step (~1,000 for GPT-2 124M) from Python; at B=32, T=1024
+on an H200 the GPU then idles ~6 ms of a ~67 ms step waiting for the CPU (bench/bench_gpt.py --profile: 61 ms of
+kernel time). A CUDA graph records the launches once and replays them with one call, so the step takes the
+kernels' time. Our Triton kernels launch their compiled binaries directly (kernels/launch.py), which a graph can
+record once the first eager calls have tuned and compiled them.
+
+What is captured: `model(x, y)` under autocast and `(loss * scale).backward()`, with x, y copied into static input
+buffers before each replay. Gradients accumulate in place into the parameters' existing .grad tensors, so
+gradient accumulation works unchanged: the engine zeroes them in place after each optimizer step instead of
+freeing them (`engine.keep_grad_buffers`). The optimizer step, clipping and logging stay eager (they read the grad
+norm on the host). Before capturing, `warmup` eager micro-steps run on a side stream (tuning, compiling, cuBLAS
+and allocator warm-up), and their gradients are zeroed: the first replay starts from the same state an eager run
+would.
+
+Limits, checked in `check_graphable` before any work: a CUDA device; one replica (dp = cp = 1: DDP/ZeRO launch
+communication from Python hooks, which a replay would not run); tp = 1; fixed shapes (every micro-batch is
+micro_batch x seq_len, as the loader makes them); no fp16 dynamic loss scaling (its scale changes between steps).
+
+Tested by tests/test_graph.py (GPU: graphed and eager training give the same losses and weights; CPU: the config
+errors); measured by bench/bench_gpt.py (`triton:graph=1`).
+"""
+from __future__ import annotations
+
+import torch
+
+from nanopara.config import Config, ConfigError
+
+
+def check_graphable(cfg: Config, device: torch.device, world: int) -> None:
+    """One clear line for a run train.cuda_graph cannot handle, before any work."""
+    p = cfg.parallel
+    if device.type != "cuda":
+        raise ConfigError("train.cuda_graph=true needs a CUDA device")
+    if world > 1 or p.tp > 1:
+        raise ConfigError("train.cuda_graph=true supports one GPU only (dp = tp = 1): data/tensor parallel engines "
+                          "launch communication from Python hooks that a graph replay would skip")
+    if cfg.train.dtype == "fp16":
+        raise ConfigError("train.cuda_graph=true does not support train.dtype=fp16 (the loss scale changes between "
+                          "steps); use bf16")
+    if cfg.train.compile:
+        raise ConfigError("train.cuda_graph=true and train.compile=true: use one (torch.compile's own graphs are "
+                          "mode='reduce-overhead')")
+
+
+class GraphedMicroStep:
+    """`step(x, y) -> loss`: one forward + backward, replayed from a CUDA graph captured on the first call.
+
+    model: the module to run (the engine's model); amp: a callable returning the autocast context (or a null
+    context); scale: the constant the loss is multiplied by before backward (1 / accumulation steps); engine: its
+    gradients are kept allocated and zeroed in place. The returned loss is a static buffer overwritten by the next
+    replay: read or accumulate it before calling again.
+    """
+
+    def __init__(self, model, amp, scale: float, engine, warmup: int = 3):
+        self.model, self.amp, self.scale, self.engine, self.warmup = model, amp, scale, engine, warmup
+        self.graph = None
+        engine.keep_grad_buffers = True
+
+    def _fwd_bwd(self, x, y):
+        with self.amp():
+            _, loss = self.model(x, y)
+        (loss.float() * self.scale).backward()
+        return loss.detach()
+
+    def _capture(self, x, y):
+        self.x, self.y = x.clone(), y.clone()  # static inputs: each replay reads these addresses
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # eager warm-up: tunes and compiles every kernel, creates every .grad
+            for _ in range(self.warmup):
+                self._fwd_bwd(self.x, self.y)
+        torch.cuda.current_stream().wait_stream(side)
+        self.engine.zero_grad_buffers()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.loss = self._fwd_bwd(self.x, self.y)
+
+    def __call__(self, x, y):
+        if self.graph is None:
+            self._capture(x, y)
+        elif x.shape != self.x.shape or y.shape != self.y.shape:
+            raise ValueError(f"cuda_graph: batch shape changed from {tuple(self.x.shape)} to {tuple(x.shape)}")
+        self.x.copy_(x, non_blocking=True)
+        self.y.copy_(y, non_blocking=True)
+        self.graph.replay()
+        return self.loss
