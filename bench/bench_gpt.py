@@ -169,7 +169,7 @@ def main():
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=8)
-    ap.add_argument("--modes", default="torch,torch+compile,triton,triton+compile")
+    ap.add_argument("--modes", default="torch,torch+compile,triton,triton:graph=1,triton+compile")
     ap.add_argument("--quick", action="store_true", help="fewer steps")
     ap.add_argument("--out", default=None, help="append JSON lines here")
     ap.add_argument("--profile", default=None, metavar="DIR", help="profile one step per mode, tables into DIR")

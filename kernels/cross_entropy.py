@@ -175,11 +175,12 @@ def _ce_shard_grad_kernel(Z, DZ, T, LSE, SCALE, stride_z, stride_dz, vocab_start
 # ---------------------------------------------------------------------------------------------------------------
 # Launchers
 
-# Vocab chunk per loop step and warps per row: 8 elements (16 bytes of bf16) per thread, 40 registers (ptxas,
-# sm_90). Each resident row keeps its ~100 KB (GPT-2 vocab, bf16) in L2 between the stats walk and the grad walk,
-# so resident rows x row bytes must stay well under L2: 3 programs of 16 warps per SM x 132 SMs ~ 40 MB on H100.
-# `python -m kernels.cross_entropy --sweep` times the alternatives.
-BLOCK_V, NUM_WARPS = 4096, 16
+# Vocab chunk per loop step and warps per row: 16 elements (two 16-byte bf16 loads) per thread. Each row is walked
+# twice (stats, then grad), the second walk mostly from L2. `python -m kernels.cross_entropy --sweep` times the
+# alternatives; on an H200 (2026-11-26, 16384 x 50304) 2048 x 4 warps took 1.333 ms, 4096 x 8 1.360, the former
+# default 4096 x 16 1.420, 8192 x 32 1.512. A one-read variant holding the whole padded row in registers (65536
+# lanes, 8-32 warps) took 2.4-3.6 ms: the row does not fit without spilling.
+BLOCK_V, NUM_WARPS = 2048, 4
 
 
 # launched through kernels/launch.py: after the first call per specialization, the compiled binaries directly
