@@ -4,7 +4,7 @@
 #   comm   ring all-reduce vs NCCL bus bandwidth on 2 and N GPUs
 #   dp     GPT-2 124M tokens/s: our DDP and ZeRO-1/2/3 vs torch DDP at dp = 1, 2, N; ZeRO memory on gpt2_1558m
 #   scale  DDP scaling 1 -> N on this machine (30 timed steps): torch DDP, ours fp32 and bf16 reduction, no-comm control
-#   zero3  ZeRO-3 prefetch depth 1 vs 2 against our DDP, twice interleaved, then one profiled step per mode
+#   zero3  ZeRO-3 prefetch depth 1 vs 2 against our DDP, twice interleaved, one profiled step per mode; then B=32/GPU
 #   tp     tp = 2 and N on gpt2_124m and gpt_1b, sp off/on: tokens/s, MFU, memory, comm overhead
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -36,6 +36,7 @@ for s in "$@"; do
     zero3) { run $N bench/bench_dp.py --modes ddp,zero3,zero3:p2,ddp,zero3,zero3:p2 --large '' --out "$OUT/zero3_$N.json"
              run $N bench/bench_dp.py --modes ddp,zero3,zero3:p2 --large '' --steps 5 --profile "$OUT/prof" >/dev/null
              cat "$OUT"/prof/*.txt > "$OUT/zero3_profiles.txt"; rm -r "$OUT/prof"; grep profile "$OUT/zero3_profiles.txt"
+             run $N bench/bench_dp.py --modes ddp,zero3,ddp,zero3 --micro_batch 32 --large '' --out "$OUT/zero3_b32_$N.json"
            } 2>&1 | grep -v Warning | tee "$OUT/zero3.txt" ;;
     tp)    { for n in 2 $N; do run $n bench/bench_tp.py --preset gpt2_124m --quick --out "$OUT/tp124_$n.json"; done
              run $N bench/bench_tp.py --preset gpt2_124m --sp --quick --out "$OUT/tp124sp_$N.json"
