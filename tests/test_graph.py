@@ -65,3 +65,26 @@ def test_graphed_training_matches_eager(accum):
     assert graph_losses[-1] < graph_losses[0] - 0.1  # it learns the repeated batches
     for k in eager_w:
         torch.testing.assert_close(graph_w[k], eager_w[k], atol=1e-5, rtol=1e-5, msg=lambda m: f"{k}: {m}")
+
+
+def test_engine_keeps_grad_buffers_for_the_graph():
+    """With keep_grad_buffers the engine zeroes .grad in place after a step (the same tensors the captured
+    backward accumulates into), instead of freeing them."""
+    cfg = PRESETS["tiny"]()
+    cfg.model.n_layer = 1
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    engine = build_engine(model, Mesh.build(device="cpu"), cfg)
+    x = torch.randint(0, cfg.model.vocab_size, (2, 9))
+    _, loss = model(x[:, :-1], x[:, 1:])
+    engine.backward(loss)
+    engine.keep_grad_buffers = True
+    grads = [p.grad for p in model.parameters()]
+    engine.step(1e-3)
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads))  # the same buffers...
+    assert all(torch.count_nonzero(g) == 0 for g in grads)  # ...zeroed
+    engine.keep_grad_buffers = False
+    _, loss = model(x[:, :-1], x[:, 1:])
+    engine.backward(loss)
+    engine.step(1e-3)
+    assert all(p.grad is None for p in model.parameters())  # the default frees them
