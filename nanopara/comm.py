@@ -284,6 +284,16 @@ def all_gather_flat(shard: torch.Tensor, group, dtype: torch.dtype, out: torch.T
     return out, work, sent
 
 
+def flat_views(full: torch.Tensor, shapes) -> list:
+    """Views of a flat buffer holding tensors of the given shapes end to end (padding, if any, after them)."""
+    views, off = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        views.append(full[off:off + n].view(shape))
+        off += n
+    return views
+
+
 class _ZeroGather(torch.autograd.Function):
     """fwd: the unit's parameters as views of its gathered flat buffer, bwd: async reduce-scatter (SUM, fp32)."""
 
@@ -292,12 +302,7 @@ class _ZeroGather(torch.autograd.Function):
         ctx.group, ctx.on_reduce, ctx.numel = group, on_reduce, full.numel()
         # one node for the whole unit (not a split plus a view per parameter): the hooks run once per block per
         # pass on the host's critical path. The views keep `full`'s storage, which the engine frees and refills.
-        views, off = [], 0
-        for shape in shapes:
-            n = math.prod(shape)
-            views.append(full[off:off + n].view(shape))
-            off += n
-        return tuple(views)
+        return tuple(flat_views(full, shapes))
 
     @staticmethod
     def backward(ctx, *grads):  # one gradient per view, in the gather dtype (zeros where a view got none)

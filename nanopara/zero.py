@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from nanopara.comm import all_gather_flat, zero_gathered
+from nanopara.comm import all_gather_flat, flat_views, zero_gathered
 from nanopara.config import Config
 from nanopara.dp import _BucketHooks, _buckets, _check_fp32, _Engine, _views, _weak, compute_dtype, param_kind
 from nanopara.mesh import Mesh
@@ -129,12 +129,6 @@ def unshard_optimizer(shards: list[dict]) -> dict:
     m, v = unshard(shards, "exp_avg"), unshard(shards, "exp_avg_sq")
     return {"format": "full", "step": shards[0]["step"],
             "state": {name: {"exp_avg": m[name], "exp_avg_sq": v[name]} for name in m}}
-
-
-def _views_of(full: torch.Tensor, shapes: list) -> list:
-    """Views of a flat buffer laid end to end with the given shapes."""
-    sizes = [math.prod(s) for s in shapes]
-    return [v.view(s) for v, s in zip(full.split(sizes + [full.numel() - sum(sizes)]), shapes)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -327,7 +321,7 @@ class Zero(_BucketHooks, _Engine):
                     self.param_objs[self.names[id(p)]] = p  # kept for its attributes (tp_dim, ...) only
                     p.data = torch.empty(0, device=self.device)
                 f.full = torch.empty(f.padded, dtype=gather_dtype, device=self.device)
-                f.idle = _views_of(f.full, f.shapes)  # bound outside forward: right shapes and dtype, and once
+                f.idle = flat_views(f.full, f.shapes)  # bound outside forward: right shapes and dtype, and once
                 self._free(f)                         # the storage is released, no memory
                 unit.append(f)
             self.flats += unit
@@ -388,7 +382,7 @@ class Zero(_BucketHooks, _Engine):
                 views = zero_gathered(self.anchor, full, self.group, functools.partial(self._on_unit_grad_weak, f),
                                       f.shapes)
             else:
-                views = _views_of(full, f.shapes)
+                views = flat_views(full, f.shapes)
             self._bind(f, views)
 
     def _post_forward(self, i: int, out):
