@@ -15,12 +15,14 @@ Shapes: x (..., C) with any leading dims (flattened to M rows), weight (C,), bia
 weight/bias may have another dtype (fp32 params under bf16 autocast) and get their grads in that dtype.
 
 Kernels:
-  forward  one program per tile of BLOCK_M rows x BLOCK_C columns (whole row in registers, C <= 16384); stores
-           y (and h) plus fp32 mean/rstd (M,) for the backward.
-  backward one program per group of rows: dx in one pass over its rows, while dw/db accumulate in registers;
-           each group writes one row of a (n_groups, C) fp32 partial buffer, and a second small kernel sums it
-           into dw/db in the weight's dtype. Tiles (rows per program, warps) are autotuned per width.
-           No second pass over all M rows for dw/db (eager PyTorch runs a separate dgamma/dbeta kernel).
+  forward  programs walk tiles of BLOCK_M rows x BLOCK_C columns (whole row in registers, C <= 16384): one program
+           per tile, or persistent (a few per SM, grid stride, weight/bias loaded once, the next tiles' loads in
+           flight through cp.async while this one reduces); stores y (and h) plus fp32 mean/rstd (M,).
+  backward one program per group of rows, its tiles pipelined the same way: dx in one pass over its rows, while
+           dw/db accumulate in registers; each group writes one row of a (n_groups, C) fp32 partial buffer, and a
+           second small kernel sums it into dw/db in the weight's dtype. Tiles are autotuned per width (timed by
+           CUDA-graph replay, results cached on disk by Triton). No second pass over all M rows for dw/db (eager
+           PyTorch runs a separate dgamma/dbeta kernel).
 
 Callers: nanopara/model.py (ln_1, ln_2 via add_layernorm, ln_f). Public ops take the Triton path when x is on
 CUDA and the reference on CPU; `layernorm_triton` / `add_layernorm_triton` force the Triton path (tests run it
@@ -66,26 +68,54 @@ def add_layernorm_ref(x, residual, weight, bias, eps=1e-5):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Tiles. Both kernels are memory bound: what matters is bytes in flight per SM (enough resident warps, each with
-# wide 16-byte loads, no register spills) and, in the backward, how many rows each loop step has in flight (its
-# loads wait a full DRAM latency before the row reductions can start). The best (BLOCK_M rows per tile,
-# num_warps) depends on the width, the dtypes (fp32 residual stream vs bf16) and the chip, so it is autotuned on
-# first use per (C, flags, dtypes) among tiles of 4..16 (forward) / 2..64 (backward) row elements per thread (ptxas,
-# sm_90: ~4 registers per element held in the forward, ~7 in the backward). The interpreter runs one small tile.
+# Tiles. Both kernels are memory bound: what matters is bytes in flight per SM, all the time. A program that loads
+# a row, reduces it, then stores it has nothing in flight while it reduces; at 4096 x 8192 (2 resident programs per
+# SM) that held the forward to 57% of copy bandwidth. So both kernels loop over row tiles with `tl.range(...,
+# num_stages=STAGES)`: Triton's pipeliner turns the tile loads into cp.async copies into shared memory, STAGES - 1
+# tiles ahead, which overlap the reductions of the tile in registers. The forward is persistent (a few programs per
+# SM walk the tiles with a grid stride; weight and bias are loaded once per program, not once per tile); the
+# backward already walks a group of rows per program. The best (BLOCK_M rows per tile, num_warps, STAGES, programs
+# per SM) depends on the width, the dtypes (fp32 residual stream vs bf16) and the chip, so it is autotuned on first
+# use per (C, flags) among tiles of 16..32 (forward) / 16..64 (backward) row elements per thread that fit in
+# shared memory. PROGRAMS_PER_SM = 0 is the non-persistent forward: one program per tile (best for narrow rows, where a
+# tile is small and many programs per SM already keep enough bytes in flight). The interpreter runs one tile size.
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# row elements a thread holds, min and max. The backward's best tiles hold many: at 16384x768 on an H200
-# (bench/sweep_layernorm.py, main kernel alone) 4 rows x 2 warps (64 per thread) 26.2 us, 8 x 4 warps 27.3,
-# 2 x 4 warps (16) 30.1
-_PER_THREAD = {"fwd": (4, 32), "bwd": (2, 64)}
+# row elements a thread holds, min and max: every tile that won a shape in bench/sweep_layernorm.py (H200, 768 to
+# 16384 wide, bf16 and fp32 streams) held 16..32 (forward) / 16..64 (backward); the backward's reductions amortise
+# over more rows per thread (e.g. 8 rows x 4 warps at 16384x768)
+_PER_THREAD = {"fwd": (16, 32), "bwd": (16, 64)}
+# forward (STAGES, PROGRAMS_PER_SM): the combinations that won at least one shape of that sweep
+_FWD_WALKS = ((1, 0), (3, 2), (4, 1), (2, 2), (3, 1))
+SMEM_BYTES = 200 * 1024  # shared memory per SM the pipelined tiles may take (H100/H200: 227 KB per block)
 BWD_GROUPS_PER_SM = 2  # backward row groups per SM: 2 measured best with the wide tiles (30.3 vs 33.0 us at 16384x768)
-BWD_GROUP_ALIGN = 16  # rows per group rounded up to this (the largest BLOCK_M), so groups split into whole tiles
+# rows per group rounded up to a multiple of the largest BLOCK_M (groups split into whole tiles) once a group has
+# 4 such tiles or more; fewer rows are not rounded, so a small M still spreads over every SM
+BWD_GROUP_ALIGN = 8
 
 
 def _configs(kind):
-    if _INTERPRET:
-        return [triton.Config({"BLOCK_M": 4}, num_warps=4)]
-    return [triton.Config({"BLOCK_M": m}, num_warps=w) for m in (1, 2, 4, 8, 16) for w in (2, 4, 8, 16, 32)]
+    if _INTERPRET:  # several programs per "SM" (one here), so the grid stride and partial tiles are exercised
+        return [triton.Config({"BLOCK_M": 4, "STAGES": 2, **({"PROGRAMS_PER_SM": 2} if kind == "fwd" else {})},
+                              num_warps=4)]
+    tiles = [(m, w) for m in (1, 2, 4, 8) for w in (2, 4, 8, 16, 32)]
+    if kind == "fwd":
+        return [triton.Config({"BLOCK_M": m, "STAGES": s, "PROGRAMS_PER_SM": p}, num_warps=w)
+                for m, w in tiles for s, p in _FWD_WALKS]
+    return [triton.Config({"BLOCK_M": m, "STAGES": s}, num_warps=w) for m, w in tiles for s in (1, 2, 3)]
+
+
+def _tune_bench(fn, quantiles=None):
+    """The autotuner's timing: CUDA-graph replay. These kernels run 10-100 us, about a Python launch or less, so
+    timing launches back to back (triton's default) measures the host too: at 16384x768 the forward's candidates
+    took 21-23 us that way, 18.4-18.8 us replayed."""
+    return triton.testing.do_bench_cudagraph(fn, rep=10, quantiles=quantiles)
+
+
+def _stream_bytes(kind, named_args):
+    """Bytes of one row element that the pipelined loop loads: x (+ residual) forward; x, dy (+ dh) backward."""
+    names = ("X", "R") if kind == "fwd" else ("X", "DY", "DH")
+    return sum(named_args[n].element_size() for n in names if named_args.get(n) is not None)
 
 
 def _pruner(kind):
@@ -95,50 +125,61 @@ def _pruner(kind):
         if _INTERPRET:
             return configs
         block_c = kwargs["BLOCK_C"]
-        per_thread = lambda c: c.kwargs["BLOCK_M"] * block_c // (32 * c.num_warps)  # noqa: E731
-        keep = [c for c in configs if lo <= per_thread(c) <= hi and c.kwargs["BLOCK_M"] * block_c <= MAX_C]
-        # the widest rows (BLOCK_C = 16384) fit no tile in range: one row a program, every warp of it
-        return keep or [max((c for c in configs if c.kwargs["BLOCK_M"] == 1), key=lambda c: c.num_warps)]
+        row_bytes = block_c * _stream_bytes(kind, named_args)
+
+        def fits(c):
+            m, w, s = c.kwargs["BLOCK_M"], c.num_warps, c.kwargs["STAGES"]
+            per_sm = c.kwargs.get("PROGRAMS_PER_SM", BWD_GROUPS_PER_SM) or 1
+            return (lo <= m * block_c // (32 * w) <= hi and m * block_c <= MAX_C and per_sm * w <= 64
+                    and per_sm * (s - 1) * m * row_bytes <= SMEM_BYTES)
+        # rows narrower than 128 fit no tile in range: one row a program, not pipelined, the fewest warps
+        return [c for c in configs if fits(c)] or [min((c for c in configs if c.kwargs["BLOCK_M"] == 1 and
+                                                        c.kwargs["STAGES"] == 1), key=lambda c: c.num_warps)]
     return {"early_config_prune": prune}
 
 
-@triton.autotune(configs=_configs("fwd"), key=["C", "ADD_RESIDUAL", "HAS_BIAS"], prune_configs_by=_pruner("fwd"))
+@triton.autotune(configs=_configs("fwd"), key=["C", "ADD_RESIDUAL", "HAS_BIAS"], prune_configs_by=_pruner("fwd"),
+                 do_bench=_tune_bench, cache_results=True)
 @triton.jit
 def _layernorm_fwd_kernel(X, R, H, Y, W, B, MEAN, RSTD, M, C, stride_x, stride_r, stride_h, stride_y, eps,
                           ADD_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = rows.to(tl.int64)  # M * C may exceed 2**31
+                          BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr,
+                          PROGRAMS_PER_SM: tl.constexpr):  # PROGRAMS_PER_SM sizes the grid only
     cols = tl.arange(0, BLOCK_C)
-    rmask = rows < M
     cmask = cols < C
-    mask = rmask[:, None] & cmask[None, :]
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-    if ADD_RESIDUAL:
-        r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
-        # round the sum to h's dtype first: h is what the residual stream holds, and the backward
-        # recomputes xhat from that stored h, so the forward must normalise exactly it
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(H.dtype.element_ty)
-        tl.store(H + rows[:, None] * stride_h + cols[None, :], x, mask=mask)
-    x = x.to(tl.float32)
-    mean = tl.sum(x, axis=1) / C  # (BLOCK_M,)
-    xc = tl.where(mask, x - mean[:, None], 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / C + eps)
-    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
-    y = xc * rstd[:, None] * w[None, :]
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)  # once per program
     if HAS_BIAS:
-        y += tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
-    tl.store(MEAN + rows, mean, mask=rmask)
-    tl.store(RSTD + rows, rstd, mask=rmask)
+        b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
+    for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0), num_stages=STAGES):
+        rows = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # M * C may exceed 2**31
+        rmask = rows < M
+        mask = rmask[:, None] & cmask[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        if ADD_RESIDUAL:
+            r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+            # round the sum to h's dtype first: h is what the residual stream holds, and the backward
+            # recomputes xhat from that stored h, so the forward must normalise exactly it
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(H.dtype.element_ty)
+            tl.store(H + rows[:, None] * stride_h + cols[None, :], x, mask=mask)
+        x = x.to(tl.float32)
+        mean = tl.sum(x, axis=1) / C  # (BLOCK_M,)
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / C + eps)
+        y = xc * rstd[:, None] * w[None, :]
+        if HAS_BIAS:
+            y += b[None, :]
+        tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(MEAN + rows, mean, mask=rmask)
+        tl.store(RSTD + rows, rstd, mask=rmask)
 
 
-@triton.autotune(configs=_configs("bwd"), key=["C", "HAS_DH", "HAS_BIAS"], prune_configs_by=_pruner("bwd"))
+@triton.autotune(configs=_configs("bwd"), key=["C", "HAS_DH", "HAS_BIAS"], prune_configs_by=_pruner("bwd"),
+                 do_bench=_tune_bench, cache_results=True)
 @triton.jit
 def _layernorm_bwd_kernel(X, DY, DH, DX, W, MEAN, RSTD, DW_PART, DB_PART, M, C, ROWS_PER_GROUP,
                           stride_x, stride_dy, stride_dh, stride_dx,
                           HAS_DH: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr):
     group = tl.program_id(0)
     cols = tl.arange(0, BLOCK_C)
     cmask = cols < C
@@ -148,7 +189,9 @@ def _layernorm_bwd_kernel(X, DY, DH, DX, W, MEAN, RSTD, DW_PART, DB_PART, M, C, 
     db_acc = tl.zeros([BLOCK_C], dtype=tl.float32)
     row_start = group * ROWS_PER_GROUP
     row_end = tl.minimum(row_start + ROWS_PER_GROUP, M)
-    for r0 in range(row_start, row_end, BLOCK_M):
+    # once per program: inside the pipelined loop it would be copied to shared memory on every tile
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    for r0 in tl.range(row_start, row_end, BLOCK_M, num_stages=STAGES):
         rows = (r0 + tl.arange(0, BLOCK_M)).to(tl.int64)  # M * C may exceed 2**31
         rmask = rows < row_end
         mask = rmask[:, None] & cmask[None, :]
@@ -157,7 +200,6 @@ def _layernorm_bwd_kernel(X, DY, DH, DX, W, MEAN, RSTD, DW_PART, DB_PART, M, C, 
         mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
         rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
         xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)  # re-read (L1 hit) to free registers
         g = dy * w[None, :]
         c1 = tl.sum(g * xhat, axis=1) / C  # mean(g * xhat), (BLOCK_M,)
         c2 = tl.sum(g, axis=1) / C  # mean(g)
@@ -217,6 +259,17 @@ def _check(x, weight, bias):
         raise ValueError(f"layernorm: x on {x.device} but weight on {weight.device}")
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device):
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def _fwd_grid(M, sms, meta):
+    """One program per tile, or (persistent) PROGRAMS_PER_SM programs per SM walking the tiles."""
+    tiles = triton.cdiv(M, meta["BLOCK_M"])
+    return (tiles if meta["PROGRAMS_PER_SM"] == 0 else min(tiles, meta["PROGRAMS_PER_SM"] * sms),)
+
+
 def layernorm_fwd(x, weight, bias, eps, residual=None, out_dtype=None):
     """Returns (y, h, mean, rstd) with y, h of x's shape (h is None without residual), mean/rstd fp32 (M,).
     h is in x + residual's promoted dtype; y in out_dtype if given (e.g. bf16 for a matmul under autocast: the
@@ -236,16 +289,13 @@ def layernorm_fwd(x, weight, bias, eps, residual=None, out_dtype=None):
         r2 = _rows(residual, C)
         h = torch.empty((M, C), dtype=h_dtype, device=x.device)
     if M > 0:
-        _fwd[lambda meta: (triton.cdiv(M, meta["BLOCK_M"]),)](
+        _fwd[functools.partial(_fwd_grid, M, _sm_count(x.device))](
             x2, r2, h, y, weight, bias, mean, rstd, M, C, x2.stride(0),
             0 if r2 is None else r2.stride(0), 0 if h is None else h.stride(0), y.stride(0), eps,
             ADD_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, BLOCK_C=triton.next_power_of_2(C))
     return y.view(x.shape), (None if h is None else h.view(x.shape)), mean, rstd
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device):
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def layernorm_bwd(dy, x, weight, has_bias, mean, rstd, dh=None, n_groups=None):
@@ -257,8 +307,14 @@ def layernorm_bwd(dy, x, weight, has_bias, mean, rstd, dh=None, n_groups=None):
     dx = torch.empty((M, C), dtype=x.dtype, device=x.device)
     # row groups: a few resident programs per SM (3 in the interpreter: several groups, uneven sizes); whole
     # tiles per group, so only the very last tile of the last group is partial
-    n_groups = n_groups or (BWD_GROUPS_PER_SM * _sm_count(x.device) if x.is_cuda else 3)
-    rows_per_group = triton.cdiv(triton.cdiv(max(M, 1), n_groups), BWD_GROUP_ALIGN) * BWD_GROUP_ALIGN
+    # rows >= 8192 wide: one group per SM. Each group writes and the second kernel reads a (C,) fp32 row of dw (and
+    # db) partials, n_groups x C x 8 bytes against the M x C x 6 bytes of the backward itself; at 4096 x 8192 two
+    # groups per SM made that 9% more traffic: 67.6 us vs 60.1 us at one (H200, bench/sweep_layernorm.py --groups)
+    per_sm = 1 if C >= 8192 else BWD_GROUPS_PER_SM
+    n_groups = n_groups or (per_sm * _sm_count(x.device) if x.is_cuda else 3)
+    rows_per_group = triton.cdiv(max(M, 1), n_groups)
+    if rows_per_group >= 4 * BWD_GROUP_ALIGN:
+        rows_per_group = triton.cdiv(rows_per_group, BWD_GROUP_ALIGN) * BWD_GROUP_ALIGN
     n_groups = triton.cdiv(max(M, 1), rows_per_group)
     # every group writes its whole row of partials (zeros if it has no rows), so no memset is needed
     part = torch.empty((2 if has_bias else 1, n_groups, C), dtype=torch.float32, device=x.device)

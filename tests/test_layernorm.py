@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels import layernorm as ln
 from kernels.layernorm import (MAX_C, add_layernorm, add_layernorm_ref, add_layernorm_triton, layernorm,
                                layernorm_bwd, layernorm_fwd, layernorm_ref, layernorm_triton)
 
@@ -111,6 +112,22 @@ def test_add_layernorm_half_branch_into_fp32_stream():
     torch.testing.assert_close(got[1], x.float() + r, atol=0, rtol=0)
     _assert_all_close(got[:2] + got[3:], want[:2] + want[3:], torch.float32)
     _assert_all_close(got[2:3], want[2:3], torch.float16)  # dx: the fp32 grad rounded to fp16 once
+
+
+@pytest.mark.parametrize("block_m,programs_per_sm", [(1, 0), (4, 0), (2, 1), (4, 3)])
+def test_forward_tile_walks(block_m, programs_per_sm):
+    """One program per tile (PROGRAMS_PER_SM = 0) and the persistent grid stride (k programs per SM, here 2 "SMs":
+    some programs take two tiles, the last tile is partial) normalise every row exactly once."""
+    M, C = 37, 97
+    x, w, b, _ = _inputs((M, C), torch.float32)
+    y, mean, rstd = torch.full_like(x, float("nan")), torch.empty(M), torch.empty(M)
+    grid = ln._fwd_grid(M, 2, dict(BLOCK_M=block_m, PROGRAMS_PER_SM=programs_per_sm))
+    assert grid == ((M + block_m - 1) // block_m if programs_per_sm == 0 else 2 * programs_per_sm,)
+    ln._layernorm_fwd_kernel.fn[grid](x, None, None, y, w, b, mean, rstd, M, C, C, 0, 0, C, 1e-5,
+                                      ADD_RESIDUAL=False, HAS_BIAS=True, BLOCK_M=block_m, BLOCK_C=128, STAGES=2,
+                                      PROGRAMS_PER_SM=programs_per_sm)
+    torch.testing.assert_close(y, layernorm_ref(x, w, b), **TOL[torch.float32])
+    torch.testing.assert_close(mean, x.mean(-1), **TOL[torch.float32])
 
 
 def test_public_op_on_cpu_is_reference():
