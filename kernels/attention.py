@@ -634,17 +634,23 @@ def _bench(argv=None):
         for t in (q, k, v):
             t.requires_grad_()
         flops_fwd = 4 * B * H * T * T * D / (2 if causal else 1)
-        for mode, flops in (("fwd", flops_fwd), ("fwd+bwd", 3.5 * flops_fwd)):
+        # "graph": fwd + bwd replayed from a CUDA graph = GPU time alone (what a training step sees when the CPU
+        # runs ahead); the do_bench modes include each call's Python and launch cost
+        for mode, flops in (("fwd", flops_fwd), ("fwd+bwd", 3.5 * flops_fwd), ("graph", 3.5 * flops_fwd)):
             times = {}
             for name, fn in impls.items():
                 def step(fn=fn):
                     out = fn(q, k, v, causal)
                     if mode == "fwd+bwd":
                         out.backward(do)
+                    elif mode == "graph":
+                        torch.autograd.grad(out, (q, k, v), do)
                 try:
                     step()  # autotune / warm-up outside the timing
-                    times[name] = triton.testing.do_bench(step, rep=rep, grad_to_none=[q, k, v],
-                                                          return_mode="median")
+                    times[name] = (triton.testing.do_bench_cudagraph(step, rep=rep, return_mode="median")
+                                   if mode == "graph" else
+                                   triton.testing.do_bench(step, rep=rep, grad_to_none=[q, k, v],
+                                                           return_mode="median"))
                 except RuntimeError as e:  # a backend that does not take this shape on this GPU
                     times[name] = float("nan")
                     print(f"# {name} unavailable for this shape: {str(e).splitlines()[0][:100]}")
