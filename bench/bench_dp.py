@@ -18,6 +18,7 @@
                Modes: torch_ddp, ddp, zero1..3; "ddp@50" = 50 MB buckets; "ddp:bf16" = parallel.reduce_dtype=bf16;
                "ddp:nocomm" = a control with every all-reduce skipped (the engine's own cost, the upper bound of
                scaling; not a training mode); "zero3:p2" = ZeRO-3 gathering 2 units ahead (zero.PREFETCH);
+               "zero3:u2" = ZeRO-3 units of 2 blocks (parallel.zero3_unit_blocks: fewer hooks per step);
                "ddp:single" = a control of N independent one-GPU runs at once (the
                SingleDevice engine on every rank: what the machine itself loses when all its GPUs work).
                step ms is the slowest rank's; "fast ms" the fastest rank's. host ms (rank 0): CPU time to issue
@@ -323,7 +324,8 @@ def main():
     rows = []
     for mode in args.modes.split(","):
         # "ddp@50": 50 MB buckets (a bucket-size sweep); "ddp:bf16": parallel.reduce_dtype=bf16; "ddp:nocomm": the
-        # control with every gradient all-reduce skipped (what the engine costs without communication)
+        # control with every gradient all-reduce skipped (what the engine costs without communication);
+        # "zero3:p2" / "zero3:u2": ZeRO-3 prefetching 2 units / with units of 2 blocks
         mode, _, variant = mode.partition(":")
         base_mode, _, bucket = mode.partition("@")
         zero = {"torch_ddp": 0, "ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[base_mode]
@@ -332,6 +334,8 @@ def main():
             cfg.parallel.bucket_mb = float(bucket)
         if variant == "bf16":
             cfg.parallel.reduce_dtype = "bf16"
+        if variant.startswith("u"):  # "zero3:u2": units of 2 transformer blocks
+            cfg.parallel.zero3_unit_blocks = int(variant[1:])
         r = run_mode(mode, cfg, mesh, warmup, steps, variant, args.profile)
         m = cfg.model
         fpt = 6 * r["n_params"] + 12 * m.n_layer * m.n_embd * args.seq_len

@@ -5,6 +5,8 @@
 #   dp     GPT-2 124M tokens/s: our DDP and ZeRO-1/2/3 vs torch DDP at dp = 1, 2, N; ZeRO memory on gpt2_1558m
 #   scale  DDP scaling 1 -> N on this machine (30 timed steps): torch DDP, ours fp32 and bf16 reduction, no-comm control
 #   zero3  ZeRO-3 prefetch depth 1 vs 2 against our DDP, twice interleaved, one profiled step per mode; then B=32/GPU
+#   zero3u ZeRO-3 units of 1, 2, 3, 4 blocks (parallel.zero3_unit_blocks) against our DDP, twice interleaved, at
+#          B=16/GPU (where the forward is host-bound) and B=32; one profiled step per mode
 #   tp     tp = 2 and N on gpt2_124m and gpt_1b, sp off/on: tokens/s, MFU, memory, comm overhead
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -38,6 +40,12 @@ for s in "$@"; do
              cat "$OUT"/prof/*.txt > "$OUT/zero3_profiles.txt"; rm -r "$OUT/prof"; grep profile "$OUT/zero3_profiles.txt"
              run $N bench/bench_dp.py --modes ddp,zero3,ddp,zero3 --micro_batch 32 --large '' --out "$OUT/zero3_b32_$N.json"
            } 2>&1 | grep -v Warning | tee "$OUT/zero3.txt" ;;
+    zero3u) { u=zero3,zero3:u2,zero3:u3,zero3:u4
+             run $N bench/bench_dp.py --modes ddp,$u,ddp,$u --large '' --out "$OUT/zero3u_$N.json"
+             run $N bench/bench_dp.py --modes ddp,$u --large '' --steps 5 --profile "$OUT/prof" >/dev/null
+             cat "$OUT"/prof/*.txt > "$OUT/zero3u_prof.txt"; rm -r "$OUT/prof"; grep profile "$OUT/zero3u_prof.txt"
+             run $N bench/bench_dp.py --modes ddp,$u --micro_batch 32 --large '' --out "$OUT/zero3u_b32_$N.json"
+           } 2>&1 | grep -v Warning | tee "$OUT/zero3u.txt" ;;
     tp)    { for n in 2 $N; do run $n bench/bench_tp.py --preset gpt2_124m --quick --out "$OUT/tp124_$n.json"; done
              run $N bench/bench_tp.py --preset gpt2_124m --sp --quick --out "$OUT/tp124sp_$N.json"
              run $N bench/bench_tp.py --preset gpt_1b --quick --out "$OUT/tp1b_$N.json"

@@ -57,6 +57,8 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"    # gpipe | 1f1b | interleaved
     bucket_mb: float = 25.0      # DDP gradient bucket size
     reduce_dtype: str = "fp32"   # DDP gradient all-reduce in fp32 | bf16 (half the bytes; grads stay fp32)
+    zero3_unit_blocks: int = 1   # ZeRO-3 gathers this many consecutive blocks as one unit: fewer hooks and
+                                 # collectives per step, as many times the gathered bytes (> n_layer: one unit)
     timeout_s: int = 600         # collective timeout: a rank mismatch errors instead of hanging forever
 
 
@@ -139,6 +141,10 @@ class Config:
             raise ConfigError(f"parallel.reduce_dtype must be fp32 or bf16, got {p.reduce_dtype!r}")
         if p.reduce_dtype != "fp32" and p.zero != 0:
             raise ConfigError("parallel.reduce_dtype=bf16 is implemented for DDP (parallel.zero=0) only")
+        if p.zero3_unit_blocks < 1:
+            raise ConfigError(f"parallel.zero3_unit_blocks must be >= 1, got {p.zero3_unit_blocks}")
+        if p.zero3_unit_blocks != 1 and p.zero != 3:
+            raise ConfigError("parallel.zero3_unit_blocks applies to ZeRO-3 (parallel.zero=3) only")
         for name in ("tp", "pp", "cp", "ep"):
             if getattr(p, name) < 1:
                 raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(p, name)}")

@@ -28,8 +28,9 @@ plus the transients of a step (bf16 autocast on GPU; Ψ_b = one bucket or ZeRO-3
               of one layer at a time
     ZeRO-1    nothing more: reduce-scatter into f.grad's own slice, all-gather of the params in place
     ZeRO-2    fp32 p.grad of the buckets still filling + at most 2 full-bucket fp32 copies in flight (8Ψ_b)
-    ZeRO-3    gathered: root (fp32) + 1 + PREFETCH blocks (bf16 matrices); backward: a unit's bf16 grad + its fp32
-              copy, at most 2 units in flight; optimizer and clipping work on the shards in place
+    ZeRO-3    gathered: root (fp32) + 1 + PREFETCH units of parallel.zero3_unit_blocks blocks (bf16 matrices);
+              backward: a unit's bf16 grad + its fp32 copy, at most 2 units in flight; optimizer and clipping work
+              on the shards in place
 Hooks hold the engine weakly (`_weak`), so `del engine` frees everything; `close()` also removes the hooks.
 
 DDP: gradients live in flat buckets of ~parallel.bucket_mb, filled in reverse registration order (≈ backward

@@ -17,15 +17,22 @@ ZeRO-2 (P_os+g): a bucket's full gradient exists only until its reduce-scatter e
   ZeRO-2/3 reduce on every micro-step and accumulate shards (no_sync is a no-op for them: skipping the reduction
   would mean holding the full gradient, which is what they exist to avoid).
 ZeRO-3 (P_os+g+p): units instead of buckets: the root (every parameter outside the blocks: wte = lm_head, wpe,
-  ln_f) and each transformer block. A rank keeps 1/N of each unit in fp32. A block's weights are all-gathered
-  by a forward pre-hook (the next PREFETCH blocks' gathers started), freed by the forward hook, gathered again by
-  a hook on the gradient of whichever block output gets one first (the previous PREFETCH blocks prefetched), freed
-  once their gradient is reduce-scattered (comm.zero_gathered, whose backward starts the reduce-scatter
-  asynchronously; at most 2 units' fp32 gradients are in flight, older ones are drained inside backward). The root stays
-  gathered from forward through backward: the tied wte is used at both ends, so there is nothing to free in
-  between. Gather dtypes: a block's matrices in the compute dtype (bf16 under autocast: exactly the values
-  autocast would cast fp32 weights to, so the numerics are DDP's, at half the bytes), its vectors (LayerNorm,
-  biases) and the root in fp32 (layer_norm and the embeddings, hence the residual stream, stay fp32).
+  ln_f) and each run of K = parallel.zero3_unit_blocks consecutive transformer blocks (the last run may be
+  shorter; K > n_layer: one unit of all blocks). A rank keeps 1/N of each unit in fp32. A unit's weights are
+  all-gathered by a forward pre-hook on its first block (the next PREFETCH units' gathers started), freed by the
+  forward hook of its last block, gathered again by a hook on the gradient of whichever output of its last block
+  gets one first (the previous PREFETCH units prefetched), freed once their gradient is reduce-scattered
+  (comm.zero_gathered, whose backward starts the reduce-scatter asynchronously; at most 2 units' fp32 gradients
+  are in flight, older ones are drained inside backward). The root stays gathered from forward through backward:
+  the tied wte is used at both ends, so there is nothing to free in between. Gather dtypes: a unit's matrices in
+  the compute dtype (bf16 under autocast: exactly the values autocast would cast fp32 weights to, so the numerics
+  are DDP's, at half the bytes), its vectors (LayerNorm, biases) and the root in fp32 (layer_norm and the
+  embeddings, hence the residual stream, stay fp32).
+  K trades memory for host time: the hooks, gathers, zero_gathered nodes and reduce-scatters of a step scale with
+  the number of units, and at small micro-batches their Python work per unit takes about as long as a block's
+  GPU work (the forward is host-bound); but 1 + PREFETCH units of K blocks each are gathered at once, and a
+  backward unit's bf16 gradient and fp32 copy are K blocks too. Checkpoints hold one flat per unit and dtype, so
+  a "flat_shard" resumes only with the same K (and N); another K is a clear error: reshard through unshard_*.
 
 Checkpoint form of anything sharded (ZeRO optimizer states; ZeRO-3 parameters):
     {"format": "flat_shard", "rank": r, "world": N, "step": int, "flats": [{"params": [[name, shape, offset], ...],
@@ -49,9 +56,10 @@ from nanopara.config import Config
 from nanopara.dp import _BucketHooks, _buckets, _check_fp32, _Engine, _views, _weak, compute_dtype, param_kind
 from nanopara.mesh import Mesh
 
-# ZeRO-3 gathers this many units ahead of the one running (forward: the next blocks; backward: the previous ones).
-# Each costs one more block of bf16 weights. Measured on 4 x H200 (results/dp4_zero3_host.txt): 2 is no faster than
-# 1 (0.94x vs 0.93-0.97x DDP in one call); the compute stream's idle gaps at block starts come from the host.
+# ZeRO-3 gathers this many units ahead of the one running (forward: the next units; backward: the previous ones).
+# Each costs one more unit (K blocks) of bf16 weights. Measured on 4 x H200 (results/dp4_zero3_host.txt): 2 is no
+# faster than 1 (0.94x vs 0.93-0.97x DDP in one call); the compute stream's idle gaps at block starts come from the
+# host (which parallel.zero3_unit_blocks = K > 1 addresses: one unit's hook work per K blocks).
 PREFETCH = 1
 
 
@@ -284,9 +292,10 @@ class Zero(_BucketHooks, _Engine):
 
     # ---- ZeRO-3: units, gathered around their forward and backward
     def _make_units(self, model: nn.Module, dtype: torch.dtype):
-        """Unit 0: the root (every parameter outside the blocks), one fp32 flat. Unit i >= 1: block i-1 as two
-        flats, its matrices gathered in the compute dtype (the values autocast would cast them to anyway, so the
-        numerics are DDP's) and its vectors (LayerNorm, biases: layer_norm runs in fp32 under autocast) in fp32."""
+        """Unit 0: the root (every parameter outside the blocks), one fp32 flat. Unit u >= 1: blocks (u-1)K ..
+        uK-1 (K = parallel.zero3_unit_blocks; fewer in the last unit) as two flats, their matrices gathered in the
+        compute dtype (the values autocast would cast them to anyway, so the numerics are DDP's) and their vectors
+        (LayerNorm, biases: layer_norm runs in fp32 under autocast) in fp32."""
         blocks = list(model.transformer.h) if hasattr(model, "transformer") and hasattr(model.transformer, "h") else []
         owners = {}  # id(p) -> [(module, attribute)]: the tied weight has two owners
         for mod in model.modules():
@@ -298,11 +307,14 @@ class Zero(_BucketHooks, _Engine):
             for p in b.parameters():
                 if block_of.setdefault(id(p), i) != i:
                     raise ValueError("ZeRO-3: a parameter is shared by two transformer blocks")
+        k = self.cfg.parallel.zero3_unit_blocks
+        chunks = [blocks[a:a + k] for a in range(0, len(blocks), k)]  # [first, .., last] block of each unit
         specs = [[("root", [p for p in self.params if id(p) not in block_of], torch.float32)]]
-        for i in range(len(blocks)):
-            mine = [p for p in self.params if block_of.get(id(p)) == i]
-            specs.append([(f"h.{i}.matrices", [p for p in mine if p.dim() >= 2], dtype),
-                          (f"h.{i}.vectors", [p for p in mine if p.dim() < 2], torch.float32)])
+        for u, chunk in enumerate(chunks):
+            mine = [p for p in self.params if block_of.get(id(p), -1) // k == u]
+            name = f"h[{u * k}:{u * k + len(chunk)}]"
+            specs.append([(f"{name}.matrices", [p for p in mine if p.dim() >= 2], dtype),
+                          (f"{name}.vectors", [p for p in mine if p.dim() < 2], torch.float32)])
         self.flats, self.units, self.param_objs = [], [], {}
         self.anchor = torch.zeros(0, device=self.device, requires_grad=True)  # makes backward reach every unit
         for spec in specs:
@@ -329,9 +341,9 @@ class Zero(_BucketHooks, _Engine):
         self.params = []
         pre, post = _weak(self, "_pre_forward"), _weak(self, "_post_forward")  # hooks must not keep the engine alive
         self._pre_backward_weak, self._on_unit_grad_weak = _weak(self, "_pre_backward"), _weak(self, "_on_unit_grad")
-        for i, mod in enumerate([model] + blocks):
-            self._handles += [mod.register_forward_pre_hook(lambda m, args, i=i: pre(i)),
-                              mod.register_forward_hook(lambda m, args, out, i=i: post(i, out))]
+        for i, (first, last) in enumerate([(model, model)] + [(c[0], c[-1]) for c in chunks]):  # unit i's ends
+            self._handles += [first.register_forward_pre_hook(lambda m, args, i=i: pre(i)),
+                              last.register_forward_hook(lambda m, args, out, i=i: post(i, out))]
 
     @staticmethod
     def _bind(f: Flat, views):
@@ -391,7 +403,7 @@ class Zero(_BucketHooks, _Engine):
         if i > 0 or not needs_grad:  # with grad, the root is freed once its gradient is reduce-scattered
             for f in self.units[i]:
                 self._free(f)
-        if i > 0 and needs_grad:  # a block returns (residual, pending MLP output): whichever grad comes first
+        if i > 0 and needs_grad:  # a unit's last block returns (residual, pending MLP output): whichever grad first
             pre_backward = self._pre_backward_weak
             for t in outs:
                 if t.requires_grad:
@@ -399,10 +411,10 @@ class Zero(_BucketHooks, _Engine):
 
     def _pre_backward(self, i: int):
         if all(f.pending is None and f.full.untyped_storage().nbytes() for f in self.units[i]):
-            return  # another output's hook of this block ran first: already gathered for this backward
+            return  # another output's hook of this unit ran first: already gathered for this backward
         self._gather(self.units[i], into_own=True)
         for j in range(i - 1, max(i - 1 - PREFETCH, 0), -1):
-            self._gather(self.units[j], into_own=True)  # prefetch the blocks whose backward comes next
+            self._gather(self.units[j], into_own=True)  # prefetch the units whose backward comes next
         for f in self.units[i]:
             self._wait(f)
 
@@ -432,7 +444,9 @@ class Zero(_BucketHooks, _Engine):
                 for a, b in zip(sd["flats"], self.flats))
         if not ok:
             raise ValueError(f"flat shard of rank {sd.get('rank')}/{sd.get('world')} does not match this engine's "
-                             f"layout (rank {self.r}/{self.n}): load the unshard_* full form instead")
+                             f"layout (rank {self.r}/{self.n}): resume with the saved run's dp x cp and its "
+                             f"parallel.bucket_mb (ZeRO-1/2) or parallel.zero3_unit_blocks (ZeRO-3), or load the "
+                             f"unshard_* full form instead")
 
     def state_dict(self) -> dict:
         return {"format": "flat_shard", "rank": self.r, "world": self.n, "step": self._step_count(),

@@ -24,6 +24,7 @@ def test_overrides_are_typed():
     assert cfg.train.steps == 7 and isinstance(cfg.train.steps, int)
     assert cfg.train.lr == 1e-3 and cfg.seed == 3 and cfg.resume is True and cfg.data.dataset == "books"
     assert cfg.train.tokens_per_step == 2000
+    assert parse_args(["--parallel.zero=3", "--parallel.zero3_unit_blocks=2"]).parallel.zero3_unit_blocks == 2
 
 
 def test_round_trip_through_dict():
@@ -43,6 +44,8 @@ def test_round_trip_through_dict():
     (["--parallel.zero=4"], "parallel.zero must be"),
     (["--parallel.reduce_dtype=fp16"], "reduce_dtype must be fp32 or bf16"),
     (["--parallel.reduce_dtype=bf16", "--parallel.zero=2"], "DDP .parallel.zero=0. only"),
+    (["--parallel.zero=3", "--parallel.zero3_unit_blocks=0"], "zero3_unit_blocks must be >= 1, got 0"),
+    (["--parallel.zero3_unit_blocks=2"], "applies to ZeRO-3 .parallel.zero=3. only"),
     (["--train.dtype=fp8"], "train.dtype"),
     (["--model.n_head=7"], "not divisible by model.n_head=7"),
     (["--parallel.tp=2", "--parallel.sp=true", "--train.seq_len=1023"], "not divisible by parallel.tp=2"),

@@ -3,11 +3,13 @@
 Each distributed test spawns one gloo group (CPU, fp32) and runs many checks in it, because a spawn costs seconds.
 The reference is SingleDevice in the pytest process on the same global batch (8 sequences per step).
 
-Checked per layout (DDP, ZeRO-1/2/3 at dp 2 and 4, gradient accumulation 1 and 2): losses, grad norms and final
-weights against the reference; bucket reductions start inside backward (overlap) and never on no_sync micro-steps;
-ZeRO-3 keeps at most 3 units gathered and every block's gather was prefetched; memory_bytes() equals the ZeRO
-formulas; state_dict -> torch.save -> fresh engine -> load -> continue is bit-exact; ZeRO-3 shards -> unshard ->
-DDP continues; sp_partial / tp_dim rules (SingleDevice at tp=2; DDP and ZeRO-3 at dp=2 x tp=2).
+Checked per layout (DDP, ZeRO-1/2/3 and ZeRO-3 with units of 2 blocks at dp 2 and 4, gradient accumulation 1 and
+2): losses, grad norms and final weights against the reference; bucket reductions start inside backward (overlap)
+and never on no_sync micro-steps; ZeRO-3 keeps at most 3 units gathered, every unit's gather was prefetched, and a
+step's hooks, all-gathers and reduce-scatters are counted per unit (3 blocks in units of 2: 2 units, the last
+partial); memory_bytes() equals the ZeRO formulas; state_dict -> torch.save -> fresh engine -> load -> continue is
+bit-exact, and a ZeRO-3 shard of another unit size is a clear error; ZeRO-3 shards -> unshard -> DDP continues;
+sp_partial / tp_dim rules (SingleDevice at tp=2; DDP and ZeRO-3 at dp=2 x tp=2).
 Memory (test_engines_free_memory_and_bound_transients): after `del engine, model` + gc nothing survives (weakrefs);
 per step, ZeRO-1 reduces in place, ZeRO-2 holds no p.grad after backward, ZeRO-2/3 keep at most max_inflight
 full-size copies in flight, ZeRO-3 frees every unit and leaves no autograd graph on the model; close() unhooks.
@@ -37,6 +39,7 @@ from tests.distributed import spawn as spawn_gloo
 
 STEPS, BATCH, T, LR = 20, 8, 32, 3e-3
 MODES = ["ddp", "zero1", "zero2", "zero3"]
+UNIT_MODE = "zero3:u2"  # ZeRO-3 with parallel.zero3_unit_blocks=2 (3 layers: units of 2 blocks and 1)
 # Worst differences to the single-process run after 20 steps, measured over dp in {2, 4}, accum in {1, 2}, all four
 # modes, the ZeRO-3 -> DDP reshard and the fake-sp layouts (2-core CPU, torch 2.13): loss 1.4e-6 (3 ulp of ~5.5),
 # weight 6.3e-6 (weights are O(0.02..1)), grad-norm relative 2.5e-7. Bounds: ~8x those.
@@ -55,6 +58,19 @@ def make_cfg(zero: int = 0) -> Config:
     cfg.train.lr, cfg.train.grad_clip, cfg.train.weight_decay = LR, 0.5, 0.1  # clip 0.5: active on most steps
     cfg.parallel.zero = zero
     cfg.parallel.bucket_mb = 4000 * 4 / 2 ** 20  # ~4000 floats: several buckets, one parameter split-free
+    return cfg
+
+
+def split_mode(mode: str) -> tuple[str, int]:
+    """"zero3:uK" -> ("zero3", K): ZeRO-3 with units of K blocks; one of MODES -> (mode, 1)."""
+    base, _, unit_blocks = mode.partition(":u")
+    return base, int(unit_blocks or 1)
+
+
+def mode_cfg(mode: str) -> Config:
+    base, unit_blocks = split_mode(mode)
+    cfg = make_cfg(zero=MODES.index(base))
+    cfg.parallel.zero3_unit_blocks = unit_blocks
     return cfg
 
 
@@ -136,7 +152,7 @@ def _check_memory(engine, mode: str, psi: int, n: int):
 
 def _spy(engine, mode: str) -> dict:
     """Record, without changing behaviour, when gradient collectives start and how many ZeRO-3 units are gathered."""
-    seen = {"in_backward": [], "live": [], "prefetched": []}
+    seen = {"in_backward": [], "live": [], "prefetched": [], "gathers": 0, "reduce_scatters": 0}
     if mode != "zero3":
         launch = engine._launch
 
@@ -146,25 +162,44 @@ def _spy(engine, mode: str) -> dict:
         engine._launch = spy_launch
         return seen
     live = lambda: sum(any(f.full.untyped_storage().nbytes() > 0 for f in u) for u in engine.units)
-    pre_forward, pre_backward = engine._pre_forward, engine._pre_backward
+    pre_forward, pre_backward, gather, on_unit_grad = (engine._pre_forward, engine._pre_backward, engine._gather,
+                                                       engine._on_unit_grad)
 
     def spy_forward(i):
         seen["prefetched"].append(i == 0 or all(f.pending is not None for f in engine.units[i]))
         pre_forward(i)
         seen["live"].append(live())
 
-    def spy_backward(i):  # runs once per block output with a gradient: only the first call of a block gathers
+    def spy_backward(i):  # runs once per unit output with a gradient: only the first call of a unit gathers
         if not all(f.pending is None and f.full.untyped_storage().nbytes() for f in engine.units[i]):
             seen["prefetched"].append(i == len(engine.units) - 1 or all(f.pending is not None for f in engine.units[i]))
         pre_backward(i)
         seen["live"].append(live())
-    engine._pre_forward, engine._pre_backward = spy_forward, spy_backward
+
+    def spy_gather(unit, into_own=False):
+        seen["gathers"] += sum(f.pending is None for f in unit)  # the all-gathers this call starts
+        gather(unit, into_own)
+
+    def spy_unit_grad(*args):
+        seen["reduce_scatters"] += 1
+        on_unit_grad(*args)
+    engine._pre_forward, engine._pre_backward, engine._gather, engine._on_unit_grad = (
+        spy_forward, spy_backward, spy_gather, spy_unit_grad)
     return seen
 
 
 def _check_schedule(engine, mode: str, seen: dict, accum: int):
-    if mode == "zero3":  # root + the running block + PREFETCH more; every block's gather was prefetched
+    if mode == "zero3":  # root + the running unit + PREFETCH more; every unit's gather was prefetched
         assert max(seen["live"]) <= 2 + PREFETCH and all(seen["prefetched"]), seen
+        assert all(f.full.untyped_storage().nbytes() == 0 for f in engine.flats)  # all freed after the step
+        # units from the config, not the engine, so per-block units cannot pass as units of K: two forward hooks
+        # a unit; per micro-step the root's flat once, each unit's two (matrices, vectors) in forward and again
+        # in backward; one reduce-scatter a flat
+        units = -(-engine.cfg.model.n_layer // engine.cfg.parallel.zero3_unit_blocks)
+        hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in engine.model.modules())
+        assert len(engine.units) == 1 + units and hooks == 2 * (1 + units), (len(engine.units), hooks)
+        per_step = (STEPS * accum * (1 + 4 * units), STEPS * accum * (1 + 2 * units))
+        assert (seen["gathers"], seen["reduce_scatters"]) == per_step, (seen["gathers"], seen["reduce_scatters"])
         return
     per_step = len(engine.flats if mode != "ddp" else engine.buckets) * (accum if mode == "zero2" else 1)
     assert len(seen["in_backward"]) == STEPS * per_step  # ddp/zero1: nothing on no_sync micro-steps
@@ -176,21 +211,22 @@ def _worker(rank, n, ref, out_path):
     mesh = Mesh.build(dp=n, device="cpu")
     rows = slice(rank * BATCH // n, (rank + 1) * BATCH // n)
     psi = sum(p.numel() for p in make_model(make_cfg()).parameters())  # the tied weight once
-    for mode in MODES:
-        cfg = make_cfg(zero=MODES.index(mode))
+    saved = {}
+    for mode in MODES + [UNIT_MODE]:
+        cfg, kind = mode_cfg(mode), split_mode(mode)[0]
         for accum in (1, 2):
             engine = build_engine(make_model(cfg), mesh, cfg)
             assert isinstance(engine, DDP if mode == "ddp" else Zero)
-            seen = _spy(engine, mode)
+            seen = _spy(engine, kind)
             losses, norms = run(engine, tokens, 0, STEPS, rows, accum)
-            _check_schedule(engine, mode, seen, accum)
+            _check_schedule(engine, kind, seen, accum)
             weights = engine.full_model_state_dict()
             e = {"loss": max(abs(a - b) for a, b in zip(losses, ref["losses"])),
                  "norm_rel": max(abs(a - b) / b for a, b in zip(norms, ref["norms"])),
                  "weight": _max_diff(weights, ref["weights"])}
             errs[f"{mode} dp{n} accum{accum}"] = e
             assert e["loss"] < LOSS_ATOL and e["weight"] < WEIGHT_ATOL and e["norm_rel"] < NORM_RTOL, (mode, e)
-            _check_memory(engine, mode, psi, n)
+            _check_memory(engine, kind, psi, n)
             if accum == 1:
                 uninterrupted = (losses, weights)
 
@@ -200,7 +236,7 @@ def _worker(rank, n, ref, out_path):
         buf = io.BytesIO()
         torch.save({"model": engine.model_state_dict(), "engine": engine.state_dict()}, buf)
         buf.seek(0)
-        state = torch.load(buf, weights_only=True)
+        state = saved[mode] = torch.load(buf, weights_only=True)
         engine = build_engine(make_model(cfg, seed=7), mesh, cfg)
         engine.load_model_state_dict(state["model"])
         engine.load_state_dict(state["engine"])
@@ -208,8 +244,13 @@ def _worker(rank, n, ref, out_path):
         assert first + second == uninterrupted[0], f"{mode}: resumed losses differ"
         resumed = engine.full_model_state_dict()
         assert all(torch.equal(resumed[k], uninterrupted[1][k]) for k in resumed), f"{mode}: resumed weights differ"
+    # a ZeRO-3 shard saved with units of 1 block does not load into units of 2 (the last engine): a clear error
+    assert engine.cfg.parallel.zero3_unit_blocks == 2
+    for load, key in ((engine.load_model_state_dict, "model"), (engine.load_state_dict, "engine")):
+        with pytest.raises(ValueError, match="zero3_unit_blocks"):
+            load(saved["zero3"][key])
 
-    # ZeRO-3 with a deeper prefetch queue: same losses, at most root + 1 + 2 blocks gathered
+    # ZeRO-3 with a deeper prefetch queue: same losses, at most root + 1 + 2 units gathered
     import nanopara.zero as zero_mod
     zero_mod.PREFETCH, prefetch = 2, zero_mod.PREFETCH
     try:
@@ -448,10 +489,11 @@ def _gpu_worker(rank, n):
     rows = slice(rank * BATCH // n, (rank + 1) * BATCH // n)
     curves = {}
     for mode, kernels in [("ddp", "torch"), ("zero1", "torch"), ("zero2", "torch"), ("zero3", "torch"),
-                          ("zero3", "auto")]:
+                          ("zero3", "auto"), ("zero3:u3", "torch")]:  # u3: 4 blocks in units of 3 and 1
         cfg = Config(seed=0)
         cfg.model = ModelConfig(n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=1000, kernels=kernels)
-        cfg.train.lr, cfg.parallel.zero, cfg.parallel.bucket_mb = 1e-3, MODES.index(mode), 0.25
+        base, cfg.parallel.zero3_unit_blocks = split_mode(mode)
+        cfg.train.lr, cfg.parallel.zero, cfg.parallel.bucket_mb = 1e-3, MODES.index(base), 0.25
         torch.manual_seed(0)
         with torch.device(dev):
             model = GPT(cfg.model)
@@ -465,7 +507,7 @@ def _gpu_worker(rank, n):
             engine.backward(loss)
             engine.step(cfg.train.lr)
             losses.append(loss.item())
-        _check_memory(engine, mode, psi, n)
+        _check_memory(engine, base, psi, n)
         curves[f"{mode}/{kernels}"] = losses
     ref = curves["ddp/torch"]
     # the engines compute the same bf16 matmuls on the same (autocast-rounded) weights and differ only in the order
