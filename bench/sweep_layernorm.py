@@ -1,6 +1,6 @@
 """Tile sweeps of kernels/layernorm.py (GPU time, CUDA-graph replay): where its tuning numbers come from.
 
-    python bench/sweep_layernorm.py [--old DIR] [--out FILE]
+    python bench/sweep_layernorm.py [--old DIR] [--shapes 16384x768,...] [--groups 1,4] [--out FILE]
 
 Per shape (bf16 rows; "+res" = add_layernorm with an fp32 residual stream, as in the model): the tiles the
 autotuner picked and its five fastest candidates, then the forward and the backward alone in GPU time (CUDA-graph
@@ -66,6 +66,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--old", help="a checkout whose kernels/layernorm.py is timed too")
     ap.add_argument("--out", help="append JSON lines here")
+    ap.add_argument("--shapes", help="only these, e.g. 16384x768,32768x768+res (default: all of SHAPES)")
     ap.add_argument("--groups", default="", help="also time the backward at these row groups per SM, e.g. 1,4")
     args = ap.parse_args()
     copy = ln._copy_bandwidth()
@@ -73,6 +74,8 @@ def main():
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {copy:.0f} GB/s")
     out = open(args.out, "a") if args.out else None
     for M, C, res in SHAPES:
+        if args.shapes and f"{M}x{C}{'+res' if res else ''}" not in args.shapes.split(","):
+            continue
         name = f"{M}x{C}{'+res' if res else ''}"
         row = dict(shape=name, device=torch.cuda.get_device_name(), copy_gbs=copy)
         for label, mod in (("new", ln), ("old", old)):

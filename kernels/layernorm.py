@@ -138,39 +138,59 @@ def _pruner(kind):
     return {"early_config_prune": prune}
 
 
+@triton.jit
+def _layernorm_fwd_tile(tile, X, R, H, Y, W, B, w, b, MEAN, RSTD, M, C, stride_x, stride_r, stride_h, stride_y, eps,
+                        ADD_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, LOAD_WB: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Normalise rows [tile * BLOCK_M, +BLOCK_M). LOAD_WB: load weight/bias here, after the row statistics (so they
+    hold no registers during the reductions), instead of using the w, b the caller loaded."""
+    cols = tl.arange(0, BLOCK_C)
+    cmask = cols < C
+    rows = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # M * C may exceed 2**31
+    rmask = rows < M
+    mask = rmask[:, None] & cmask[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    if ADD_RESIDUAL:
+        r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+        # round the sum to h's dtype first: h is what the residual stream holds, and the backward
+        # recomputes xhat from that stored h, so the forward must normalise exactly it
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(H.dtype.element_ty)
+        tl.store(H + rows[:, None] * stride_h + cols[None, :], x, mask=mask)
+    x = x.to(tl.float32)
+    mean = tl.sum(x, axis=1) / C  # (BLOCK_M,)
+    xc = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / C + eps)
+    if LOAD_WB:
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
+    y = xc * rstd[:, None] * w[None, :]
+    if HAS_BIAS:
+        y += b[None, :]
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(MEAN + rows, mean, mask=rmask)
+    tl.store(RSTD + rows, rstd, mask=rmask)
+
+
 @triton.autotune(configs=_configs("fwd"), key=["C", "ADD_RESIDUAL", "HAS_BIAS"], prune_configs_by=_pruner("fwd"),
                  do_bench=_tune_bench, cache_results=True)
 @triton.jit
 def _layernorm_fwd_kernel(X, R, H, Y, W, B, MEAN, RSTD, M, C, stride_x, stride_r, stride_h, stride_y, eps,
                           ADD_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, STAGES: tl.constexpr,
-                          PROGRAMS_PER_SM: tl.constexpr):  # PROGRAMS_PER_SM sizes the grid only
-    cols = tl.arange(0, BLOCK_C)
-    cmask = cols < C
-    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)  # once per program
-    if HAS_BIAS:
-        b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
-    for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0), num_stages=STAGES):
-        rows = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # M * C may exceed 2**31
-        rmask = rows < M
-        mask = rmask[:, None] & cmask[None, :]
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-        if ADD_RESIDUAL:
-            r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
-            # round the sum to h's dtype first: h is what the residual stream holds, and the backward
-            # recomputes xhat from that stored h, so the forward must normalise exactly it
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(H.dtype.element_ty)
-            tl.store(H + rows[:, None] * stride_h + cols[None, :], x, mask=mask)
-        x = x.to(tl.float32)
-        mean = tl.sum(x, axis=1) / C  # (BLOCK_M,)
-        xc = tl.where(mask, x - mean[:, None], 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / C + eps)
-        y = xc * rstd[:, None] * w[None, :]
+                          PROGRAMS_PER_SM: tl.constexpr):  # PROGRAMS_PER_SM sizes the grid; 0: one tile a program
+    if PROGRAMS_PER_SM == 0:  # no loop: a loop around the same tile costs registers (ptxas: 96 vs 80 per thread
+        _layernorm_fwd_tile(tl.program_id(0), X, R, H, Y, W, B, 0.0, 0.0, MEAN, RSTD, M, C,  # at 2 x 1024, 2 warps)
+                            stride_x, stride_r, stride_h, stride_y, eps, ADD_RESIDUAL, HAS_BIAS, True, BLOCK_M, BLOCK_C)
+    else:  # persistent: weight and bias once per program; the next tiles' loads in flight while one reduces
+        cols = tl.arange(0, BLOCK_C)
+        w = tl.load(W + cols, mask=cols < C, other=0.0).to(tl.float32)
+        b = w
         if HAS_BIAS:
-            y += b[None, :]
-        tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
-        tl.store(MEAN + rows, mean, mask=rmask)
-        tl.store(RSTD + rows, rstd, mask=rmask)
+            b = tl.load(B + cols, mask=cols < C, other=0.0).to(tl.float32)
+        for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0), num_stages=STAGES):
+            _layernorm_fwd_tile(tile, X, R, H, Y, W, B, w, b, MEAN, RSTD, M, C, stride_x, stride_r, stride_h,
+                                stride_y, eps, ADD_RESIDUAL, HAS_BIAS, False, BLOCK_M, BLOCK_C)
 
 
 @triton.autotune(configs=_configs("bwd"), key=["C", "HAS_DH", "HAS_BIAS"], prune_configs_by=_pruner("bwd"),
