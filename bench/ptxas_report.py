@@ -1,4 +1,4 @@
-"""Registers, spills and shared memory of the LayerNorm kernels' tiles on sm_90a (H100/H200), without a GPU.
+"""Registers, spills and shared memory of the LayerNorm and attention tiles on sm_90a (H100/H200), without a GPU.
 
     python bench/ptxas_report.py [--json]
 
@@ -25,44 +25,76 @@ from triton.compiler import ASTSource  # noqa: E402
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
-_FWD = dict(X="*bf16", R="*fp32", H="*fp32", Y="*bf16", W="*fp32", B="*fp32", MEAN="*fp32", RSTD="*fp32",
-            M="i32", C="i32", stride_x="i32", stride_r="i32", stride_h="i32", stride_y="i32", eps="fp32")
-_BWD = dict(X="*bf16", DY="*bf16", DH="*fp32", DX="*bf16", W="*fp32", MEAN="*fp32", RSTD="*fp32",
-            DW_PART="*fp32", DB_PART="*fp32", M="i32", C="i32", ROWS_PER_GROUP="i32", stride_x="i32",
-            stride_dy="i32", stride_dh="i32", stride_dx="i32")
+_LN_FWD = dict(X="*bf16", R="*fp32", H="*fp32", Y="*bf16", W="*fp32", B="*fp32", MEAN="*fp32", RSTD="*fp32",
+               M="i32", C="i32", stride_x="i32", stride_r="i32", stride_h="i32", stride_y="i32", eps="fp32")
+_LN_BWD = dict(X="*bf16", DY="*bf16", DH="*fp32", DX="*bf16", W="*fp32", MEAN="*fp32", RSTD="*fp32",
+               DW_PART="*fp32", DB_PART="*fp32", M="i32", C="i32", ROWS_PER_GROUP="i32", stride_x="i32",
+               stride_dy="i32", stride_dh="i32", stride_dx="i32")
+_ATTN_PTRS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "LSE", "DELTA"}
 
-# name: (kernel, constexprs, num_warps, register bound). Bounds: measured (triton 3.6) + a few registers, or the
-# budget that keeps the intended programs resident (65536 registers per SM).
+# name: (kernel, constexprs, num_warps, num_stages, register bound, spill bound). Register bounds: measured with
+# triton 3.6 plus a few, or what keeps the intended programs resident (65536 registers per SM).
 CASES = {
-    # the model's narrow rows, non-persistent (one tile a program): 80 / 72 registers measured
-    "fwd 2x768 w2 one-tile": ("fwd", dict(ADD_RESIDUAL=False, BLOCK_M=2, BLOCK_C=1024, STAGES=1,
-                                          PROGRAMS_PER_SM=0), 2, 84),
-    "fwd 4x768+res w4 one-tile": ("fwd", dict(ADD_RESIDUAL=True, BLOCK_M=4, BLOCK_C=1024, STAGES=1,
-                                              PROGRAMS_PER_SM=0), 4, 76),
+    # LayerNorm, the model's narrow rows, non-persistent (one tile a program): 80 / 72 registers measured
+    "ln fwd 2x768 w2 one-tile": ("ln_fwd", dict(ADD_RESIDUAL=False, BLOCK_M=2, BLOCK_C=1024, STAGES=1,
+                                                PROGRAMS_PER_SM=0), 2, 3, 84, 0),
+    "ln fwd 4x768+res w4 one-tile": ("ln_fwd", dict(ADD_RESIDUAL=True, BLOCK_M=4, BLOCK_C=1024, STAGES=1,
+                                                    PROGRAMS_PER_SM=0), 4, 3, 76, 0),
     # wide rows, persistent, 2 programs of 256 threads per SM: <= 128
-    "fwd 1x8192 w8 S3 P2": ("fwd", dict(ADD_RESIDUAL=False, BLOCK_M=1, BLOCK_C=8192, STAGES=3, PROGRAMS_PER_SM=2),
-                            8, 128),
+    "ln fwd 1x8192 w8 S3 P2": ("ln_fwd", dict(ADD_RESIDUAL=False, BLOCK_M=1, BLOCK_C=8192, STAGES=3,
+                                              PROGRAMS_PER_SM=2), 8, 3, 128, 0),
     # backward tiles the autotuner picked on an H200 (16384x768, 32768x768+res, 4096x8192): no spills
-    "bwd 8x768 w4 S3": ("bwd", dict(HAS_DH=False, BLOCK_M=8, BLOCK_C=1024, STAGES=3), 4, 255),
-    "bwd 2x768+dh w4 S3": ("bwd", dict(HAS_DH=True, BLOCK_M=2, BLOCK_C=1024, STAGES=3), 4, 255),
-    "bwd 1x8192 w8 S3": ("bwd", dict(HAS_DH=False, BLOCK_M=1, BLOCK_C=8192, STAGES=3), 8, 255),
+    "ln bwd 8x768 w4 S3": ("ln_bwd", dict(HAS_DH=False, BLOCK_M=8, BLOCK_C=1024, STAGES=3), 4, 3, 255, 0),
+    "ln bwd 2x768+dh w4 S3": ("ln_bwd", dict(HAS_DH=True, BLOCK_M=2, BLOCK_C=1024, STAGES=3), 4, 3, 255, 0),
+    "ln bwd 1x8192 w8 S3": ("ln_bwd", dict(HAS_DH=False, BLOCK_M=1, BLOCK_C=8192, STAGES=3), 8, 3, 255, 0),
+    # attention, causal, the tiles tuned on an H200 (kernels/attention.py _TILES). D=64, 128 threads: <= 168 keeps
+    # 3 programs per SM (forward 152, dq 159 measured), dk/dv 247 keeps 2
+    "attn fwd D64 64x64 w4 s4": ("attn_fwd", dict(HEAD_DIM=64, BLOCK_M=64, BLOCK_N=64), 4, 4, 168, 0),
+    "attn dq D64 64x64 w4 s3": ("attn_dq", dict(HEAD_DIM=64, BLOCK_M=64, BLOCK_N=64), 4, 3, 168, 0),
+    "attn dkdv D64 64x64 w4 s3": ("attn_dkdv", dict(HEAD_DIM=64, BLOCK_M=64, BLOCK_N=64), 4, 3, 255, 0),
+    "attn fwd D128 128x64 w8 s3": ("attn_fwd", dict(HEAD_DIM=128, BLOCK_M=128, BLOCK_N=64), 8, 3, 255, 0),
+    "attn dq D128 128x64 w8 s3": ("attn_dq", dict(HEAD_DIM=128, BLOCK_M=128, BLOCK_N=64), 8, 3, 255, 0),
+    # known weakness: every D=128 dk/dv tile spills (bench/notes_attention.md, variant 4); 28 B measured, the
+    # bound only stops it growing
+    "attn dkdv D128 32x64 w4 s4": ("attn_dkdv", dict(HEAD_DIM=128, BLOCK_M=32, BLOCK_N=64), 4, 4, 255, 32),
 }
 
 
 def pipelined_bytes(kind: str, consts: dict) -> int:
-    """Shared memory the loop's cp.async buffers need: STAGES - 1 tiles of each row stream (bf16 x / dy, fp32
-    residual or dh). A case compiled with less means Triton did not pipeline the tile loads."""
-    per_elem = 2 + (4 if consts.get("ADD_RESIDUAL") else 0) if kind == "fwd" else 2 + 2 + (4 if consts["HAS_DH"] else 0)
-    return (consts["STAGES"] - 1) * consts["BLOCK_M"] * consts["BLOCK_C"] * per_elem
+    """LayerNorm: shared memory the loop's cp.async buffers need, STAGES - 1 tiles of each row stream (bf16 x /
+    dy, fp32 residual or dh); a case compiled with less means Triton did not pipeline the tile loads. 0 otherwise."""
+    if kind == "ln_fwd":
+        return (consts["STAGES"] - 1) * consts["BLOCK_M"] * consts["BLOCK_C"] * (6 if consts["ADD_RESIDUAL"] else 2)
+    if kind == "ln_bwd":
+        return (consts["STAGES"] - 1) * consts["BLOCK_M"] * consts["BLOCK_C"] * (8 if consts["HAS_DH"] else 4)
+    return 0
 
 
-def usage(fn, signature: dict, constexprs: dict, num_warps: int) -> dict:
-    """{'regs', 'spill_bytes', 'smem_bytes'} of fn compiled for sm_90a."""
+def _attention_signature(fn, consts: dict) -> tuple[dict, dict]:
+    """Argument types of an attention kernel as the model launches it (bf16 q/k/v/o and grads, fp32 lse/delta,
+    int32 sizes and strides), and the last-dim strides, which the JIT specialises as the constant 1."""
+    sig, ones = {}, {}
+    for n in fn.arg_names:
+        if n in consts:
+            continue
+        if n.startswith("stride") and n.endswith("d"):
+            ones[n] = 1
+        elif n in _ATTN_PTRS:
+            sig[n] = "*fp32" if n in ("LSE", "DELTA") else "*bf16"
+        else:
+            sig[n] = "fp32" if n.endswith("scale") else "i32"
+    return sig, ones
+
+
+def usage(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int) -> dict:
+    """{'regs', 'spill_bytes', 'smem_bytes'} of fn compiled for sm_90a. Pointers and strides are 16-divisible, as
+    at a real launch (without that hint Triton cannot use cp.async for 2-byte elements)."""
     names = list(fn.arg_names)
     divisible = [n for n, t in signature.items() if t.startswith("*") or n.startswith(("stride", "C", "ROWS"))]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     src = ASTSource(fn, {**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(compiled.asm["ptx"])
         f.flush()
@@ -76,13 +108,22 @@ def usage(fn, signature: dict, constexprs: dict, num_warps: int) -> dict:
 def report() -> list[dict]:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise SystemExit("ptxas_report compiles real kernels: run it without TRITON_INTERPRET=1")
+    from kernels import attention as at
     from kernels import layernorm as ln
-    kernels = {"fwd": (ln._layernorm_fwd_kernel.fn, _FWD), "bwd": (ln._layernorm_bwd_kernel.fn, _BWD)}
+    kernels = {"ln_fwd": ln._layernorm_fwd_kernel.fn, "ln_bwd": ln._layernorm_bwd_kernel.fn,
+               "attn_fwd": at._attn_fwd_kernel.fn, "attn_dq": at._attn_bwd_dq_kernel.fn,
+               "attn_dkdv": at._attn_bwd_dkdv_kernel.fn}
     rows = []
-    for name, (kind, consts, warps, bound) in CASES.items():
-        fn, sig = kernels[kind]
-        rows.append({"case": name, "bound": bound, "pipelined_bytes": pipelined_bytes(kind, consts),
-                     **usage(fn, sig, {"HAS_BIAS": True, **consts}, warps)})
+    for name, (kind, consts, warps, stages, reg_bound, spill_bound) in CASES.items():
+        fn = kernels[kind]
+        if kind.startswith("ln"):
+            sig, consts = (_LN_FWD if kind == "ln_fwd" else _LN_BWD), {"HAS_BIAS": True, **consts}
+        else:
+            consts = {"BLOCK_D": consts["HEAD_DIM"], "CAUSAL": True, **consts}
+            sig, ones = _attention_signature(fn, consts)
+            consts = {**consts, **ones}
+        rows.append({"case": name, "reg_bound": reg_bound, "spill_bound": spill_bound,
+                     "pipelined_bytes": pipelined_bytes(kind, consts), **usage(fn, sig, consts, warps, stages)})
     return rows
 
 
@@ -95,8 +136,8 @@ def main():
         print(json.dumps(rows))
         return
     for r in rows:
-        print(f"{r['case']:>28}: {r['regs']:3d} registers (bound {r['bound']}), spills {r['spill_bytes']} B, "
-              f"shared {r['smem_bytes']} B (pipelined tiles need {r['pipelined_bytes']})")
+        print(f"{r['case']:>30}: {r['regs']:3d} registers (bound {r['reg_bound']}), spills {r['spill_bytes']} B "
+              f"(bound {r['spill_bound']}), shared {r['smem_bytes']} B (pipelined tiles need {r['pipelined_bytes']})")
 
 
 if __name__ == "__main__":
