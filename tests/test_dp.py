@@ -23,6 +23,7 @@ of near-zero gradients into larger relative ones, and 20 steps compound them. Sa
 import gc
 import io
 import json
+import time
 import warnings
 import weakref
 
@@ -370,8 +371,15 @@ def _alive_after_delete(mode: str, mesh, tokens, rows) -> list:
                  for k in FLAT_BUFFERS if hasattr(f, k)})  # comprehensions: no loop variable keeps one alive
     refs.update({f"bucket {i}": weakref.ref(b) for i, b in enumerate(getattr(engine, "bufs", []))})
     del engine, model  # no close(): the hooks must not keep anything alive on their own
-    gc.collect()
-    return [k for k, r in refs.items() if r() is not None]
+    for _ in range(40):
+        gc.collect()
+        alive = [k for k, r in refs.items() if r() is not None]
+        if not alive:
+            break
+        # gloo's worker thread lets go of a finished collective (and its tensors) a moment after wait() returns;
+        # on a loaded 2-core CI machine that moment was seen ("zero1: bucket4.param alive"). A leak stays for good.
+        time.sleep(0.05)
+    return alive
 
 
 FLAT_BUFFERS = ("param", "grad", "grad_shard", "master", "full", "exp_avg", "exp_avg_sq")
