@@ -2,6 +2,7 @@
 # One device call's worth of GPU evidence. Usage: bash bench/gpu_suite.sh SECTION... (results under $OUT or out/)
 #   tests    GPU test suite (bf16 numerics at real sizes)
 #   kernels  per-kernel benchmarks (attention, layernorm, cross-entropy, adamw)
+#   lnsweep  LayerNorm tiles and bandwidth per shape, A/B against .carry/old if that checkout exists
 #   e2e      GPT-2 124M training throughput: nanopara vs torch / torch.compile
 #   curve    GPT-2 124M loss curve on the offline book corpus (needs .carry/data, see README)
 set -uo pipefail
@@ -14,6 +15,8 @@ for s in "$@"; do
     tests)   $PY -m pytest -q -m gpu tests 2>&1 | tail -25 | tee "$OUT/tests_gpu.txt" ;;
     kernels) for k in attention layernorm cross_entropy adamw; do
                $PY -m kernels.$k --quick --out "$OUT/kernels.jsonl" 2>&1 | tee "$OUT/bench_$k.txt" | tail -14; done ;;
+    lnsweep) $PY bench/sweep_layernorm.py $([ -d .carry/old/kernels ] && echo --old .carry/old) \
+               --out "$OUT/sweep_layernorm.jsonl" 2>&1 | tee "$OUT/sweep_layernorm.txt" | grep -v picked ;;
     e2e)     $PY bench/bench_gpt.py --out "$OUT/e2e.jsonl" ${E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.txt" | tail -12 ;;
     curve)   [ -f data/shards/books/books_val_000000.bin ] || \
                $PY data/prepare.py books --mirror .carry/data > "$OUT/prepare.txt" 2>&1
