@@ -112,6 +112,11 @@ def _tune_bench(fn, quantiles=None):
     return triton.testing.do_bench_cudagraph(fn, rep=10, quantiles=quantiles)
 
 
+# Tuning results are also cached on disk (autotune cache_results: Triton's cache dir, keyed by the kernel source,
+# the key arguments, the candidate tiles and the CUDA arch). H100 and H200 are both sm_90 and share entries; point
+# TRITON_CACHE_DIR elsewhere to retune on another card.
+
+
 def _stream_bytes(kind, named_args):
     """Bytes of one row element that the pipelined loop loads: x (+ residual) forward; x, dy (+ dh) backward."""
     names = ("X", "R") if kind == "fwd" else ("X", "DY", "DH")
