@@ -14,6 +14,10 @@ def test_key_separates_what_the_jit_specialises_on():
     assert len({_spec((x,)) for x in (1, 2, 16, 17, 2 ** 31, -(2 ** 31) - 1)}) == 5  # 16 vs 2**31: int32 or not
     assert _spec((True,)) != _spec((1,)) and _spec((None,)) != _spec((0,))
     assert _spec((0.5,)) == _spec((2.0,))  # floats are not specialised on their value
+    # subclasses take the same key as their base (the fast path checks exact types first)
+    assert _spec((torch.nn.Parameter(a),)) == _spec((a,))
+    assert _spec((type("Size", (int,), {})(48),)) == _spec((32,))
+    assert _spec((False,)) != _spec((0,))
 
 
 @pytest.mark.gpu
