@@ -17,7 +17,7 @@
                gradient communication after backward (CUDA events around engine._finish_grads): the exposed part.
                Modes: torch_ddp, ddp, zero1..3; "ddp@50" = 50 MB buckets; "ddp:bf16" = parallel.reduce_dtype=bf16;
                "ddp:nocomm" = a control with every all-reduce skipped (the engine's own cost, the upper bound of
-               scaling; not a training mode); "zero3:p2" = ZeRO-3 gathering 2 units ahead (zero.PREFETCH);
+               scaling; not a training mode); "zero3:p2" = ZeRO-3 gathering 2 units ahead (zero3.PREFETCH);
                "zero3:u2" = ZeRO-3 units of 2 blocks (parallel.zero3_unit_blocks: fewer hooks per step);
                "ddp:single" = a control of N independent one-GPU runs at once (the
                SingleDevice engine on every rank: what the machine itself loses when all its GPUs work).
@@ -53,7 +53,7 @@ from nanopara.dp import SingleDevice, build_engine  # noqa: E402
 from nanopara.mesh import Mesh  # noqa: E402
 from nanopara.model import GPT  # noqa: E402
 from nanopara.optim import build_adamw  # noqa: E402
-from nanopara import zero  # noqa: E402
+from nanopara import zero3  # noqa: E402
 
 PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s
 MODES = ["torch_ddp", "ddp", "zero1", "zero2", "zero3"]
@@ -117,8 +117,8 @@ class _Done:
 
 
 def engine_step_fn(model, mesh, cfg, variant=""):
-    if variant.startswith("p"):  # "zero3:p2": ZeRO-3 gathers 2 units ahead (zero.PREFETCH, read at each hook)
-        zero.PREFETCH = int(variant[1:])
+    if variant.startswith("p"):  # "zero3:p2": ZeRO-3 gathers 2 units ahead (zero3.PREFETCH, read at each hook)
+        zero3.PREFETCH = int(variant[1:])
     engine = SingleDevice(model, mesh, cfg) if variant == "single" else build_engine(model, mesh, cfg)
     if variant == "nocomm":  # control, not a result: the engine's hooks and buffers, its all-reduces skipped
         engine._launch = lambda i: _Done()
@@ -229,7 +229,7 @@ def profile_step(step, x, y, mesh, label, out_dir):
 
 def run_mode(mode, cfg, mesh, warmup, steps, variant="", profile_dir=""):
     cuda = mesh.device.type == "cuda"
-    start, prefetch = torch.cuda.memory_allocated() if cuda else 0, zero.PREFETCH
+    start, prefetch = torch.cuda.memory_allocated() if cuda else 0, zero3.PREFETCH
     model = build(cfg, mesh)
     n_params, psi = model.num_params(), sum(p.numel() for p in model.parameters())  # the tied weight once
     if mode == "torch_ddp":
@@ -265,7 +265,7 @@ def run_mode(mode, cfg, mesh, warmup, steps, variant="", profile_dir=""):
     host = host_ms(step, x, y, mesh)
     if profile_dir:
         profile_step(step, x, y, mesh, mode + (f":{variant}" if variant else ""), profile_dir)
-    zero.PREFETCH = prefetch  # a "zero3:pK" variant changed it for its own run only
+    zero3.PREFETCH = prefetch  # a "zero3:pK" variant changed it for its own run only
     states = engine.memory_bytes() if engine is not None else None
     if engine is not None:
         engine.close()

@@ -5,7 +5,7 @@ Every function takes its process group explicitly; a group of None means a size-
 Sections (each with its own math and owner): tensor parallel (tp.py); ring collectives (`ring_all_reduce`,
 `ring_reduce_scatter`, `ring_all_gather`: N-1 + N-1 send/recv steps, 2(N-1)/N of the data per rank; tested in
 tests/test_comm.py, measured against NCCL by `torchrun --nproc_per_node=N bench/bench_comm.py`); data parallel
-(ZeRO-3's all-gather forward / reduce-scatter backward, used by zero.py).
+(ZeRO-3's all-gather forward / reduce-scatter backward, used by zero3.py).
 """
 from __future__ import annotations
 
@@ -265,7 +265,7 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group) -> torch.T
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# --- data parallel (owner: dp.py, zero.py): ZeRO-3's parameter gather with its autograd rule
+# --- data parallel (owner: dp.py, zero.py, zero3.py): ZeRO-3's parameter gather with its autograd rule
 #
 # ZeRO-3 (Rajbhandari et al. 2020, Sec. 5.3) keeps 1/N of a unit's flat parameter buffer on each rank. The full
 # buffer is all-gathered before the unit runs (launched one unit early: prefetch) and the gradient of the full

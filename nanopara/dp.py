@@ -1,4 +1,4 @@
-"""Data parallelism: the training engine interface, the single-device engine and DDP (ZeRO lives in zero.py).
+"""Data parallelism: the training engine interface, the single-device engine and DDP (ZeRO: zero.py, zero3.py).
 
 An engine owns the optimizer and the gradient synchronisation of a model; train.py talks only to it:
 
@@ -9,7 +9,8 @@ An engine owns the optimizer and the gradient synchronisation of a model; train.
             engine.backward(loss * scale / accum)
     grad_norm = engine.step(lr, grad_scale=scale) # clip + update + zero grads; inf/nan norm => step skipped
 
-build_engine: SingleDevice for dp*cp == 1 (any tp), DDP for parallel.zero=0, else ZeRO-1/2/3 (zero.py).
+build_engine: SingleDevice for dp*cp == 1 (any tp), DDP for parallel.zero=0, else ZeRO-1/2 (zero.py) or ZeRO-3
+(zero3.py).
 N = dp*cp ranks hold replicas; gradients of replicated parameters reduce over mesh.groups["dp_cp"]. Averaging is
 done in exactly one place: `backward` scales the loss by 1/N, and every reduction is a SUM.
 
@@ -433,10 +434,13 @@ class DDP(_BucketHooks, _Engine):
 
 
 def build_engine(model: nn.Module, mesh: Mesh, cfg: Config):
-    """SingleDevice for dp*cp == 1 (any tp), else DDP (parallel.zero=0) or ZeRO-1/2/3."""
+    """SingleDevice for dp*cp == 1 (any tp), else DDP (parallel.zero=0), ZeRO-1/2 (zero.Zero), ZeRO-3 (zero3.Zero3)."""
     if mesh.dp * mesh.cp == 1:
         return SingleDevice(model, mesh, cfg)
     if cfg.parallel.zero == 0:
         return DDP(model, mesh, cfg)
-    from nanopara.zero import Zero  # zero.py builds on this file's engine
+    if cfg.parallel.zero == 3:
+        from nanopara.zero3 import Zero3  # zero.py / zero3.py build on this file's engine
+        return Zero3(model, mesh, cfg)
+    from nanopara.zero import Zero
     return Zero(model, mesh, cfg, stage=cfg.parallel.zero)

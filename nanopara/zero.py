@@ -1,7 +1,8 @@
 """ZeRO-1/2/3 (Rajbhandari et al. 2020): optimizer states, gradients and parameters sharded over dp x cp.
 
-Built by dp.build_engine for parallel.zero = 1/2/3 (same interface and precision as dp.py's engines; the bytes
-per rank are in dp.py's table). N = dp*cp ranks, r = this rank's index among them.
+Built by dp.build_engine for parallel.zero = 1/2 (zero3.py's Zero3 extends this engine for 3; same interface and
+precision as dp.py's engines; the bytes per rank are in dp.py's table). N = dp*cp ranks, r = this rank's index
+among them.
 
 Flat buffers (`Flat`): a run of parameters laid end to end in one fp32 buffer of `padded` elements (a multiple
 of N, zero padding at the end); rank r holds [lo, hi) = [r*padded/N, (r+1)*padded/N). Inside a buffer the
@@ -16,23 +17,8 @@ ZeRO-2 (P_os+g): a bucket's full gradient exists only until its reduce-scatter e
   bucket copies at once: the older is drained before a third starts); the rank keeps its shard.
   ZeRO-2/3 reduce on every micro-step and accumulate shards (no_sync is a no-op for them: skipping the reduction
   would mean holding the full gradient, which is what they exist to avoid).
-ZeRO-3 (P_os+g+p): units instead of buckets: the root (every parameter outside the blocks: wte = lm_head, wpe,
-  ln_f) and each run of K = parallel.zero3_unit_blocks consecutive transformer blocks (the last run may be
-  shorter; K > n_layer: one unit of all blocks). A rank keeps 1/N of each unit in fp32. A unit's weights are
-  all-gathered by a forward pre-hook on its first block (the next PREFETCH units' gathers started), freed by the
-  forward hook of its last block, gathered again by a hook on the gradient of whichever output of its last block
-  gets one first (the previous PREFETCH units prefetched), freed once their gradient is reduce-scattered
-  (comm.zero_gathered, whose backward starts the reduce-scatter asynchronously; at most 2 units' fp32 gradients
-  are in flight, older ones are drained inside backward). The root stays gathered from forward through backward:
-  the tied wte is used at both ends, so there is nothing to free in between. Gather dtypes: a unit's matrices in
-  the compute dtype (bf16 under autocast: exactly the values autocast would cast fp32 weights to, so the numerics
-  are DDP's, at half the bytes), its vectors (LayerNorm, biases) and the root in fp32 (layer_norm and the
-  embeddings, hence the residual stream, stay fp32).
-  K trades memory for host time: the hooks, gathers, zero_gathered nodes and reduce-scatters of a step scale with
-  the number of units, and at small micro-batches their Python work per unit takes about as long as a block's
-  GPU work (the forward is host-bound); but 1 + PREFETCH units of K blocks each are gathered at once, and a
-  backward unit's bf16 gradient and fp32 copy are K blocks too. Checkpoints hold one flat per unit and dtype, so
-  a "flat_shard" resumes only with the same K (and N); another K is a clear error: reshard through unshard_*.
+ZeRO-3 (P_os+g+p): zero3.py (Zero3), on these flat buffers and this engine: parameters too are sharded, and each
+  unit of blocks is all-gathered around its forward and its backward.
 
 Checkpoint form of anything sharded (ZeRO optimizer states; ZeRO-3 parameters):
     {"format": "flat_shard", "rank": r, "world": N, "step": int, "flats": [{"params": [[name, shape, offset], ...],
@@ -44,24 +30,15 @@ DDP by bench/bench_dp.py.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from nanopara.comm import all_gather_flat, flat_views, zero_gathered
 from nanopara.config import Config
-from nanopara.dp import _BucketHooks, _buckets, _check_fp32, _Engine, _views, _weak, compute_dtype, param_kind
+from nanopara.dp import _BucketHooks, _buckets, _check_fp32, _Engine, _views, compute_dtype, param_kind
 from nanopara.mesh import Mesh
-
-# ZeRO-3 gathers this many units ahead of the one running (forward: the next units; backward: the previous ones).
-# Each costs one more unit (K blocks) of bf16 weights. Measured on 4 x H200 (results/dp4_zero3_host.txt): 2 is no
-# faster than 1 (0.94x vs 0.93-0.97x DDP in one call); the compute stream's idle gaps at block starts come from the
-# host (which parallel.zero3_unit_blocks = K > 1 addresses: one unit's hook work per K blocks).
-PREFETCH = 1
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # flat buffers
@@ -143,7 +120,7 @@ def unshard_optimizer(shards: list[dict]) -> dict:
 # ZeRO-1/2/3
 
 class Zero(_BucketHooks, _Engine):
-    """ZeRO stage 1, 2 or 3 over the dp x cp group (see the module docstring)."""
+    """ZeRO stage 1 or 2 over the dp x cp group (see the module docstring); stage 3 is zero3.Zero3."""
 
     sharded_grads = True
 
@@ -171,8 +148,10 @@ class Zero(_BucketHooks, _Engine):
                 else:
                     f.grad_shard = torch.zeros(f.shard, device=self.device)
             self._install_hooks([f.params for f in self.flats])
-        else:
+        elif hasattr(self, "_make_units"):  # zero3.Zero3: parameter units instead of buckets
             self._make_units(model, compute_dtype(cfg, self.device))
+        else:
+            raise ValueError("ZeRO-3 is zero3.Zero3 (dp.build_engine picks it for parallel.zero=3)")
         self._make_optimizer()
 
     def _flatten(self, f: Flat) -> torch.Tensor:
@@ -269,8 +248,6 @@ class Zero(_BucketHooks, _Engine):
         return [(piece.grad, kind) for f in self.flats for piece, _, _, kind in f.pieces]
 
     def _after_step(self):
-        if self.stage == 3:
-            return  # the master shards were updated in place; forward gathers them
         # in place (the input is the output's own [lo, hi), which NCCL and gloo allow): no (shard,) copies
         works = [dist.all_gather_into_tensor(f.param, f.param[f.lo:f.hi], group=self.group, async_op=True)
                  for f in self.flats]
@@ -281,155 +258,11 @@ class Zero(_BucketHooks, _Engine):
         for f in self.flats:
             (f.grad if self.stage == 1 else f.grad_shard).zero_()
 
-    def _extra_params(self):
-        return [f.master for f in self.flats] + [f.full for f in self.flats] if self.stage == 3 else []
-
     def _extra_grads(self):
         return [f.grad_shard for f in self.flats] if self.stage >= 2 else []
 
     def _optim_state(self):
         return [t for f in self.flats for t in (f.exp_avg, f.exp_avg_sq)]
-
-    # ---- ZeRO-3: units, gathered around their forward and backward
-    def _make_units(self, model: nn.Module, dtype: torch.dtype):
-        """Unit 0: the root (every parameter outside the blocks), one fp32 flat. Unit u >= 1: blocks (u-1)K ..
-        uK-1 (K = parallel.zero3_unit_blocks; fewer in the last unit) as two flats, their matrices gathered in the
-        compute dtype (the values autocast would cast them to anyway, so the numerics are DDP's) and their vectors
-        (LayerNorm, biases: layer_norm runs in fp32 under autocast) in fp32."""
-        blocks = list(model.transformer.h) if hasattr(model, "transformer") and hasattr(model.transformer, "h") else []
-        owners = {}  # id(p) -> [(module, attribute)]: the tied weight has two owners
-        for mod in model.modules():
-            for attr, p in mod._parameters.items():
-                if p is not None and p.requires_grad:
-                    owners.setdefault(id(p), []).append((mod, attr))
-        block_of = {}
-        for i, b in enumerate(blocks):
-            for p in b.parameters():
-                if block_of.setdefault(id(p), i) != i:
-                    raise ValueError("ZeRO-3: a parameter is shared by two transformer blocks")
-        k = self.cfg.parallel.zero3_unit_blocks
-        chunks = [blocks[a:a + k] for a in range(0, len(blocks), k)]  # [first, .., last] block of each unit
-        specs = [[("root", [p for p in self.params if id(p) not in block_of], torch.float32)]]
-        for u, chunk in enumerate(chunks):
-            mine = [p for p in self.params if block_of.get(id(p), -1) // k == u]
-            name = f"h[{u * k}:{u * k + len(chunk)}]"
-            specs.append([(f"{name}.matrices", [p for p in mine if p.dim() >= 2], dtype),
-                          (f"{name}.vectors", [p for p in mine if p.dim() < 2], torch.float32)])
-        self.flats, self.units, self.param_objs = [], [], {}
-        self.anchor = torch.zeros(0, device=self.device, requires_grad=True)  # makes backward reach every unit
-        for spec in specs:
-            unit = []
-            for name, params, gather_dtype in spec:
-                if not params:
-                    continue
-                f = Flat(name, params, [self.names[id(p)] for p in params], self.n, self.r)
-                f.master = self._flatten(f)[f.lo:f.hi].clone()  # fp32 (shard,); the full buffer is dropped
-                f.grad_shard = torch.zeros(f.shard, device=self.device)
-                f.owners = [owners[id(p)] for p in f.params]
-                f.gather_dtype, f.pending = gather_dtype, None
-                for p, own in zip(f.params, f.owners):
-                    for mod, attr in own:
-                        del mod._parameters[attr]  # the module reads a view of the gathered buffer from now on
-                    self.param_objs[self.names[id(p)]] = p  # kept for its attributes (tp_dim, ...) only
-                    p.data = torch.empty(0, device=self.device)
-                f.full = torch.empty(f.padded, dtype=gather_dtype, device=self.device)
-                f.idle = flat_views(f.full, f.shapes)  # bound outside forward: right shapes and dtype, and once
-                self._free(f)                         # the storage is released, no memory
-                unit.append(f)
-            self.flats += unit
-            self.units.append(unit)
-        self.params = []
-        pre, post = _weak(self, "_pre_forward"), _weak(self, "_post_forward")  # hooks must not keep the engine alive
-        self._pre_backward_weak, self._on_unit_grad_weak = _weak(self, "_pre_backward"), _weak(self, "_on_unit_grad")
-        for i, (first, last) in enumerate([(model, model)] + [(c[0], c[-1]) for c in chunks]):  # unit i's ends
-            self._handles += [first.register_forward_pre_hook(lambda m, args, i=i: pre(i)),
-                              last.register_forward_hook(lambda m, args, out, i=i: post(i, out))]
-
-    @staticmethod
-    def _bind(f: Flat, views):
-        for view, own in zip(views, f.owners):
-            for mod, attr in own:
-                setattr(mod, attr, view)
-
-    def _free(self, f: Flat):
-        """Release a unit's gathered memory and bind the module attributes to storage-less placeholders: the views
-        bound in forward carry the autograd node of comm.zero_gathered, which must not outlive the step."""
-        self._bind(f, f.idle)
-        f.full.untyped_storage().resize_(0)
-
-    def _gather(self, unit: list, into_own: bool = False):
-        """Start the all-gathers of a unit's shards: into new buffers (forward) or their own storage (backward)."""
-        for f in unit:
-            if f.pending is not None:
-                continue
-            if not into_own:
-                f.pending = (*all_gather_flat(f.master, self.group, f.gather_dtype), None)
-                continue
-            f.full.untyped_storage().resize_(f.padded * f.full.element_size())
-            # autograd saved views of f.full in forward; refilling it with the same values must not count as an
-            # in-place edit. The backend may write (bumping the version) any time before the wait: restore after.
-            keep = torch.autograd._unsafe_preserve_version_counter(f.full)
-            f.pending = (*all_gather_flat(f.master, self.group, f.gather_dtype, out=f.full), keep)
-
-    @staticmethod
-    def _wait(f: Flat) -> torch.Tensor:
-        full, work, _, keep = f.pending
-        f.pending = None
-        work.wait()
-        if keep is not None:
-            keep.__exit__()
-        return full
-
-    def _pre_forward(self, i: int):
-        if i == 0:  # a new forward: drop prefetches left by an interrupted one (weights may have changed since)
-            for f in self.flats:
-                if f.pending is not None and self._wait(f) is f.full:
-                    self._free(f)
-        self._gather(self.units[i])
-        for j in range(i + 1, min(i + 1 + PREFETCH, len(self.units))):
-            self._gather(self.units[j])  # prefetch: the next units' gathers overlap this unit's compute
-        for f in self.units[i]:
-            full = f.full = self._wait(f)
-            if torch.is_grad_enabled():
-                views = zero_gathered(self.anchor, full, self.group, functools.partial(self._on_unit_grad_weak, f),
-                                      f.shapes)
-            else:
-                views = flat_views(full, f.shapes)
-            self._bind(f, views)
-
-    def _post_forward(self, i: int, out):
-        outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if torch.is_tensor(t)]
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in outs)
-        if i > 0 or not needs_grad:  # with grad, the root is freed once its gradient is reduce-scattered
-            for f in self.units[i]:
-                self._free(f)
-        if i > 0 and needs_grad:  # a unit's last block returns (residual, pending MLP output): whichever grad first
-            pre_backward = self._pre_backward_weak
-            for t in outs:
-                if t.requires_grad:
-                    t.register_hook(lambda grad, i=i: pre_backward(i))
-
-    def _pre_backward(self, i: int):
-        if all(f.pending is None and f.full.untyped_storage().nbytes() for f in self.units[i]):
-            return  # another output's hook of this unit ran first: already gathered for this backward
-        self._gather(self.units[i], into_own=True)
-        for j in range(i - 1, max(i - 1 - PREFETCH, 0), -1):
-            self._gather(self.units[j], into_own=True)  # prefetch the units whose backward comes next
-        for f in self.units[i]:
-            self._wait(f)
-
-    def _on_unit_grad(self, f: Flat, work, out, sent):
-        self._works.append((f, work, out, sent))
-        self._free(f)
-        self._drain(keep=self.max_inflight)  # the unit-size fp32 gradients alive at once stay bounded
-
-    def close(self) -> None:
-        super().close()
-        if self.stage == 3:
-            for f in self.flats:
-                if f.pending is not None:
-                    self._wait(f)
-                self._free(f)
 
     # ---- checkpoints
     def _step_count(self) -> int:
@@ -467,34 +300,3 @@ class Zero(_BucketHooks, _Engine):
         for f in self.flats:
             for piece, *_ in f.pieces:
                 self.optimizer.state[piece]["step"].fill_(float(sd["step"]))
-
-    def model_state_dict(self) -> dict:
-        if self.stage < 3:
-            return super().model_state_dict()
-        return {"format": "flat_shard", "rank": self.r, "world": self.n,
-                "flats": [{**f.meta(), "param": f.master} for f in self.flats]}
-
-    def load_model_state_dict(self, sd: dict) -> None:
-        if self.stage < 3:
-            return super().load_model_state_dict(sd)
-        if sd.get("format") == "flat_shard":
-            self._check_layout(sd)
-            for f, s in zip(self.flats, sd["flats"]):
-                f.master.copy_(s["param"])
-            return
-        missing = [name for f in self.flats for name in f.names if name not in sd]
-        if missing:
-            raise ValueError(f"checkpoint does not fit the model: missing {missing[:3]}")
-        for f in self.flats:
-            f.master.copy_(f.slice_of(sd, self.device))
-
-    def full_model_state_dict(self) -> dict:
-        if self.stage < 3:
-            return super().full_model_state_dict()
-        out = {}
-        for f in self.flats:
-            full, work, _ = all_gather_flat(f.master, self.group, torch.float32)
-            work.wait()
-            for name, view, shape in zip(f.names, full.split(f.sizes + [f.padded - f.numel]), f.shapes):
-                out[name] = view.view(shape).clone()
-        return out

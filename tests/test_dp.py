@@ -35,7 +35,8 @@ from nanopara.config import Config, ModelConfig
 from nanopara.dp import DDP, SingleDevice, build_engine, param_kind
 from nanopara.mesh import Mesh
 from nanopara.model import GPT
-from nanopara.zero import PREFETCH, Zero, unshard_model, unshard_optimizer
+from nanopara.zero import Zero, unshard_model, unshard_optimizer
+from nanopara.zero3 import PREFETCH
 from tests.distributed import spawn as spawn_gloo
 
 STEPS, BATCH, T, LR = 20, 8, 32, 3e-3
@@ -252,7 +253,7 @@ def _worker(rank, n, ref, out_path):
             load(saved["zero3"][key])
 
     # ZeRO-3 with a deeper prefetch queue: same losses, at most root + 1 + 2 units gathered
-    import nanopara.zero as zero_mod
+    import nanopara.zero3 as zero_mod
     zero_mod.PREFETCH, prefetch = 2, zero_mod.PREFETCH
     try:
         cfg = make_cfg(zero=3)
