@@ -1,8 +1,9 @@
-"""Register, spill and shared-memory budgets of the LayerNorm and attention tiles on sm_90a, checked on CPU (bench/ptxas_report.py
-compiles them with Triton's bundled ptxas; no GPU). These kernels are memory bound: a few registers more a thread
-means fewer resident programs and less in flight (a loop around the one-tile forward: 80 -> 96 registers, 13% slower
-at 16384 x 768 on an H200), and a tile loop that Triton stops pipelining keeps its loads in registers instead of
-cp.async buffers. Both regressions are invisible to the interpreter tests; this catches them."""
+"""Register, spill and shared-memory budgets of the LayerNorm and attention tiles on sm_90a, checked on CPU
+(bench/ptxas_report.py compiles them with Triton's bundled ptxas; no GPU). These kernels are memory bound: a few
+registers more a thread means fewer resident programs and less in flight (a loop around the one-tile LayerNorm
+forward: 80 -> 96 registers, 13% slower at 16384 x 768 on an H200), and a tile loop that Triton stops pipelining
+keeps its loads in registers instead of cp.async buffers. Both regressions are invisible to the interpreter tests;
+this catches them."""
 import json
 import os
 import subprocess
