@@ -152,7 +152,8 @@ def profile_step(mode, step, batch, out_dir):
         f = next(f for f, keys in FAMILIES if any(k in name for k in keys))
         fam[f] = fam.get(f, 0) + e.self_device_time_total
     lines = [f"profile {mode}: GPU kernel time {total / 1e3:.1f} ms in one step"]
-    lines += [f"  {f:16s} {t / 1e3:7.2f} ms {100 * t / total:5.1f}%" for f, t in sorted(fam.items(), key=lambda x: -x[1])]
+    lines += [f"  {f:16s} {t / 1e3:7.2f} ms {100 * t / total:5.1f}%"
+              for f, t in sorted(fam.items(), key=lambda x: -x[1])]
     lines += [f"  top-15 kernels (ms, calls, name):"]
     lines += [f"  {e.self_device_time_total / 1e3:7.2f} {e.count:4d}  {e.key[:110]}" for e in events[:15]]
     text = "\n".join(lines)
