@@ -19,7 +19,6 @@
                "ddp:nocomm" = a control with every all-reduce skipped (the engine's own cost, the upper bound of
                scaling; not a training mode); "zero3:p2" = ZeRO-3 gathering 2 units ahead (zero3.PREFETCH);
                "zero3:u2" = ZeRO-3 units of 2 blocks (parallel.zero3_unit_blocks: fewer hooks per step);
-               "ddp:ctas8" = DDP with parallel.overlap_ctas=8 (overlapping buckets on an 8-CTA communicator);
                "ddp:single" = a control of N independent one-GPU runs at once (the
                SingleDevice engine on every rank: what the machine itself loses when all its GPUs work).
                step ms is the slowest rank's; "fast ms" the fastest rank's. host ms (rank 0): CPU time to issue
@@ -335,8 +334,6 @@ def main():
             cfg.parallel.bucket_mb = float(bucket)
         if variant == "bf16":
             cfg.parallel.reduce_dtype = "bf16"
-        if variant.startswith("ctas"):  # "ddp:ctas8": the buckets that overlap backward on an 8-CTA communicator
-            cfg.parallel.overlap_ctas = int(variant[4:])
         if variant.startswith("u"):  # "zero3:u2": units of 2 transformer blocks
             cfg.parallel.zero3_unit_blocks = int(variant[1:])
         r = run_mode(mode, cfg, mesh, warmup, steps, variant, args.profile)

@@ -57,8 +57,6 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"    # gpipe | 1f1b | interleaved
     bucket_mb: float = 25.0      # DDP gradient bucket size
     reduce_dtype: str = "fp32"   # DDP gradient all-reduce in fp32 | bf16 (half the bytes; grads stay fp32)
-    overlap_ctas: int = 0        # DDP: cap NCCL at this many CTAs (SMs) for the buckets that overlap backward
-                                 # (a second communicator; the last bucket keeps the full one); 0 = NCCL's choice
     zero3_unit_blocks: int = 1   # ZeRO-3 gathers this many consecutive blocks as one unit: fewer hooks and
                                  # collectives per step, as many times the gathered bytes (> n_layer: one unit)
     timeout_s: int = 600         # collective timeout: a rank mismatch errors instead of hanging forever
@@ -141,10 +139,6 @@ class Config:
             raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3, got {p.zero}")
         if p.reduce_dtype not in ("fp32", "bf16"):
             raise ConfigError(f"parallel.reduce_dtype must be fp32 or bf16, got {p.reduce_dtype!r}")
-        if p.overlap_ctas < 0:
-            raise ConfigError(f"parallel.overlap_ctas must be >= 0 (0 = NCCL's choice), got {p.overlap_ctas}")
-        if p.overlap_ctas and p.zero != 0:
-            raise ConfigError("parallel.overlap_ctas is implemented for DDP (parallel.zero=0) only")
         if p.reduce_dtype != "fp32" and p.zero != 0:
             raise ConfigError("parallel.reduce_dtype=bf16 is implemented for DDP (parallel.zero=0) only")
         if p.zero3_unit_blocks < 1:

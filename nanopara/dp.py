@@ -39,10 +39,7 @@ order). A step starts with p.grad = None, so autograd keeps the gradient it made
 the post-accumulate-grad hook copies it into the parameter's slice of its bucket and makes p.grad that view
 (later micro-steps accumulate into it in place), and counts the bucket's parameters; once all are in, the bucket's
 all-reduce starts (async_op=True) while backward goes on. Buckets start in index order so every rank issues the
-same collectives in the same order; step() waits on the handles. parallel.overlap_ctas=K runs every bucket but
-the last on a second NCCL communicator capped at K CTAs (SMs), so reductions that overlap backward take fewer SMs
-from it; the last bucket (wte: complete only after the embedding's backward, so nothing is left to overlap) keeps
-the full-width communicator. parallel.reduce_dtype=bf16
+same collectives in the same order; step() waits on the handles. parallel.reduce_dtype=bf16
 sends a bf16 copy of each bucket instead (half the bytes; the sum is rounded to bf16 and copied back into the
 fp32 bucket, so the optimizer still sees fp32 gradients) — the trade torch's bf16_compress_hook makes.
 
@@ -388,8 +385,6 @@ class DDP(_BucketHooks, _Engine):
         self.bufs = [torch.zeros(sum(p.numel() for p in b), device=self.device) for b in self.buckets]
         self._slot = {id(p): g.view_as(p) for b, buf in zip(self.buckets, self.bufs)  # p's slice of its bucket
                       for p, g in zip(b, _views(buf, [p.numel() for p in b]))}
-        ctas = cfg.parallel.overlap_ctas
-        self.lean_group = mesh.extra_group("dp_cp", max_ctas=ctas) if ctas and len(self.bufs) > 1 else None
         self._zero_grads()
         self._install_hooks(self.buckets)
 
@@ -404,11 +399,10 @@ class DDP(_BucketHooks, _Engine):
         for p in self.buckets[i]:
             if p.grad is None:  # no gradient this step (an unused parameter): it reduces as zeros
                 p.grad = self._slot[id(p)].zero_()
-        group = self.lean_group if self.lean_group is not None and i < len(self.bufs) - 1 else self.group
         if self.reduce_dtype == torch.float32:
-            return dist.all_reduce(self.bufs[i], group=group, async_op=True)
+            return dist.all_reduce(self.bufs[i], group=self.group, async_op=True)
         low = self.bufs[i].to(self.reduce_dtype)  # (bucket,) bf16: half the bytes on the wire, alive until wait()
-        return _Widen(dist.all_reduce(low, group=group, async_op=True), low, self.bufs[i])
+        return _Widen(dist.all_reduce(low, group=self.group, async_op=True), low, self.bufs[i])
 
     def _before_backward(self):
         self._check_single_sync()

@@ -111,7 +111,6 @@ class Mesh:
         # dp x cp: replicas of the same (pp, tp) shard
         lines["dp_cp"] = [[self.rank_of(pp=p, tp=t, dp=d, cp=c) for d in range(self.dp) for c in range(self.cp)]
                           for p in range(self.pp) for t in range(self.tp)]
-        self._lines = lines
         for name, all_lines in lines.items():
             for members in all_lines:
                 group = None
@@ -119,22 +118,6 @@ class Mesh:
                     group = dist.new_group(members)  # collective call: every rank makes every group
                 if self.rank in members:
                     self.groups[name], self.ranks[name] = group, members
-
-    def extra_group(self, axis: str, max_ctas: int = 0):
-        """Another process group over this rank's line of `axis` (a collective call, like the mesh's own groups:
-        every rank calls it, in the same order). NCCL: max_ctas > 0 caps the CTAs (SMs) its kernels take, so
-        collectives that run beside compute slow it less, at lower bandwidth; gloo: a plain group."""
-        opts = None
-        if self.device.type == "cuda" and max_ctas > 0:
-            opts = dist.ProcessGroupNCCL.Options()
-            opts.config.max_ctas = max_ctas
-        mine = None
-        for members in self._lines[axis]:
-            if self.world > 1 and len(members) > 1:
-                group = dist.new_group(members, pg_options=opts)
-                if self.rank in members:
-                    mine = group
-        return mine
 
     def destroy(self):
         if dist.is_initialized():

@@ -46,8 +46,6 @@ def test_round_trip_through_dict():
     (["--parallel.reduce_dtype=bf16", "--parallel.zero=2"], "DDP .parallel.zero=0. only"),
     (["--parallel.zero=3", "--parallel.zero3_unit_blocks=0"], "zero3_unit_blocks must be >= 1, got 0"),
     (["--parallel.zero3_unit_blocks=2"], "applies to ZeRO-3 .parallel.zero=3. only"),
-    (["--parallel.overlap_ctas=-1"], "overlap_ctas must be >= 0"),
-    (["--parallel.overlap_ctas=8", "--parallel.zero=1"], "overlap_ctas is implemented for DDP"),
     (["--train.dtype=fp8"], "train.dtype"),
     (["--model.n_head=7"], "not divisible by model.n_head=7"),
     (["--parallel.tp=2", "--parallel.sp=true", "--train.seq_len=1023"], "not divisible by parallel.tp=2"),
