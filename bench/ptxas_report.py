@@ -66,8 +66,8 @@ CASES = {
     # unsplit, the forward spilled 44 bytes
     "mlp fc+gelu fwd 128x256x64 w8 s3": ("mlp_fwd", dict(HAS_BIAS=True, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
                                                          EPI_SPLIT=2), 8, 3, 184, 0),
-    "mlp proj dgelu bwd 128x256x64 w8 s3": ("mlp_bwd", dict(PART_M=64, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
-                                                            EPI_SPLIT=2), 8, 3, 255, 0),
+    "mlp proj dgelu bwd 128x256x64 w8 s3": ("mlp_bwd", dict(PART_M=64, PREFETCH=True, BLOCK_M=128, BLOCK_N=256,
+                                                            BLOCK_K=64, EPI_SPLIT=2), 8, 3, 255, 0),
 }
 
 

@@ -34,6 +34,10 @@ GEMM design (Hopper, sm_90; triton 3.6):
     rows sweep the columns together, so the w tiles and x rows they share stay in L2). The tile loop is flattened
     into the K loop (`tl.range(..., flatten=True)`) so the TMA loads of the next tile are issued while this tile's
     epilogue runs, num_stages deep; tl.dot on bf16/fp16 tiles in shared memory lowers to wgmma.
+  * The backward's epilogue reads a pre tile, and that TMA load waits at once (Triton pipelines the K loop's
+    loads, not the epilogue's). So on the GPU each tile first asks L2 for its pre tile (`prefetch.global.L2`
+    through inline PTX, one per 128-byte line), and the DRAM round trip overlaps the K loop; the interpreter skips
+    the hint (PREFETCH=False), which changes no result.
   * Constraints that follow from TMA: rows of x, w_fc, w_proj, pre, dy 16-byte aligned, i.e. C and H multiples of
     8 for 16-bit dtypes (the launchers check; base pointers are realigned by a copy if needed).
   * The interpreter (TRITON_INTERPRET=1, CPU tests) runs this same code path: triton 3.6's interpreter implements
@@ -209,6 +213,19 @@ def _fc_gelu_fwd(X, W, B, PRE, H, M, N, K, M_BUCKET,
 
 
 @triton.jit
+def _prefetch_l2(BASE, off_m, off_n, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Ask L2 for the (BLOCK_M, BLOCK_N) tile at (off_m, off_n) of the row-major (M, N) tensor at BASE: one
+    `prefetch.global.L2` per 128-byte line (2 per thread for a 128 x 256 bf16 tile). A hint only (no result)."""
+    LINE: tl.constexpr = 1024 // BASE.dtype.element_ty.primitive_bitwidth  # elements per 128-byte line
+    rows = off_m + tl.arange(0, BLOCK_M)
+    cols = off_n + tl.arange(0, BLOCK_N // LINE) * LINE
+    ptrs = BASE + rows.to(tl.int64)[:, None] * N + cols[None, :]
+    ptrs = tl.where((rows < M)[:, None] & (cols < N)[None, :], ptrs, BASE)  # out of range: the (valid) base
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _bwd_epilogue(acc, pre_desc, dpre_desc, PART, pid_m, off_m, off_n, N, PART_ROWS, R: tl.constexpr,
                   BLOCK_N: tl.constexpr):
     """acc (BLOCK_M, BLOCK_N) fp32 = dy @ w for columns [off_n, off_n + BLOCK_N): store dpre = acc * gelu'(pre)
@@ -231,11 +248,15 @@ def _bwd_epilogue(acc, pre_desc, dpre_desc, PART, pid_m, off_m, off_n, N, PART_R
 @triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K"], prune_configs_by=_pruner("bwd"))
 @triton.jit(do_not_specialize=["M", "M_BUCKET", "PART_ROWS"])
 def _proj_dgelu_bwd(DY, W, PRE, DPRE, PART, M, N, K, PART_ROWS, M_BUCKET,
-                    DOT_PRECISION: tl.constexpr, NUM_SMS: tl.constexpr, PART_M: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr, NUM_SMS: tl.constexpr, PART_M: tl.constexpr, PREFETCH: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                     EPI_SPLIT: tl.constexpr):
     """DPRE = (DY @ W) * gelu_tanh'(PRE) (M, N), DY (M, K), W (K, N); PART (PART_ROWS, N) fp32 gets, per tile, the
-    column sums of its fp32 DPRE in row pid_m * BLOCK_M / PART_M and zeros in the tile's other rows."""
+    column sums of its fp32 DPRE in row pid_m * BLOCK_M / PART_M and zeros in the tile's other rows.
+    PREFETCH (GPU only: inline PTX): before its K loop, a tile asks L2 for its PRE tile, so that the epilogue's TMA
+    load of PRE, which waits at once (Triton does not pipeline the epilogue's load in the flattened loop), hits L2
+    instead of waiting a DRAM round trip. Holding PRE in registers across the K loop instead spilled 768 bytes at
+    128 x 256."""
     BLOCK_E: tl.constexpr = BLOCK_N // EPI_SPLIT
     R: tl.constexpr = BLOCK_M // PART_M  # partial rows per tile
     dy_desc = tl.make_tensor_descriptor(DY, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
@@ -249,6 +270,8 @@ def _proj_dgelu_bwd(DY, W, PRE, DPRE, PART, M, N, K, PART_ROWS, M_BUCKET,
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
+        if PREFETCH:
+            _prefetch_l2(PRE, off_m, off_n, M, N, BLOCK_M, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(k_tiles):
             a = dy_desc.load([off_m, ki * BLOCK_K])  # (BLOCK_M, BLOCK_K)
@@ -344,7 +367,8 @@ def proj_dgelu_bwd(dy2, w_proj, pre, need_bias_grad=True):
             triton.set_allocator(_scratch)
         _bwd[functools.partial(_grid, M, N, _sm_count(dy2.device))](
             dy2, w_proj, pre, dpre, part, M, N, K, part_rows, _m_bucket(M),
-            DOT_PRECISION=_dot_precision(dy2.dtype), NUM_SMS=_sm_count(dy2.device), PART_M=PART_M)
+            DOT_PRECISION=_dot_precision(dy2.dtype), NUM_SMS=_sm_count(dy2.device), PART_M=PART_M,
+            PREFETCH=dy2.is_cuda)
     db = part.sum(0).to(pre.dtype) if need_bias_grad else None
     return dpre, db
 
