@@ -44,6 +44,11 @@ GEMM design (Hopper, sm_90; triton 3.6):
     tensor descriptors (loads zero-padded, stores clipped, as TMA does) and ignores the pipelining hints; it gets one
     small tile config with 3 "SMs" so the grid stride, partial tiles and the K tail are exercised.
   * fp32 inputs: tl.dot in tf32 only where torch.backends.cuda.matmul.allow_tf32 allows it, else exact fp32.
+  Known costs, from the compiled IR (sm_90a, triton 3.6), not yet timed on a GPU: the epilogue does not overlap
+  the next tile's wgmma (no warp specialisation for Hopper in triton 3.6; only the next tile's TMA loads run ahead),
+  so the forward pays its GELU math (one ex2 + one approximate divide per element) on top of the GEMM; Triton
+  gives the forward's four half-tile TMA stores (pre, h per half) one staging buffer, so each waits for the
+  previous one's shared-memory read.
 
 Shapes: x (..., C) any leading dims; biases may be None. Autocast: like F.linear, when autocast is on for x's device
 x, weights and biases are cast (`.to`, outside the autograd Function, so fp32 master weights get fp32 grads) to the
