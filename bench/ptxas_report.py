@@ -1,4 +1,4 @@
-"""Registers, spills and shared memory of the LayerNorm and attention tiles on sm_90a (H100/H200), without a GPU.
+"""Registers, spills and shared memory of the LayerNorm, attention and MLP-GEMM tiles on sm_90a (H100/H200), no GPU.
 
     python bench/ptxas_report.py [--json]
 
@@ -31,6 +31,10 @@ _LN_BWD = dict(X="*bf16", DY="*bf16", DH="*fp32", DX="*bf16", W="*fp32", MEAN="*
                DW_PART="*fp32", DB_PART="*fp32", M="i32", C="i32", ROWS_PER_GROUP="i32", stride_x="i32",
                stride_dy="i32", stride_dh="i32", stride_dx="i32")
 _ATTN_PTRS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "LSE", "DELTA"}
+# the MLP GEMMs under bf16 autocast (every tensor bf16, the db_fc partials fp32); N = 4C and K = C divisible by 16
+_MLP_FWD = dict(X="*bf16", W="*bf16", B="*bf16", PRE="*bf16", H="*bf16", M="i32", N="i32", K="i32", M_BUCKET="i32")
+_MLP_BWD = dict(DY="*bf16", W="*bf16", PRE="*bf16", DPRE="*bf16", PART="*fp32", M="i32", N="i32", K="i32",
+                PART_ROWS="i32", M_BUCKET="i32")
 
 # name: (kernel, constexprs, num_warps, num_stages, register bound, spill bound). Register bounds: measured with
 # triton 3.6 plus a few, or what keeps the intended programs resident (65536 registers per SM).
@@ -57,12 +61,22 @@ CASES = {
     # known weakness: every D=128 dk/dv tile spills (bench/notes_attention.md, variant 4); 28 B measured, the
     # bound only stops it growing
     "attn dkdv D128 32x64 w4 s4": ("attn_dkdv", dict(HEAD_DIM=128, BLOCK_M=32, BLOCK_N=64), 4, 4, 255, 32),
+    # MLP GEMMs (kernels/mlp.py), the main Hopper tile: 128 x 256 x 64, two consumer warpgroups, 3 stages, split
+    # epilogue. 177 / 255 registers measured (one 256-thread program per SM: shared memory holds it to one anyway);
+    # unsplit, the forward spilled 44 bytes
+    "mlp fc+gelu fwd 128x256x64 w8 s3": ("mlp_fwd", dict(HAS_BIAS=True, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
+                                                         EPI_SPLIT=2), 8, 3, 184, 0),
+    "mlp proj dgelu bwd 128x256x64 w8 s3": ("mlp_bwd", dict(PART_M=64, PREFETCH=True, BLOCK_M=128, BLOCK_N=256,
+                                                            BLOCK_K=64, EPI_SPLIT=2), 8, 3, 255, 0),
 }
 
 
-def pipelined_bytes(kind: str, consts: dict) -> int:
+def pipelined_bytes(kind: str, consts: dict, num_stages: int = 0) -> int:
     """LayerNorm: shared memory the loop's cp.async buffers need, STAGES - 1 tiles of each row stream (bf16 x /
-    dy, fp32 residual or dh); a case compiled with less means Triton did not pipeline the tile loads. 0 otherwise."""
+    dy, fp32 residual or dh); MLP GEMMs: num_stages TMA buffers of a bf16 A and B tile. A case compiled with less
+    means Triton did not pipeline the tile loads. 0 otherwise."""
+    if kind.startswith("mlp"):
+        return num_stages * (consts["BLOCK_M"] + consts["BLOCK_N"]) * consts["BLOCK_K"] * 2
     if kind == "ln_fwd":
         return (consts["STAGES"] - 1) * consts["BLOCK_M"] * consts["BLOCK_C"] * (6 if consts["ADD_RESIDUAL"] else 2)
     if kind == "ln_bwd":
@@ -87,10 +101,11 @@ def _attention_signature(fn, consts: dict) -> tuple[dict, dict]:
 
 
 def usage(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int) -> dict:
-    """{'regs', 'spill_bytes', 'smem_bytes'} of fn compiled for sm_90a. Pointers and strides are 16-divisible, as
-    at a real launch (without that hint Triton cannot use cp.async for 2-byte elements)."""
+    """{'regs', 'spill_bytes', 'smem_bytes'} of fn compiled for sm_90a. Pointers, strides and widths are
+    16-divisible, as at a real launch (without that hint Triton cannot use cp.async for 2-byte elements)."""
     names = list(fn.arg_names)
-    divisible = [n for n, t in signature.items() if t.startswith("*") or n.startswith(("stride", "C", "ROWS"))]
+    divisible = [n for n, t in signature.items()
+                 if t.startswith("*") or n.startswith(("stride", "C", "ROWS")) or n in ("N", "K")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     src = ASTSource(fn, {**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -110,20 +125,25 @@ def report() -> list[dict]:
         raise SystemExit("ptxas_report compiles real kernels: run it without TRITON_INTERPRET=1")
     from kernels import attention as at
     from kernels import layernorm as ln
+    from kernels import mlp
     kernels = {"ln_fwd": ln._layernorm_fwd_kernel.fn, "ln_bwd": ln._layernorm_bwd_kernel.fn,
                "attn_fwd": at._attn_fwd_kernel.fn, "attn_dq": at._attn_bwd_dq_kernel.fn,
-               "attn_dkdv": at._attn_bwd_dkdv_kernel.fn}
+               "attn_dkdv": at._attn_bwd_dkdv_kernel.fn, "mlp_fwd": mlp._fc_gelu_fwd.fn,
+               "mlp_bwd": mlp._proj_dgelu_bwd.fn}
     rows = []
     for name, (kind, consts, warps, stages, reg_bound, spill_bound) in CASES.items():
         fn = kernels[kind]
         if kind.startswith("ln"):
             sig, consts = (_LN_FWD if kind == "ln_fwd" else _LN_BWD), {"HAS_BIAS": True, **consts}
+        elif kind.startswith("mlp"):  # H100/H200: 132 SMs
+            sig = _MLP_FWD if kind == "mlp_fwd" else _MLP_BWD
+            consts = {"GROUP_M": 8, "DOT_PRECISION": "tf32", "NUM_SMS": 132, **consts}
         else:
             consts = {"BLOCK_D": consts["HEAD_DIM"], "CAUSAL": True, **consts}
             sig, ones = _attention_signature(fn, consts)
             consts = {**consts, **ones}
         rows.append({"case": name, "reg_bound": reg_bound, "spill_bound": spill_bound,
-                     "pipelined_bytes": pipelined_bytes(kind, consts), **usage(fn, sig, consts, warps, stages)})
+                     "pipelined_bytes": pipelined_bytes(kind, consts, stages), **usage(fn, sig, consts, warps, stages)})
     return rows
 
 
@@ -136,7 +156,7 @@ def main():
         print(json.dumps(rows))
         return
     for r in rows:
-        print(f"{r['case']:>30}: {r['regs']:3d} registers (bound {r['reg_bound']}), spills {r['spill_bytes']} B "
+        print(f"{r['case']:>36}: {r['regs']:3d} registers (bound {r['reg_bound']}), spills {r['spill_bytes']} B "
               f"(bound {r['spill_bound']}), shared {r['smem_bytes']} B (pipelined tiles need {r['pipelined_bytes']})")
 
 
