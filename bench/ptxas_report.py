@@ -1,4 +1,4 @@
-"""Registers, spills and shared memory of the LayerNorm, attention and MLP-GEMM tiles on sm_90a (H100/H200), no GPU.
+"""Registers, spills and shared memory of the LayerNorm, attention, cross-entropy and MLP-GEMM tiles on sm_90a, no GPU.
 
     python bench/ptxas_report.py [--json]
 
@@ -33,6 +33,8 @@ _LN_BWD = dict(X="*bf16", DY="*bf16", DH="*fp32", DX="*bf16", W="*fp32", MEAN="*
 _ATTN_PTRS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "LSE", "DELTA"}
 # the MLP GEMMs under bf16 autocast (every tensor bf16, the db_fc partials fp32); N = 4C and K = C divisible by 16
 _MLP_FWD = dict(X="*bf16", W="*bf16", B="*bf16", PRE="*bf16", H="*bf16", M="i32", N="i32", K="i32", M_BUCKET="i32")
+_CE_FWD = dict(Z="*bf16", DZ="*bf16", T="*i64", LOSS="*fp32", LSE="*fp32", SCALE="*fp32", stride_z="i32",
+               stride_dz="i32", n_vocab="i32", n_cols_padded="i32", ignore_index="i32")
 _MLP_BWD = dict(DY="*bf16", W="*bf16", PRE="*bf16", DPRE="*bf16", PART="*fp32", M="i32", N="i32", K="i32",
                 PART_ROWS="i32", M_BUCKET="i32")
 
@@ -61,6 +63,8 @@ CASES = {
     # known weakness: every D=128 dk/dv tile spills (bench/notes_attention.md, variant 4); 28 B measured, the
     # bound only stops it growing
     "attn dkdv D128 32x64 w4 s4": ("attn_dkdv", dict(HEAD_DIM=128, BLOCK_M=32, BLOCK_N=64), 4, 4, 255, 32),
+    # fused cross-entropy (kernels/cross_entropy.py constants): both vocab walks pipelined (cp.async); 47 measured
+    "ce fwd+grad 2048 w4 S3": ("ce_fwd", dict(WRITE_GRAD=True, BLOCK_V=2048, STAGES=3), 4, 3, 72, 0),
     # MLP GEMMs (kernels/mlp.py), the main Hopper tile: 128 x 256 x 64, two consumer warpgroups, 3 stages, split
     # epilogue. 177 / 255 registers measured (one 256-thread program per SM: shared memory holds it to one anyway);
     # unsplit, the forward spilled 44 bytes
@@ -77,6 +81,8 @@ def pipelined_bytes(kind: str, consts: dict, num_stages: int = 0) -> int:
     means Triton did not pipeline the tile loads. 0 otherwise."""
     if kind.startswith("mlp"):
         return num_stages * (consts["BLOCK_M"] + consts["BLOCK_N"]) * consts["BLOCK_K"] * 2
+    if kind == "ce_fwd":  # STAGES - 1 bf16 vocab chunks
+        return (consts["STAGES"] - 1) * consts["BLOCK_V"] * 2
     if kind == "ln_fwd":
         return (consts["STAGES"] - 1) * consts["BLOCK_M"] * consts["BLOCK_C"] * (6 if consts["ADD_RESIDUAL"] else 2)
     if kind == "ln_bwd":
@@ -105,7 +111,7 @@ def usage(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int
     16-divisible, as at a real launch (without that hint Triton cannot use cp.async for 2-byte elements)."""
     names = list(fn.arg_names)
     divisible = [n for n, t in signature.items()
-                 if t.startswith("*") or n.startswith(("stride", "C", "ROWS")) or n in ("N", "K")]
+                 if t.startswith("*") or n.startswith(("stride", "C", "ROWS")) or n in ("N", "K", "n_cols_padded")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     src = ASTSource(fn, {**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -124,17 +130,20 @@ def report() -> list[dict]:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise SystemExit("ptxas_report compiles real kernels: run it without TRITON_INTERPRET=1")
     from kernels import attention as at
+    from kernels import cross_entropy as ce
     from kernels import layernorm as ln
     from kernels import mlp
     kernels = {"ln_fwd": ln._layernorm_fwd_kernel.fn, "ln_bwd": ln._layernorm_bwd_kernel.fn,
                "attn_fwd": at._attn_fwd_kernel.fn, "attn_dq": at._attn_bwd_dq_kernel.fn,
                "attn_dkdv": at._attn_bwd_dkdv_kernel.fn, "mlp_fwd": mlp._fc_gelu_fwd.fn,
-               "mlp_bwd": mlp._proj_dgelu_bwd.fn}
+               "mlp_bwd": mlp._proj_dgelu_bwd.fn, "ce_fwd": ce._ce_fwd_kernel}
     rows = []
     for name, (kind, consts, warps, stages, reg_bound, spill_bound) in CASES.items():
         fn = kernels[kind]
         if kind.startswith("ln"):
             sig, consts = (_LN_FWD if kind == "ln_fwd" else _LN_BWD), {"HAS_BIAS": True, **consts}
+        elif kind == "ce_fwd":
+            sig = _CE_FWD
         elif kind.startswith("mlp"):  # H100/H200: 132 SMs
             sig = _MLP_FWD if kind == "mlp_fwd" else _MLP_BWD
             consts = {"GROUP_M": 8, "DOT_PRECISION": "tf32", "NUM_SMS": 132, **consts}

@@ -83,13 +83,15 @@ LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E): exp2 is th
 
 
 @triton.jit
-def _row_stats(Z, row, stride_z, t, vocab_start, n_cols, n_cols_padded, BLOCK_V: tl.constexpr):
-    """Online max / sum-exp over the first n_cols columns of one row; also picks out z[t - vocab_start]."""
+def _row_stats(Z, row, stride_z, t, vocab_start, n_cols, n_cols_padded, BLOCK_V: tl.constexpr,
+               STAGES: tl.constexpr):
+    """Online max / sum-exp over the first n_cols columns of one row; also picks out z[t - vocab_start].
+    STAGES > 1: the next chunks' loads are in flight (cp.async) while a chunk reduces."""
     cols = tl.arange(0, BLOCK_V)
     z_row = Z + row.to(tl.int64) * stride_z  # N * Vp can exceed 2**31
     m = -float("inf")
     s = 0.0
-    for start in range(0, n_cols, BLOCK_V):
+    for start in tl.range(0, n_cols, BLOCK_V, num_stages=STAGES):
         c = start + cols
         # the load is masked by the padded width (a multiple of 16 for GPT-2's 50304, so loads vectorise);
         # padding columns are then dropped in registers
@@ -107,13 +109,13 @@ def _row_stats(Z, row, stride_z, t, vocab_start, n_cols, n_cols_padded, BLOCK_V:
 
 @triton.jit
 def _row_grad(Z, DZ, row, stride_z, stride_dz, t, vocab_start, n_cols, n_cols_padded, lse, scale,
-              BLOCK_V: tl.constexpr):
+              BLOCK_V: tl.constexpr, STAGES: tl.constexpr):
     """dz = (exp(z - lse) - onehot(t)) * scale on real columns, exactly 0 on padding columns."""
     cols = tl.arange(0, BLOCK_V)
     z_row = Z + row.to(tl.int64) * stride_z
     dz_row = DZ + row.to(tl.int64) * stride_dz
     local = t - vocab_start
-    for start in range(0, n_cols_padded, BLOCK_V):
+    for start in tl.range(0, n_cols_padded, BLOCK_V, num_stages=STAGES):
         c = start + cols
         z = tl.load(z_row + c, mask=c < n_cols_padded, other=0.0).to(tl.float32)
         z = tl.where(c < n_cols, z, -float("inf"))  # as in _row_stats: vector loads, padding dropped here
@@ -124,11 +126,11 @@ def _row_grad(Z, DZ, row, stride_z, stride_dz, t, vocab_start, n_cols, n_cols_pa
 
 @triton.jit
 def _ce_fwd_kernel(Z, DZ, T, LOSS, LSE, SCALE, stride_z, stride_dz, n_vocab, n_cols_padded, ignore_index,
-                   WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
+                   WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr, STAGES: tl.constexpr):
     row = tl.program_id(0)
     t = tl.load(T + row).to(tl.int32)
     valid = t != ignore_index
-    m, s, zt = _row_stats(Z, row, stride_z, t, 0, n_vocab, n_cols_padded, BLOCK_V)
+    m, s, zt = _row_stats(Z, row, stride_z, t, 0, n_vocab, n_cols_padded, BLOCK_V, STAGES)
     lse = m + tl.log2(s) / LOG2E
     tl.store(LOSS + row, tl.where(valid, lse - zt, 0.0))
     tl.store(LSE + row, lse)
@@ -136,7 +138,7 @@ def _ce_fwd_kernel(Z, DZ, T, LOSS, LSE, SCALE, stride_z, stride_dz, n_vocab, n_c
         # loss_scale (/ n_valid for "mean"), read on device; ignored rows get an all-zero gradient, no one-hot
         scale = tl.where(valid, tl.load(SCALE), 0.0)
         _row_grad(Z, DZ, row, stride_z, stride_dz, tl.where(valid, t, -1), 0, n_vocab, n_cols_padded, lse, scale,
-                  BLOCK_V)
+                  BLOCK_V, STAGES)
 
 
 @triton.jit
@@ -151,11 +153,11 @@ def _scale_kernel(DZ, G, n, BLOCK: tl.constexpr):
 
 @triton.jit
 def _ce_shard_stats_kernel(Z, T, MAX, SUMEXP, ZT, stride_z, vocab_start, n_valid, n_cols_padded, ignore_index,
-                           BLOCK_V: tl.constexpr):
+                           BLOCK_V: tl.constexpr, STAGES: tl.constexpr):
     row = tl.program_id(0)
     t = tl.load(T + row).to(tl.int32)
     t = tl.where(t == ignore_index, -1 - vocab_start, t)  # maps to local -1: never in this shard
-    m, s, zt = _row_stats(Z, row, stride_z, t, vocab_start, n_valid, n_cols_padded, BLOCK_V)
+    m, s, zt = _row_stats(Z, row, stride_z, t, vocab_start, n_valid, n_cols_padded, BLOCK_V, STAGES)
     tl.store(MAX + row, m)
     tl.store(SUMEXP + row, s)
     tl.store(ZT + row, zt)
@@ -163,24 +165,27 @@ def _ce_shard_stats_kernel(Z, T, MAX, SUMEXP, ZT, stride_z, vocab_start, n_valid
 
 @triton.jit
 def _ce_shard_grad_kernel(Z, DZ, T, LSE, SCALE, stride_z, stride_dz, vocab_start, n_valid, n_cols_padded,
-                          ignore_index, BLOCK_V: tl.constexpr):
+                          ignore_index, BLOCK_V: tl.constexpr, STAGES: tl.constexpr):
     row = tl.program_id(0)
     t = tl.load(T + row).to(tl.int32)
     valid = t != ignore_index
     scale = tl.where(valid, tl.load(SCALE).to(tl.float32), 0.0)
     _row_grad(Z, DZ, row, stride_z, stride_dz, tl.where(valid, t, -1 - vocab_start), vocab_start, n_valid,
-              n_cols_padded, tl.load(LSE + row), scale, BLOCK_V)
+              n_cols_padded, tl.load(LSE + row), scale, BLOCK_V, STAGES)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Launchers
 
-# Vocab chunk per loop step and warps per row: 16 elements (two 16-byte bf16 loads) per thread. Each row is walked
-# twice (stats, then grad), the second walk mostly from L2. `python -m kernels.cross_entropy --sweep` times the
-# alternatives; on an H200 (2026-11-26, 16384 x 50304) 2048 x 4 warps took 1.333 ms, 4096 x 8 1.360, the former
-# default 4096 x 16 1.420, 8192 x 32 1.512. A one-read variant holding the whole padded row in registers (65536
-# lanes, 8-32 warps) took 2.4-3.6 ms: the row does not fit without spilling.
-BLOCK_V, NUM_WARPS = 2048, 4
+# Vocab chunk per loop step, warps per row (16 elements, two 16-byte bf16 loads, per thread) and chunks in flight
+# per walk (STAGES: `tl.range` pipelining, cp.async into shared memory while a chunk reduces; needs the padded
+# width 16-divisible, as GPT-2's 50304 is). `python -m kernels.cross_entropy --sweep` times the alternatives in
+# place, GPU time (H200, 2026-11-26, results/ce_sweep_s5.txt): 2048 x 4 warps, STAGES=3 1.194 ms at 16384 x 50304
+# (65% of copy bandwidth for one read + one write) and 2.352 ms at 32768, against 1.400 / 2.710 ms unpipelined;
+# 4096 x 8 the same; 8192 x 16 slower. A persistent grid (1-8 programs per SM walking rows, so that the second
+# walk finds its row in L2) was no faster: 1.22-1.30 ms. A one-read variant holding the whole padded row in
+# registers (65536 lanes, 8-32 warps) took 2.4-3.6 ms: the row does not fit without spilling.
+BLOCK_V, NUM_WARPS, STAGES = 2048, 4, 3
 
 
 # launched through kernels/launch.py: after the first call per specialization, the compiled binaries directly
@@ -215,7 +220,7 @@ def cross_entropy_fwd(logits, targets, n_vocab, ignore_index, reduction, loss_sc
         _ce_fwd[(N,)](
             logits, dlogits, targets, loss_rows, lse, scale, logits.stride(0),
             0 if dlogits is None else dlogits.stride(0), n_vocab, Vp, ignore_index,
-            WRITE_GRAD=dlogits is not None, BLOCK_V=block_v, num_warps=NUM_WARPS)
+            WRITE_GRAD=dlogits is not None, BLOCK_V=block_v, STAGES=STAGES, num_warps=NUM_WARPS)
     return loss_rows.sum() * scale[0], lse
 
 
@@ -239,7 +244,7 @@ def ce_shard_stats_triton(logits_shard, targets, vocab_start, n_valid_in_shard, 
     row_max, sumexp, zt = (torch.empty(N, dtype=torch.float32, device=z.device) for _ in range(3))
     if N > 0:
         _shard_stats[(N,)](z, targets, row_max, sumexp, zt, z.stride(0), vocab_start, n_valid_in_shard,
-                           z.shape[1], ignore_index, BLOCK_V=block_v, num_warps=NUM_WARPS)
+                           z.shape[1], ignore_index, BLOCK_V=block_v, STAGES=STAGES, num_warps=NUM_WARPS)
     return row_max, sumexp, zt
 
 
@@ -256,7 +261,7 @@ def ce_shard_grad_triton(logits_shard, targets, vocab_start, n_valid_in_shard, l
         _shard_grad[(N,)](z, out, targets, lse.float().contiguous(),
                           _as_scalar_tensor(grad_scale, z.device), z.stride(0), out.stride(0),
                           vocab_start, n_valid_in_shard, z.shape[1], ignore_index, BLOCK_V=block_v,
-                          num_warps=NUM_WARPS)
+                          STAGES=STAGES, num_warps=NUM_WARPS)
     return out
 
 
@@ -404,24 +409,32 @@ def _bench(N, V, Vp, compile_ok, copy_gbs):
     return rows
 
 
-def _sweep(N, V, Vp):
-    """fwd+bwd time of the Triton path over (BLOCK_V, NUM_WARPS): the numbers to retune the constants with."""
-    global BLOCK_V, NUM_WARPS
-    default = BLOCK_V, NUM_WARPS
+def _sweep(N, V, Vp, copy_gbs):
+    """GPU time (CUDA-graph replay) of the fused loss writing dlogits in place, as in training, over (BLOCK_V,
+    NUM_WARPS, STAGES): the numbers the constants above are set from."""
+    global BLOCK_V, NUM_WARPS, STAGES
+    default = BLOCK_V, NUM_WARPS, STAGES
     targets = torch.randint(0, V, (N,), device="cuda")
-    leaf = torch.randn(N, Vp, device="cuda", dtype=torch.bfloat16).requires_grad_()
-    print(f"sweep {N}x{Vp}: default BLOCK_V={default[0]} NUM_WARPS={default[1]}")
-    for BLOCK_V, NUM_WARPS in ((2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16), (8192, 32), (16384, 32)):
-        ms = triton.testing.do_bench(lambda: cross_entropy(leaf.view(N, Vp), targets, V).backward(),
-                                     grad_to_none=[leaf], return_mode="median")
-        print(f"  BLOCK_V={BLOCK_V:5d} NUM_WARPS={NUM_WARPS:2d}: fwd+bwd {ms:.3f} ms")
-    BLOCK_V, NUM_WARPS = default
+    z = torch.randn(N, Vp, device="cuda", dtype=torch.bfloat16)  # overwritten by its gradient: timing only
+    gb = 2 * z.numel() * z.element_size() / 1e9  # logits read once, dlogits written once
+    rows = []
+    for bv, w in ((2048, 4), (4096, 8), (8192, 16)):
+        for st in (1, 2, 3, 4):
+            BLOCK_V, NUM_WARPS, STAGES = bv, w, st
+            ms = triton.testing.do_bench_cudagraph(lambda: cross_entropy_fwd(z, targets, V, -1, "mean", dlogits=z),
+                                                   rep=20)
+            rows.append((ms, bv, w, st))
+    BLOCK_V, NUM_WARPS, STAGES = default
+    print(f"sweep {N}x{Vp} in place, GPU time; constants BLOCK_V, NUM_WARPS, STAGES = {default}")
+    for ms, bv, w, st in sorted(rows):
+        print(f"  {ms * 1e3:8.1f} us  {gb / ms * 1e3:6.0f} GB/s {100 * gb / ms * 1e3 / copy_gbs:5.1f}% of copy  "
+              f"BLOCK_V={bv:5d} NUM_WARPS={w:2d} STAGES={st}" + ("  <- constants" if (bv, w, st) == default else ""))
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="one shape, no torch.compile")
-    p.add_argument("--sweep", action="store_true", help="also sweep BLOCK_V / NUM_WARPS at 16384x50304")
+    p.add_argument("--sweep", action="store_true", help="also sweep the launch constants at 16384 and 32768 x 50304")
     p.add_argument("--out", help="append JSON lines here")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -447,7 +460,8 @@ def main():
     if out:
         out.close()
     if args.sweep:
-        _sweep(16384, 50257, 50304)
+        for n in (16384, 32768):
+            _sweep(n, 50257, 50304, copy_gbs)
 
 
 if __name__ == "__main__":

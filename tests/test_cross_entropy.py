@@ -69,6 +69,19 @@ def test_loss_and_grad_match_reference(N, V, Vp, dtype, reduction):
     assert torch.all(grad[targets == -1] == 0), "ignored rows must get exactly zero gradient"
 
 
+@pytest.mark.parametrize("stages", [1, 4])
+def test_chunk_pipelining_depth_gives_the_same_result(monkeypatch, stages):
+    """STAGES (the tuned launch constant, 3) changes how far ahead the chunk loads run, never the result."""
+    import kernels.cross_entropy as ce
+    monkeypatch.setattr(ce, "STAGES", stages)
+    logits, targets = _case(37, 1000, 1024, torch.float32)
+    loss, grad = _triton_loss_grad(logits, targets, 1000)
+    ref_loss, ref_grad = _ref_loss_grad(logits, targets, 1000)
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, **TOL[torch.float32])
+    assert torch.all(grad[:, 1000:] == 0) and torch.all(grad[targets == -1] == 0)
+
+
 def test_incoming_grad_scales_result():
     """backward multiplies by the incoming scalar (e.g. loss / grad_accum_steps); 1.0 is a no-op fast path."""
     logits, targets = _case(13, 257, 384, torch.float32)

@@ -88,4 +88,5 @@ def test_grad_scale_is_divided_out():
         results.append((norm, [p.detach().clone() for p in model.parameters()]))
     assert math.isclose(results[0][0], results[1][0], rel_tol=1e-6)
     for a, b in zip(results[0][1], results[1][1]):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # power-of-two scale: exact up to rounding of the clip coef
+        # power-of-two scale: exact up to rounding of the clip coef
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
