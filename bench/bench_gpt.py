@@ -8,6 +8,7 @@ Modes, all with the same model, batch, bf16 autocast and fused AdamW, in the sam
 Variants append `:key=value` options to a mode (bench/notes_e2e.md has the measurements):
     ce=inplace|op   triton loss: eager fused kernel, in place (a graph break under compile) | custom ops
     attn=sdpa       triton mode with PyTorch's SDPA instead of our attention (isolates the attention kernel)
+    mlp=fused       triton eager modes with kernels/mlp.py (GELU in the GEMM epilogues) instead of Linear + GELU
     cmode=M         torch.compile(mode=M), e.g. max-autotune-no-cudagraphs, reduce-overhead
     graph=1         eager mode with each forward + backward replayed from a CUDA graph (nanopara/graph.py)
 e.g. `--modes torch+compile,triton+compile:ce=op,triton+compile:attn=sdpa`.
@@ -52,7 +53,7 @@ def parse_mode(mode: str):
     if kernels not in ("torch", "triton") or comp not in ("", "compile"):
         raise ValueError(f"unknown mode {mode!r}")
     kv = dict(o.split("=", 1) for o in opts)
-    unknown = set(kv) - {"ce", "attn", "cmode", "graph"}
+    unknown = set(kv) - {"ce", "attn", "cmode", "graph", "mlp"}
     if unknown:
         raise ValueError(f"unknown mode options {sorted(unknown)} in {mode!r}")
     return kernels, comp == "compile", kv
@@ -68,7 +69,7 @@ def make_step(mode: str, args, mesh: Mesh):
     model = GPT(cfg.model).to(mesh.device)
     if kernels == "triton":
         cls = _TritonSdpaOps if kv.get("attn") == "sdpa" else TritonOps
-        model._ops[mesh.device.type] = cls(ce=kv.get("ce", "inplace"))
+        model._ops[mesh.device.type] = cls(ce=kv.get("ce", "inplace"), fused_mlp=kv.get("mlp") == "fused")
     engine = build_engine(model, mesh, cfg)
     if compiled:
         engine.model = torch.compile(engine.model, mode=kv.get("cmode"))
