@@ -53,11 +53,8 @@ GEMM design (Hopper, sm_90; triton 3.6):
   so the forward pays its GELU math (one ex2 + one approximate divide per element) on top of the GEMM; Triton
   gives the forward's four half-tile TMA stores (pre, h per half) one staging buffer, so each waits for the
   previous one's shared-memory read. On an H200 (one program per SM) that held the GEMMs to 0.70x (forward) and
-  0.55x (backward) of cuBLAS (results/mlp_s5.txt). The 2-3 programs-per-SM tiles, meant to overlap one program's
-  epilogue with another's wgmma, did not beat the one-per-SM tiles (`--sweep`, H200, GPU time, M = 32768, one
-  run): forward best 128x256x64 w8 p1 0.365 ms (0.70x cuBLAS), best 2-per-SM 128x128x64 w8 s3 0.383 ms (0.67x);
-  backward best 256x128x64 w8 p1 0.448 ms (0.58x), best 2-per-SM 128x128x64 w4 s2 0.452 ms (0.58x); 3 per SM
-  (64x128x64) 0.436 / 0.485 ms.
+  0.55x (backward) of cuBLAS (results/mlp_s5.txt); the 2-3 programs-per-SM tiles are the attempt at overlap
+  across programs, not yet timed (`--sweep` times every tile).
 
 Shapes: x (..., C) any leading dims; biases may be None. Autocast: like F.linear, when autocast is on for x's device
 x, weights and biases are cast (`.to`, outside the autograd Function, so fp32 master weights get fp32 grads) to the
