@@ -69,17 +69,9 @@ CASES = {
     # epilogue. 177 / 255 registers measured (one 256-thread program per SM: shared memory holds it to one anyway);
     # unsplit, the forward spilled 44 bytes
     "mlp fc+gelu fwd 128x256x64 w8 s3": ("mlp_fwd", dict(HAS_BIAS=True, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
-                                                         EPI_SPLIT=2, PROGRAMS_PER_SM=1), 8, 3, 184, 0),
+                                                         EPI_SPLIT=2), 8, 3, 184, 0),
     "mlp proj dgelu bwd 128x256x64 w8 s3": ("mlp_bwd", dict(PART_M=64, PREFETCH=True, BLOCK_M=128, BLOCK_N=256,
-                                                            BLOCK_K=64, EPI_SPLIT=2, PROGRAMS_PER_SM=1), 8, 3, 255, 0),
-    # 2 programs per SM, so one's epilogue overlaps the other's wgmma: 128 x 128 x 64 at 8 warps must stay <= 128
-    # registers (2 x 256 threads x 128 = 65536; 123 / 128 measured) and <= 115712 B of shared memory (2 x (that +
-    # the 1 KB reserved per block) = 228 KB; 114712 / 98336 B measured, checked in tests/test_mlp.py)
-    "mlp fc+gelu fwd 128x128x64 w8 s3 P2": ("mlp_fwd", dict(HAS_BIAS=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64,
-                                                            EPI_SPLIT=2, PROGRAMS_PER_SM=2), 8, 3, 128, 0),
-    "mlp proj dgelu bwd 128x128x64 w8 s2 P2": ("mlp_bwd", dict(PART_M=64, PREFETCH=True, BLOCK_M=128, BLOCK_N=128,
-                                                               BLOCK_K=64, EPI_SPLIT=2, PROGRAMS_PER_SM=2), 8, 2, 128,
-                                               0),
+                                                            BLOCK_K=64, EPI_SPLIT=2), 8, 3, 255, 0),
 }
 
 

@@ -30,13 +30,10 @@ GEMM design (Hopper, sm_90; triton 3.6):
     (per thread: the autograd engine runs the backward on its own thread), so the launchers set it on every call.
     Host-side `TensorDescriptor`s were the alternative; they bake the block shape into the argument, which the
     autotuner picks after the descriptor is built and which kernels/launch.py's cached-binary path could not fix up.
-  * Persistent grid: min(#SMs x PROGRAMS_PER_SM, #tiles) programs walk the tiles with a grid stride, in grouped
-    order (GROUP_M tile rows sweep the columns together, so the w tiles and x rows they share stay in L2). The
-    autotuner picks among tiles of one program per SM (the large ones) and of 2-3 per SM (smaller tiles that fit
-    2-3 times in an SM's registers and shared memory, so one program's epilogue overlaps another's main loop).
-    The tile loop is flattened into the K loop (`tl.range(..., flatten=True)`) so the TMA loads of the next tile
-    are issued while this tile's epilogue runs, num_stages deep; tl.dot on bf16/fp16 tiles in shared memory lowers
-    to wgmma.
+  * Persistent grid: min(#SMs, #tiles) programs walk the tiles with a grid stride, in grouped order (GROUP_M tile
+    rows sweep the columns together, so the w tiles and x rows they share stay in L2). The tile loop is flattened
+    into the K loop (`tl.range(..., flatten=True)`) so the TMA loads of the next tile are issued while this tile's
+    epilogue runs, num_stages deep; tl.dot on bf16/fp16 tiles in shared memory lowers to wgmma.
   * The backward's epilogue reads a pre tile, and that TMA load waits at once (Triton pipelines the K loop's
     loads, not the epilogue's). So on the GPU each tile first asks L2 for its pre tile (`prefetch.global.L2`
     through inline PTX, one per 128-byte line), and the DRAM round trip overlaps the K loop; the interpreter skips
@@ -45,16 +42,13 @@ GEMM design (Hopper, sm_90; triton 3.6):
     8 for 16-bit dtypes (the launchers check; base pointers are realigned by a copy if needed).
   * The interpreter (TRITON_INTERPRET=1, CPU tests) runs this same code path: triton 3.6's interpreter implements
     tensor descriptors (loads zero-padded, stores clipped, as TMA does) and ignores the pipelining hints; it gets one
-    small tile config with 3 "SMs" and 2 programs per "SM" so the grid stride, partial tiles and the K tail are
-    exercised.
+    small tile config with 3 "SMs" so the grid stride, partial tiles and the K tail are exercised.
   * fp32 inputs: tl.dot in tf32 only where torch.backends.cuda.matmul.allow_tf32 allows it, else exact fp32.
   Known costs, from the compiled IR (sm_90a, triton 3.6), not yet timed on a GPU: the epilogue does not overlap
   the next tile's wgmma (no warp specialisation for Hopper in triton 3.6; only the next tile's TMA loads run ahead),
   so the forward pays its GELU math (one ex2 + one approximate divide per element) on top of the GEMM; Triton
   gives the forward's four half-tile TMA stores (pre, h per half) one staging buffer, so each waits for the
-  previous one's shared-memory read. On an H200 (one program per SM) that held the GEMMs to 0.70x (forward) and
-  0.55x (backward) of cuBLAS (results/mlp_s5.txt); the 2-3 programs-per-SM tiles are the attempt at overlap
-  across programs, not yet timed (`--sweep` times every tile).
+  previous one's shared-memory read.
 
 Shapes: x (..., C) any leading dims; biases may be None. Autocast: like F.linear, when autocast is on for x's device
 x, weights and biases are cast (`.to`, outside the autograd Function, so fp32 master weights get fp32 grads) to the
@@ -63,11 +57,9 @@ autocast dtype and y comes out in it; without autocast every tensor must share x
 Callers: none yet (nanopara/model.py's MLP still runs c_fc / GELU / c_proj). `mlp()` takes the Triton path on CUDA
 tensors and `mlp_ref` on CPU ones; `mlp_triton()` always the Triton path (CPU tests under TRITON_INTERPRET=1).
 
-Run: `python -m kernels.mlp [--quick] [--sweep] [--out FILE]` (GPU): parity line, then TFLOP/s of each fused GEMM
-against the same-shape cuBLAS matmul (and the config the autotuner picked), and MLP forward / forward+backward
-against eager PyTorch and torch.compile, at M = 32768 (B=32 x T=1024), C = 768, bf16. --sweep first times every
-config of both kernels on their own (no autotuner) and prints them sorted. Tests: `python -m pytest
-tests/test_mlp.py -q` (CPU).
+Run: `python -m kernels.mlp [--quick] [--out FILE]` (GPU): parity line, then TFLOP/s of each fused GEMM against the
+same-shape cuBLAS matmul, and MLP forward / forward+backward against eager PyTorch and torch.compile, at
+M = 32768 (B=32 x T=1024), C = 768, bf16. Tests: `python -m pytest tests/test_mlp.py -q` (CPU).
 """
 import argparse
 import functools
@@ -93,81 +85,29 @@ def mlp_ref(x, w_fc, b_fc, w_proj, b_proj):
 # the widest TMA swizzle) or 128; 3-5 stages. All split the epilogue into two column halves (EPI_SPLIT = 2): with
 # the whole 128 x 256 tile at once the forward spilled 44 bytes (255 registers) and its TMA staging tiles pushed
 # shared memory past 227 KB for 4 stages; split, it takes 177 registers and 180 KB (ptxas, sm_90a, triton 3.6).
-# Those tiles hold one program per SM, and nothing overlaps a tile's epilogue with tensor-core work (no Hopper warp
-# specialisation in triton 3.6; K = 768 is only 12 k-steps of 64, so the epilogue is a large share of a tile).
-# PROGRAMS_PER_SM > 1: that many persistent programs per SM (grid = min(#tiles, #SMs x PROGRAMS_PER_SM), the grid
-# stride the same), so the hardware runs one program's main loop while another is in its epilogue. Such tiles
-# must fit PROGRAMS_PER_SM times in an SM: shared memory (228 KB an SM, 1 KB of it reserved per block) and
-# registers (65536 an SM). The ones below were picked with ptxas (bench/ptxas_report.py's usage(), sm_90a, triton
-# 3.6, bf16): registers a thread / spills / shared memory a program, and how many fit an SM by both.
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, EPI_SPLIT, PROGRAMS_PER_SM); GROUP_M 8 throughout
-_TILES_1 = [(128, 256, 64, 8, 3, 2, 1), (128, 256, 64, 8, 4, 2, 1), (256, 128, 64, 8, 3, 2, 1),
-            (128, 128, 64, 8, 4, 2, 1), (128, 128, 64, 8, 5, 2, 1), (128, 128, 128, 8, 3, 2, 1),
-            (64, 256, 64, 4, 4, 2, 1), (64, 128, 64, 4, 4, 2, 1)]  # one program per SM
-_TILES = {
-    "fwd": _TILES_1 + [
-        (128, 128, 64, 4, 3, 2, 2),  # 171 regs, 0 spills, 114712 B: 2 per SM (one warpgroup)
-        (128, 128, 64, 4, 2, 2, 2),  # 162 regs, 0 spills,  81936 B: 2 (3 by registers, not by shared memory)
-        (128, 128, 64, 8, 3, 2, 2),  # 123 regs, 0 spills, 114712 B: 2
-        (128, 128, 64, 8, 2, 2, 2),  # 126 regs, 0 spills,  81936 B: 2
-        (64, 256, 64, 4, 2, 2, 2),   # 165 regs, 0 spills,  98576 B: 2
-        (64, 128, 64, 4, 2, 2, 3),   # 124 regs, 0 spills,  57360 B: 3
-    ],  # not kept: 128x128x64 at 4 warps, whole-tile epilogue (EPI_SPLIT 1): 255 regs, 80 B spilled; 128x256x64
-    # at 8 warps, 2 stages: 172 regs (> 128: one per SM)
-    "bwd": _TILES_1 + [
-        (128, 128, 64, 8, 2, 2, 2),  # 128 regs, 0 spills,  98336 B: 2
-        (128, 128, 64, 4, 2, 2, 2),  # 255 regs, 0 spills,  98336 B: 2 (the register file exactly)
-        (64, 256, 64, 4, 2, 2, 2),   # 255 regs, 0 spills, 114720 B: 2
-        (64, 128, 64, 4, 4, 2, 2),   # 128 regs, 0 spills, 114736 B: 2
-        (128, 128, 32, 8, 3, 2, 2),  # 128 regs, 0 spills,  81960 B: 2
-        (64, 128, 64, 4, 2, 2, 3),   # 128 regs, 0 spills,  65568 B: 3
-    ],  # not kept: 128x128x64 at 8 warps, 3 stages (131112 B) and 128x256x64 at 8 warps, 2 stages (255 regs,
-    # 163872 B): one per SM. The backward keeps two staging tiles (pre, dpre), so it needs more shared memory
-}
-# the interpreter: one small tile, so every test has several M, N and K tiles; 2 programs per "SM" (3 "SMs"), so
-# the grid stride over PROGRAMS_PER_SM x NUM_SMS programs runs in every test
-_CPU_TILE = (32, 32, 16, 4, 1, 2, 2)
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, EPI_SPLIT); GROUP_M 8 throughout
+_TILES = [(128, 256, 64, 8, 3, 2), (128, 256, 64, 8, 4, 2), (256, 128, 64, 8, 3, 2), (128, 128, 64, 8, 4, 2),
+          (128, 128, 64, 8, 5, 2), (128, 128, 128, 8, 3, 2), (64, 256, 64, 4, 4, 2), (64, 128, 64, 4, 4, 2)]
+_CPU_TILE = (32, 32, 16, 4, 1, 2)  # the interpreter: one small tile, so every test has several M, N and K tiles
 GROUP_M = 8
 # granularity of the backward's db_fc partials: one (H,) fp32 row per PART_M rows of x, whatever BLOCK_M the
 # autotuner picks (a tile of BLOCK_M rows writes its column sums into the first of its BLOCK_M / PART_M rows and
 # zeros into the others), so the buffer can be allocated before the config is known. The smallest BLOCK_M on the
 # GPU; half the tile in the interpreter, so the tests run the several-rows-per-tile path.
-PART_M = 16 if _INTERPRET else min(t[0] for t in _TILES["bwd"])
+PART_M = 16 if _INTERPRET else min(t[0] for t in _TILES)
 SMEM_BYTES = 227 * 1024 - 1024  # shared memory a block may use on H100/H200, less a margin for barriers
-SM_SMEM_BYTES = 228 * 1024  # shared memory of an H100/H200 SM, for all its resident blocks
-SMEM_PER_BLOCK = 1024 + 1024  # what a block takes beyond its tiles: 1 KB the CUDA driver reserves, and Triton's
-# barriers and alignment (<= 536 B over the tile estimate in every tile above)
 # (BLOCK_M, BLOCK_E) staging tiles each kernel's epilogue keeps in shared memory, fitted to what triton 3.6
-# allocates (within 64 bytes over the tiles of _TILES_1, 536 over the others): forward one (pre and h reuse it),
-# backward two (pre, dpre)
+# allocates (within 64 bytes over every tile above): forward one (pre and h reuse it), backward two (pre, dpre)
 _EPI_TILES = {"fwd": 1, "bwd": 2}
 
 
-def _config(tile, group_m=GROUP_M):
-    m, n, k, w, s, e, p = tile
-    return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": group_m, "EPI_SPLIT": e,
-                          "PROGRAMS_PER_SM": p}, num_warps=w, num_stages=s)
-
-
-def _configs(kind):
-    return [_config(_CPU_TILE, group_m=2)] if _INTERPRET else [_config(t) for t in _TILES[kind]]
-
-
-def _smem_estimate(kind, c, element_size):
-    """Shared memory of config c: num_stages TMA buffers of the A and B tiles, and the epilogue's staging tiles."""
-    bm, bn, bk = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
-    return (c.num_stages * (bm + bn) * bk + _EPI_TILES[kind] * bm * bn // c.kwargs["EPI_SPLIT"]) * element_size
-
-
-def _fits(kind, c, element_size, small_m=False):
-    """c's programs fit: one in a block's shared memory, and PROGRAMS_PER_SM of them in an SM's; 64-row tiles
-    only for small M. (Registers are not checked here: the tiles above were chosen to fit by ptxas.)"""
-    smem = _smem_estimate(kind, c, element_size)
-    per_sm = c.kwargs["PROGRAMS_PER_SM"]
-    return (smem <= SMEM_BYTES and per_sm * (smem + SMEM_PER_BLOCK) <= SM_SMEM_BYTES
-            and (c.kwargs["BLOCK_M"] == 64 or not small_m))
+def _configs():
+    tiles = [_CPU_TILE] if _INTERPRET else _TILES
+    g = 2 if _INTERPRET else GROUP_M
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": g, "EPI_SPLIT": e}, num_warps=w,
+                          num_stages=s) for m, n, k, w, s, e in tiles]
 
 
 def _pruner(kind):
@@ -176,7 +116,12 @@ def _pruner(kind):
             return configs
         es = named_args["W"].element_size()
         small_m = named_args["M_BUCKET"] <= 64  # 128-row tiles would be half padding
-        return [c for c in configs if _fits(kind, c, es, small_m)] or configs[-1:]
+
+        def fits(c):
+            bm, bn, bk = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
+            smem = (c.num_stages * (bm + bn) * bk + _EPI_TILES[kind] * bm * bn // c.kwargs["EPI_SPLIT"]) * es
+            return smem <= SMEM_BYTES and (bm == 64 or not small_m)
+        return [c for c in configs if fits(c)] or configs[-1:]
     return {"early_config_prune": prune}
 
 
@@ -238,13 +183,12 @@ def _fwd_epilogue(acc, B, pre_desc, h_desc, off_m, off_n, N, HAS_BIAS: tl.conste
     h_desc.store([off_m, off_n], _gelu_tanh(pre.to(tl.float32)).to(h_desc.dtype))
 
 
-@triton.autotune(configs=_configs("fwd"), key=["M_BUCKET", "N", "K"], prune_configs_by=_pruner("fwd"),
-                 cache_results=True)
+@triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K"], prune_configs_by=_pruner("fwd"))
 @triton.jit(do_not_specialize=["M", "M_BUCKET"])
 def _fc_gelu_fwd(X, W, B, PRE, H, M, N, K, M_BUCKET,
                  HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_SMS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                 EPI_SPLIT: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr):
+                 EPI_SPLIT: tl.constexpr):
     """PRE = X @ W^T + B (M, N) and H = gelu_tanh(PRE); X (M, K), W (N, K), all rows contiguous. M_BUCKET: the
     autotuner's key only. EPI_SPLIT = 2: the epilogue runs on two column halves of the tile, one after the other
     (fewer live registers, half-width TMA store buffers)."""
@@ -256,7 +200,7 @@ def _fc_gelu_fwd(X, W, B, PRE, H, M, N, K, M_BUCKET,
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS * PROGRAMS_PER_SM, flatten=True):
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=True):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
@@ -306,13 +250,12 @@ def _bwd_epilogue(acc, pre_desc, dpre_desc, PART, pid_m, off_m, off_n, N, PART_R
                  (cols < N)[None, :])
 
 
-@triton.autotune(configs=_configs("bwd"), key=["M_BUCKET", "N", "K"], prune_configs_by=_pruner("bwd"),
-                 cache_results=True)
+@triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K"], prune_configs_by=_pruner("bwd"))
 @triton.jit(do_not_specialize=["M", "M_BUCKET", "PART_ROWS"])
 def _proj_dgelu_bwd(DY, W, PRE, DPRE, PART, M, N, K, PART_ROWS, M_BUCKET,
                     DOT_PRECISION: tl.constexpr, NUM_SMS: tl.constexpr, PART_M: tl.constexpr, PREFETCH: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                    EPI_SPLIT: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr):
+                    EPI_SPLIT: tl.constexpr):
     """DPRE = (DY @ W) * gelu_tanh'(PRE) (M, N), DY (M, K), W (K, N); PART (PART_ROWS, N) fp32 gets, per tile, the
     column sums of its fp32 DPRE in row pid_m * BLOCK_M / PART_M and zeros in the tile's other rows.
     PREFETCH (GPU only: inline PTX): before its K loop, a tile asks L2 for its PRE tile, so that the epilogue's TMA
@@ -328,7 +271,7 @@ def _proj_dgelu_bwd(DY, W, PRE, DPRE, PART, M, N, K, PART_ROWS, M_BUCKET,
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS * PROGRAMS_PER_SM, flatten=True):
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=True):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
@@ -378,8 +321,7 @@ def _m_bucket(M):
 
 
 def _grid(M, N, sms, meta):
-    """Persistent: PROGRAMS_PER_SM programs per SM (the kernels' grid stride), fewer if there are fewer tiles."""
-    return (min(sms * meta["PROGRAMS_PER_SM"], triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+    return (min(sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
 
 
 def _check(x2, w_fc, b_fc, w_proj, b_proj):
@@ -536,81 +478,6 @@ def _bench_ms(fn):
     return triton.testing.do_bench_cudagraph(fn, return_mode="median")
 
 
-def _fmt_config(c):
-    k = c.kwargs
-    return (f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']} w{c.num_warps} s{c.num_stages} e{k['EPI_SPLIT']} "
-            f"p{k['PROGRAMS_PER_SM']}")
-
-
-def _picked(kernel, M, N, K):
-    """The config the autotuner chose for this (M bucket, N, K) (its cache key starts with the key arguments)."""
-    hits = [c for key, c in kernel.cache.items() if tuple(key[:3]) == (_m_bucket(M), N, K)]
-    return _fmt_config(hits[-1]) if hits else "?"
-
-
-def _resident(regs, smem, warps):
-    """Programs of this size that fit an H100/H200 SM: registers (allocated per warp in units of 256) and shared
-    memory (1 KB reserved per block), at most 64 warps."""
-    per_warp = -(-regs * 32 // 256) * 256
-    return min(65536 // (per_warp * warps), SM_SMEM_BYTES // (smem + 1024), 64 // warps)
-
-
-def _sweep(M, C, dtype):
-    """Every config of both fused kernels timed on its own (the autotuner bypassed: the jit function launched with
-    the config's constants), GPU time by CUDA-graph replay; one sorted table per kernel."""
-    ts, dy = _inputs(M, C, dtype, requires_grad=False)
-    x, w_fc, b_fc, w_proj, _ = ts
-    H, sms = 4 * C, _sm_count(x.device)
-    gemm = 2 * M * C * H
-    pre, dpre = torch.empty((M, H), dtype=dtype, device="cuda"), torch.empty((M, H), dtype=dtype, device="cuda")
-    h = torch.empty_like(pre)
-    part_rows = triton.cdiv(M, PART_M)
-    part = torch.empty((part_rows, H), dtype=torch.float32, device="cuda")
-    triton.set_allocator(_scratch)
-    prec = _dot_precision(dtype)
-    launches = {
-        "fc+gelu fwd": (_fc_gelu_fwd, "fwd", lambda fn, g, cfg: fn[g](
-            x, w_fc, b_fc, pre, h, M, H, C, _m_bucket(M), HAS_BIAS=True, DOT_PRECISION=prec, NUM_SMS=sms,
-            **cfg.all_kwargs()), lambda: F.linear(x, w_fc, b_fc)),
-        "proj dgelu bwd": (_proj_dgelu_bwd, "bwd", lambda fn, g, cfg: fn[g](
-            dy, w_proj, pre, dpre, part, M, H, C, part_rows, _m_bucket(M), DOT_PRECISION=prec, NUM_SMS=sms,
-            PART_M=PART_M, PREFETCH=True, **cfg.all_kwargs()), lambda: torch.mm(dy, w_proj)),
-    }
-    rows = []
-    print(f"sweep: every config, M={M}, C={C}, H={H}, {str(dtype).split('.')[-1]}, GPU time by CUDA-graph replay "
-          f"(median); fits/SM: programs of that size an SM holds by ptxas registers and shared memory")
-    for name, (kernel, kind, launch, cublas) in launches.items():
-        t_c = _bench_ms(cublas)
-        got = []
-        for cfg in kernel.configs:
-            r = dict(part="sweep", what=name, M=M, C=C, config=_fmt_config(cfg), cublas_ms=t_c)
-            if not _fits(kind, cfg, x.element_size()):
-                r["error"] = "pruned (shared memory)"
-            else:
-                g = _grid(M, H, sms, cfg.kwargs)
-                try:
-                    ck = launch(kernel.fn, g, cfg)
-                    t = _bench_ms(lambda: launch(kernel.fn, g, cfg))
-                    regs, spills, smem = ck.n_regs, ck.n_spills, ck.metadata.shared
-                    r.update(ms=t, tflops=gemm / t / 1e9, vs_cublas=t_c / t, regs=regs, spills=spills, smem=smem,
-                             fits=_resident(regs, smem, cfg.num_warps))
-                except Exception as e:  # noqa: BLE001 (out of resources, compile failures: report, go on)
-                    r["error"] = f"{type(e).__name__}: {str(e)[:80]}"
-            got.append(r)
-        got.sort(key=lambda r: r.get("ms", float("inf")))
-        print(f"{name}: cuBLAS {t_c:.4f} ms = {gemm / t_c / 1e9:.0f} TFLOP/s")
-        print(f"{'config':>28} {'ms':>7} {'TFLOP/s':>7} {'vs cuBLAS':>9} {'regs':>4} {'spill':>5} {'smem':>6} "
-              f"{'fits/SM':>7}")
-        for r in got:
-            if "ms" in r:
-                print(f"{r['config']:>28} {r['ms']:7.4f} {r['tflops']:7.0f} {r['vs_cublas']:8.2f}x {r['regs']:4d} "
-                      f"{r['spills']:5d} {r['smem']:6d} {r['fits']:7d}")
-            else:
-                print(f"{r['config']:>28} {r['error']}")
-        rows += got
-    return rows
-
-
 def _bench(M, C, dtype, compile_ok):
     ts, dy = _inputs(M, C, dtype)
     x, w_fc, b_fc, w_proj, b_proj = ts
@@ -623,10 +490,8 @@ def _bench(M, C, dtype, compile_ok):
                  "proj dgelu bwd": (lambda: proj_dgelu_bwd(dy, w_proj, pre), lambda: torch.mm(dy, w_proj))}
         for name, (ours, cublas) in pairs.items():
             t_o, t_c = _bench_ms(ours), _bench_ms(cublas)
-            kernel = _fc_gelu_fwd if name.startswith("fc") else _proj_dgelu_bwd
             rows.append(dict(part="gemm", what=name, M=M, C=C, ours_ms=t_o, cublas_ms=t_c,
-                             ours_tflops=gemm / t_o / 1e9, cublas_tflops=gemm / t_c / 1e9, ratio=t_c / t_o,
-                             config=_picked(kernel, M, H, C)))
+                             ours_tflops=gemm / t_o / 1e9, cublas_tflops=gemm / t_c / 1e9, ratio=t_c / t_o))
     impls = {"triton": mlp, "eager": _eager}
     if compile_ok:
         impls["compile"] = torch.compile(_eager)
@@ -647,7 +512,6 @@ def _bench(M, C, dtype, compile_ok):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="no torch.compile column")
-    p.add_argument("--sweep", action="store_true", help="first time every config of both kernels, no autotuner")
     p.add_argument("--out", help="append JSON lines here")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -655,16 +519,14 @@ def main():
     dtype = torch.bfloat16
     _parity(4096, 768, dtype)
     M, C = 32768, 768  # B=32 x T=1024, GPT-2 124M
-    rows = _sweep(M, C, dtype) if args.sweep else []
-    rows += _bench(M, C, dtype, compile_ok=not args.quick)
+    rows = _bench(M, C, dtype, compile_ok=not args.quick)
     dev = torch.cuda.get_device_name()
     print(f"{dev}, M={M}, C={C}, H={4 * C}, bf16; GPU time by CUDA-graph replay (median)")
-    print(f"{'GEMM':>16} {'ours ms':>8} {'TFLOP/s':>7} {'cuBLAS ms':>9} {'TFLOP/s':>7} {'ours/cuBLAS':>11} "
-          f"{'autotuner picked':>28}")
+    print(f"{'GEMM':>16} {'ours ms':>8} {'TFLOP/s':>7} {'cuBLAS ms':>9} {'TFLOP/s':>7} {'ours/cuBLAS':>11}")
     for r in rows:
         if r["part"] == "gemm":
             print(f"{r['what']:>16} {r['ours_ms']:8.4f} {r['ours_tflops']:7.0f} {r['cublas_ms']:9.4f} "
-                  f"{r['cublas_tflops']:7.0f} {r['ratio']:10.2f}x {r['config']:>28}")
+                  f"{r['cublas_tflops']:7.0f} {r['ratio']:10.2f}x")
     print(f"{'MLP':>16} {'fwd ms':>8} {'TFLOP/s':>7} {'vs eager':>8} {'f+b ms':>8} {'TFLOP/s':>7} {'vs eager':>8}")
     for r in rows:
         if r["part"] == "mlp":

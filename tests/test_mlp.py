@@ -1,10 +1,10 @@
 """kernels/mlp.py: the fused MLP block (GEMM + GELU epilogues) against the PyTorch reference.
 
-CPU: the Triton kernels run in the interpreter (one 32 x 32 x 16 tile, 3 "SMs" x 2 programs: several M, N and K
-tiles, partial tails, the grid stride, the split epilogue, two db_fc partial rows per tile) at awkward sizes: 1, 17,
-129 rows, C = 24 and 40 (H = 96, 160), biases on and off, fp32 and fp16 (the interpreter's bf16 dots are broken).
-The oracle is the reference in float64. GPU (`-m gpu`): M = 4096, C = 768, bf16, judged by "error vs an fp32
-reference <= 2x PyTorch's own bf16 error + a small atol".
+CPU: the Triton kernels run in the interpreter (one 32 x 32 x 16 tile, 3 "SMs": several M, N and K tiles, partial
+tails, the grid stride, the split epilogue, two db_fc partial rows per tile) at awkward sizes: 1, 17, 129 rows,
+C = 24 and 40 (H = 96, 160), biases on and off, fp32 and fp16 (the interpreter's bf16 dots are broken). The oracle
+is the reference in float64. GPU (`-m gpu`): M = 4096, C = 768, bf16, judged by "error vs an fp32 reference <= 2x
+PyTorch's own bf16 error + a small atol".
 """
 import pytest
 import torch
@@ -111,18 +111,16 @@ def test_backward_kernel_outputs(dtype):
     assert proj_dgelu_bwd(dy, w_proj, pre, need_bias_grad=False)[1] is None
 
 
-@pytest.mark.parametrize("block_m,epi_split,num_sms,per_sm", [(16, 1, 1, 1), (32, 2, 4, 1), (64, 1, 3, 1),
-                                                               (64, 2, 7, 1), (32, 2, 3, 2), (16, 1, 2, 3)])
-def test_tiles_and_partial_rows(block_m, epi_split, num_sms, per_sm):
+@pytest.mark.parametrize("block_m,epi_split,num_sms", [(16, 1, 1), (32, 2, 4), (64, 1, 3), (64, 2, 7)])
+def test_tiles_and_partial_rows(block_m, epi_split, num_sms):
     """Other tiles than the interpreter's default through the raw kernels: one partial row per tile (BLOCK_M =
-    PART_M), four (BLOCK_M = 4 PART_M, most of them past the end and masked), whole-tile epilogue, 1 to 7 "SMs"
-    with 1 to 3 programs each (grid stride NUM_SMS x PROGRAMS_PER_SM; 5 x 9 = 45 tiles over 6 programs)."""
+    PART_M), four (BLOCK_M = 4 PART_M, most of them past the end and masked), whole-tile epilogue, 1 to 7 programs."""
     M, C = 129, 40
     (x, w_fc, b_fc, w_proj, _), dy = _inputs((M, C), torch.float32, seed=2)
     N = 4 * C
     tile = dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=16, GROUP_M=3, EPI_SPLIT=epi_split, NUM_SMS=num_sms,
-                PROGRAMS_PER_SM=per_sm, DOT_PRECISION="ieee")
-    grid = (num_sms * per_sm,)
+                DOT_PRECISION="ieee")
+    grid = (num_sms,)
     pre, h = torch.full((M, N), float("nan")), torch.full((M, N), float("nan"))
     mm._fc_gelu_fwd.fn[grid](x, w_fc, b_fc, pre, h, M, N, C, 256, HAS_BIAS=True, **tile)
     want_pre = F.linear(x.double(), w_fc.double(), b_fc.double())
@@ -134,81 +132,6 @@ def test_tiles_and_partial_rows(block_m, epi_split, num_sms, per_sm):
     want_dpre, want_db = _dgelu_oracle(dy, w_proj, pre)
     assert not part.isnan().any()  # every partial row written, by exactly the tile that owns it
     _assert_rel_close([dpre, part.sum(0)], [want_dpre, want_db], 1e-5, ("dpre", "db_fc"))
-
-
-def test_programs_per_sm_grid():
-    """The interpreter's config runs 2 programs per "SM" (3 "SMs"): the launch grid is min(#tiles, 6), and at 129 x
-    40 (5 x 5 tiles of 32) each of the 6 programs walks several tiles (checked against the reference above)."""
-    (cfg,) = mm._fc_gelu_fwd.configs
-    assert cfg.kwargs["PROGRAMS_PER_SM"] == 2 and mm._sm_count(torch.device("cpu")) == 3
-    assert mm._grid(129, 160, 3, cfg.kwargs) == (6,)  # 25 tiles
-    assert mm._grid(17, 96, 3, cfg.kwargs) == (3,)  # 3 tiles: one program each
-    (x, w_fc, b_fc, w_proj, _), dy = _inputs((129, 40), torch.float32, seed=4)
-    pre, h = mlp_fc_fwd(x, w_fc, b_fc)
-    want_pre = F.linear(x.double(), w_fc.double(), b_fc.double())
-    _assert_rel_close([pre, h], [want_pre, F.gelu(want_pre, approximate="tanh")], 1e-5, ("pre", "h"))
-    dpre, db = proj_dgelu_bwd(dy, w_proj, pre)
-    _assert_rel_close([dpre, db], list(_dgelu_oracle(dy, w_proj, pre)), 1e-5, ("dpre", "db_fc"))
-    # the stride is NUM_SMS x PROGRAMS_PER_SM: launched one program short, tiles 5, 11, 17, 23 stay unwritten
-    # (grouped order, 2 tile rows a group: tile 23 is (4, 3), in the last tile row, which holds 1 of 129 rows)
-    short = torch.full((129, 160), float("nan"))
-    mm._fc_gelu_fwd.fn[(5,)](x, w_fc, b_fc, short, torch.empty_like(short), 129, 160, 40, 256, HAS_BIAS=True,
-                             DOT_PRECISION="ieee", NUM_SMS=3, **cfg.kwargs)
-    assert short.isnan().sum() == 3 * 32 * 32 + 32 and short[128, 96:128].isnan().all()
-
-
-@pytest.mark.parametrize("kind", ["fwd", "bwd"])
-def test_gpu_configs_fit_their_programs_per_sm(kind):
-    """The GPU tile lists (pure Python, checked on CPU): every config passes the pruner's shared-memory fit for bf16
-    (PROGRAMS_PER_SM programs in 228 KB), the 1-per-SM tiles are still there, and doubling a 2-per-SM tile's programs
-    or a big tile's is rejected."""
-    tiles = mm._TILES[kind]
-    assert 8 <= len(tiles) <= 14
-    assert {t[-1] for t in tiles} >= {1, 2}
-    fits = lambda t: mm._fits(kind, mm._config(t), 2)  # noqa: E731
-    assert sum(fits(t) for t in tiles) >= len(tiles) - 1  # the backward's 128 x 256 x 64 at 4 stages: too big
-    assert all(fits(t) for t in tiles if t[-1] > 1)
-    assert not fits((128, 128, 64, 8, 3, 2, 2) if kind == "bwd" else (128, 128, 64, 8, 4, 2, 2))
-    assert not fits((128, 256, 64, 8, 3, 2, 2))
-    assert not fits((64, 128, 64, 4, 2, 2, 4))
-
-
-_RESIDENCY = """
-import json, os, sys
-sys.path.insert(0, "bench")
-import ptxas_report as pr
-from kernels import mlp
-rows = []
-for name, (kind, consts, warps, stages, _, _) in pr.CASES.items():
-    if kind.startswith("mlp") and consts["PROGRAMS_PER_SM"] > 1:
-        sig = pr._MLP_FWD if kind == "mlp_fwd" else pr._MLP_BWD
-        fn = mlp._fc_gelu_fwd.fn if kind == "mlp_fwd" else mlp._proj_dgelu_bwd.fn
-        u = pr.usage(fn, sig, {"GROUP_M": 8, "DOT_PRECISION": "tf32", "NUM_SMS": 132, **consts}, warps, stages)
-        rows.append(dict(case=name, per_sm=consts["PROGRAMS_PER_SM"], **u,
-                         fits=mlp._resident(u["regs"], u["smem_bytes"], warps)))
-print(json.dumps(rows))
-"""
-
-
-def test_programs_per_sm_tiles_fit_an_sm():
-    """bench/ptxas_report.py's MLP cases of PROGRAMS_PER_SM > 1, compiled for sm_90a (Triton's ptxas, no GPU):
-    that many programs fit an H100/H200 SM by registers and by shared memory (tests/test_registers.py holds their
-    registers and spills; this adds the shared memory, which it does not bound from above)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile real kernels
-    proc = subprocess.run([sys.executable, "-c", _RESIDENCY], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=300)
-    if proc.returncode != 0 and "ptxas" in proc.stderr and "No such file" in proc.stderr:
-        pytest.skip("this triton wheel ships no ptxas")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = json.loads(proc.stdout)
-    assert len(rows) >= 2
-    for r in rows:
-        assert r["spill_bytes"] == 0 and r["fits"] >= r["per_sm"], r
 
 
 def test_public_op_on_cpu_is_reference():
