@@ -44,7 +44,7 @@ GEMM design (Hopper, sm_90; triton 3.6):
     tensor descriptors (loads zero-padded, stores clipped, as TMA does) and ignores the pipelining hints; it gets one
     small tile config with 3 "SMs" so the grid stride, partial tiles and the K tail are exercised.
   * fp32 inputs: tl.dot in tf32 only where torch.backends.cuda.matmul.allow_tf32 allows it, else exact fp32.
-  Known costs, from the compiled IR (sm_90a, triton 3.6), not yet timed on a GPU: the epilogue does not overlap
+  Known costs, from the compiled IR (sm_90a, triton 3.6): the epilogue does not overlap
   the next tile's wgmma (no warp specialisation for Hopper in triton 3.6; only the next tile's TMA loads run ahead),
   so the forward pays its GELU math (one ex2 + one approximate divide per element) on top of the GEMM; Triton
   gives the forward's four half-tile TMA stores (pre, h per half) one staging buffer, so each waits for the
@@ -54,8 +54,14 @@ Shapes: x (..., C) any leading dims; biases may be None. Autocast: like F.linear
 x, weights and biases are cast (`.to`, outside the autograd Function, so fp32 master weights get fp32 grads) to the
 autocast dtype and y comes out in it; without autocast every tensor must share x's dtype.
 
-Callers: none yet (nanopara/model.py's MLP still runs c_fc / GELU / c_proj). `mlp()` takes the Triton path on CUDA
-tensors and `mlp_ref` on CPU ones; `mlp_triton()` always the Triton path (CPU tests under TRITON_INTERPRET=1).
+Measured (H200, GPU time, M = 32768, C = 768; results/mlp_s5.txt, results/mlp_sweep_s5.txt): fc+gelu 0.365-0.372 ms
+(416-424 TFLOP/s, 0.70x the bare cuBLAS GEMM), proj+dgelu 0.448-0.467 ms (0.55-0.58x): the fusion saves the GELU
+passes but the GEMMs lose it again, MLP fwd+bwd 1.78-1.80 ms vs eager 1.80 ms. Tiles that fit 2-3 programs per SM
+(so one program's epilogue overlaps another's wgmma) were no faster (commit c0747e2, reverted).
+
+Callers: nanopara/model.py, opt-in (`TritonOps(fused_mlp=True)`; bench/bench_gpt.py mode option `mlp=fused`).
+`mlp()` takes the Triton path on CUDA tensors and `mlp_ref` on CPU ones; `mlp_triton()` always the Triton path
+(CPU tests under TRITON_INTERPRET=1).
 
 Run: `python -m kernels.mlp [--quick] [--out FILE]` (GPU): parity line, then TFLOP/s of each fused GEMM against the
 same-shape cuBLAS matmul, and MLP forward / forward+backward against eager PyTorch and torch.compile, at
