@@ -54,15 +54,17 @@ CASES = {
     "ln bwd 2x768+dh w4 S3": ("ln_bwd", dict(HAS_DH=True, BLOCK_M=2, BLOCK_C=1024, STAGES=3), 4, 3, 255, 0),
     "ln bwd 1x8192 w8 S3": ("ln_bwd", dict(HAS_DH=False, BLOCK_M=1, BLOCK_C=8192, STAGES=3), 8, 3, 255, 0),
     # attention, causal, the tiles tuned on an H200 (kernels/attention.py _TILES). D=64, 128 threads: <= 168 keeps
-    # 3 programs per SM (forward 152, dq 159 measured), dk/dv 247 keeps 2
+    # 3 programs per SM (forward 128, dq 159 measured), dk/dv 247 keeps 2
     "attn fwd D64 64x64 w4 s4": ("attn_fwd", dict(HEAD_DIM=64, BLOCK_M=64, BLOCK_N=64), 4, 4, 168, 0),
     "attn dq D64 64x64 w4 s3": ("attn_dq", dict(HEAD_DIM=64, BLOCK_M=64, BLOCK_N=64), 4, 3, 168, 0),
     "attn dkdv D64 64x64 w4 s3": ("attn_dkdv", dict(HEAD_DIM=64, BLOCK_M=64, BLOCK_N=64), 4, 3, 255, 0),
-    "attn fwd D128 128x64 w8 s3": ("attn_fwd", dict(HEAD_DIM=128, BLOCK_M=128, BLOCK_N=64), 8, 3, 255, 0),
-    "attn dq D128 128x64 w8 s3": ("attn_dq", dict(HEAD_DIM=128, BLOCK_M=128, BLOCK_N=64), 8, 3, 255, 0),
-    # known weakness: every D=128 dk/dv tile spills (bench/notes_attention.md, variant 4); 28 B measured, the
-    # bound only stops it growing
-    "attn dkdv D128 32x64 w4 s4": ("attn_dkdv", dict(HEAD_DIM=128, BLOCK_M=32, BLOCK_N=64), 4, 4, 255, 32),
+    # D=128 loads its tiles through TMA (kernels/attention.py TMA_MIN_BLOCK_D): no (BLOCK_D, BLOCK_N) pointer
+    # tensors, so the dk/dv tile that spilled 28 B with pointer loads (255 registers) needs 243 and none
+    "attn fwd D128 128x128 w8 s3 tma": ("attn_fwd", dict(HEAD_DIM=128, BLOCK_M=128, BLOCK_N=128, TMA=True),
+                                        8, 3, 255, 0),
+    "attn dq D128 128x64 w8 s3 tma": ("attn_dq", dict(HEAD_DIM=128, BLOCK_M=128, BLOCK_N=64, TMA=True), 8, 3, 255, 0),
+    "attn dkdv D128 32x64 w4 s4 tma": ("attn_dkdv", dict(HEAD_DIM=128, BLOCK_M=32, BLOCK_N=64, TMA=True),
+                                       4, 4, 255, 0),
     # fused cross-entropy (kernels/cross_entropy.py constants): both vocab walks pipelined (cp.async); 47 measured
     "ce fwd+grad 2048 w4 S3": ("ce_fwd", dict(WRITE_GRAD=True, BLOCK_V=2048, STAGES=3), 4, 3, 72, 0),
     # MLP GEMMs (kernels/mlp.py), the main Hopper tile: 128 x 256 x 64, two consumer warpgroups, 3 stages, split
@@ -148,7 +150,7 @@ def report() -> list[dict]:
             sig = _MLP_FWD if kind == "mlp_fwd" else _MLP_BWD
             consts = {"GROUP_M": 8, "DOT_PRECISION": "tf32", "NUM_SMS": 132, **consts}
         else:
-            consts = {"BLOCK_D": consts["HEAD_DIM"], "CAUSAL": True, **consts}
+            consts = {"BLOCK_D": consts["HEAD_DIM"], "CAUSAL": True, "TMA": False, **consts}
             sig, ones = _attention_signature(fn, consts)
             consts = {**consts, **ones}
         rows.append({"case": name, "reg_bound": reg_bound, "spill_bound": spill_bound,

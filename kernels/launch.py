@@ -82,3 +82,10 @@ class FastKernel:
 
 def fast(kernel) -> FastKernel:
     return FastKernel(kernel)
+
+
+def tma_scratch(size, alignment, stream):
+    """Global memory for device-side TMA descriptors (`tl.make_tensor_descriptor`, 128 bytes each per program).
+    Triton asks `triton.set_allocator` for it; that allocator is a ContextVar (per thread: the autograd engine runs
+    the backward on its own thread), so launchers of such kernels set it on every call."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")

@@ -77,7 +77,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.launch import fast
+from kernels.launch import fast, tma_scratch
 
 
 def mlp_ref(x, w_fc, b_fc, w_proj, b_proj):
@@ -302,11 +302,6 @@ def _proj_dgelu_bwd(DY, W, PRE, DPRE, PART, M, N, K, PART_ROWS, M_BUCKET,
 _fwd, _bwd = fast(_fc_gelu_fwd), fast(_proj_dgelu_bwd)
 
 
-def _scratch(size, alignment, stream):
-    """Global memory for the device-side TMA descriptors (128 bytes each per program)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
 @functools.lru_cache(maxsize=None)
 def _sm_count(device):
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 3
@@ -357,7 +352,7 @@ def mlp_fc_fwd(x2, w_fc, b_fc):
     h = torch.empty_like(pre)
     if M > 0:
         if x2.is_cuda:
-            triton.set_allocator(_scratch)
+            triton.set_allocator(tma_scratch)
         _fwd[functools.partial(_grid, M, N, _sm_count(x2.device))](
             x2, w_fc, b_fc, pre, h, M, N, K, _m_bucket(M), HAS_BIAS=b_fc is not None,
             DOT_PRECISION=_dot_precision(x2.dtype), NUM_SMS=_sm_count(x2.device))
@@ -375,7 +370,7 @@ def proj_dgelu_bwd(dy2, w_proj, pre, need_bias_grad=True):
     part = torch.empty((part_rows, N), dtype=torch.float32, device=pre.device)  # every row written by a tile
     if M > 0:
         if dy2.is_cuda:
-            triton.set_allocator(_scratch)
+            triton.set_allocator(tma_scratch)
         _bwd[functools.partial(_grid, M, N, _sm_count(dy2.device))](
             dy2, w_proj, pre, dpre, part, M, N, K, part_rows, _m_bucket(M),
             DOT_PRECISION=_dot_precision(dy2.dtype), NUM_SMS=_sm_count(dy2.device), PART_M=PART_M,

@@ -7,6 +7,7 @@ Shapes are small and awkward: T not a multiple of the interpreter tiles (BLOCK 6
 import pytest
 import torch
 
+import kernels.attention as attention_mod
 from kernels.attention import (attention, attention_block_bwd, attention_block_fwd, attention_qkv,
                                attention_qkv_triton, attention_ref, attention_triton, split_qkv)
 
@@ -51,7 +52,10 @@ def _grads(fn, q, k, v, do):
     (1, 1, 45, 45, 32, True, False),
     (1, 2, 37, 37, 18, True, False),  # D=18 (72-byte fp32 rows): padded to 32 inside the kernel
 ])
-def test_fwd_bwd_match_reference_fp32(B, H, Tq, Tk, D, causal, strided):
+@pytest.mark.parametrize("loads", ["auto", "tma", "pointers"])
+def test_fwd_bwd_match_reference_fp32(B, H, Tq, Tk, D, causal, strided, loads, monkeypatch):
+    # tile loads: TMA from D=128 up (auto), TMA at every head dim whose rows allow it, or pointers everywhere
+    monkeypatch.setattr(attention_mod, "TMA_MIN_BLOCK_D", {"auto": 128, "tma": 16, "pointers": 4096}[loads])
     q, k, v = _qkv(B, H, Tq, Tk, D, strided=strided)
     assert q.is_contiguous() != strided
     do = torch.randn(B, H, Tq, D, generator=torch.Generator().manual_seed(1))
@@ -63,6 +67,17 @@ def test_fwd_bwd_match_reference_fp32(B, H, Tq, Tk, D, causal, strided):
     want = _grads(lambda a, b, c: attention_ref(a, b, c, causal)[0], q, k, v, do)
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         torch.testing.assert_close(g, w, **F32, msg=lambda m: f"{name}: {m}")
+
+
+def test_tma_loads_only_where_descriptors_can_read():
+    meta128, meta64 = dict(BLOCK_D=128), dict(BLOCK_D=64)
+    q, k, v = _qkv(1, 2, 33, 33, 128, strided=True)  # views of the packed projection: 16-byte strides
+    assert attention_mod._use_tma(meta128, q, k, v)
+    assert not attention_mod._use_tma(meta64, *_qkv(1, 2, 33, 33, 64))  # below TMA_MIN_BLOCK_D: pointers
+    odd = torch.randn(1, 2, 33, 128 + 1)[..., 1:]  # base 4 bytes past 16-byte alignment
+    assert not attention_mod._use_tma(meta128, q, odd, v)
+    assert not attention_mod._use_tma(meta128, q.transpose(2, 3), k, v)  # D is not the unit-stride dim
+    assert not attention_mod._use_tma(meta128, torch.randn(1, 1, 5, 18))  # 72-byte rows
 
 
 @pytest.mark.parametrize("causal", [True, False])
