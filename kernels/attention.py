@@ -128,6 +128,15 @@ _NO_SPEC = ["Tq", "Tk", "T_BUCKET", "BH_BUCKET"]  # one binary for every length 
 # ---------------------------------------------------------------------------------------------------------------
 
 @triton.jit
+def _tile_descs(A, B, T, stride_at, stride_bt, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """TMA descriptors of two (T, HEAD_DIM) row-major views (one (b, h) of k and v, or of q and dO) read in
+    (BLOCK_T, BLOCK_D) tiles: rows past T and columns past HEAD_DIM load as zeros."""
+    return (tl.make_tensor_descriptor(A, shape=[T, HEAD_DIM], strides=[stride_at, 1], block_shape=[BLOCK_T, BLOCK_D]),
+            tl.make_tensor_descriptor(B, shape=[T, HEAD_DIM], strides=[stride_bt, 1], block_shape=[BLOCK_T, BLOCK_D]))
+
+
+@triton.jit
 def _attn_fwd_inner(acc, l_i, m_i, q, K_base, V_base, k_desc, v_desc, stride_kt, stride_kd, stride_vt, stride_vd,
                     offs_m, offs_d, lo, hi, Tk, qk_scale,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -190,14 +199,9 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, qk_scale,
     h = (pid_bh % H).to(tl.int64)
     K_base = K + b * stride_kb + h * stride_kh
     V_base = V + b * stride_vb + h * stride_vh
+    k_desc, v_desc = None, None  # pointer loads
     if TMA:
-        k_desc = tl.make_tensor_descriptor(K_base, shape=[Tk, HEAD_DIM], strides=[stride_kt, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
-        v_desc = tl.make_tensor_descriptor(V_base, shape=[Tk, HEAD_DIM], strides=[stride_vt, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
-    else:
-        k_desc = None
-        v_desc = None
+        k_desc, v_desc = _tile_descs(K_base, V_base, Tk, stride_kt, stride_vt, HEAD_DIM, BLOCK_N, BLOCK_D)
 
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -296,14 +300,9 @@ def _attn_bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, qk_scale, sm_scale,
     h = (pid_bh % H).to(tl.int64)
     K_base = K + b * stride_kb + h * stride_kh
     V_base = V + b * stride_vb + h * stride_vh
+    k_desc, v_desc = None, None  # pointer loads
     if TMA:
-        k_desc = tl.make_tensor_descriptor(K_base, shape=[Tk, HEAD_DIM], strides=[stride_kt, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
-        v_desc = tl.make_tensor_descriptor(V_base, shape=[Tk, HEAD_DIM], strides=[stride_vt, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
-    else:
-        k_desc = None
-        v_desc = None
+        k_desc, v_desc = _tile_descs(K_base, V_base, Tk, stride_kt, stride_vt, HEAD_DIM, BLOCK_N, BLOCK_D)
 
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -409,14 +408,9 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, qk_scale, sm_scale,
     DO_base = DO + b * stride_dob + h * stride_doh
     LSE_base = LSE + pid_bh.to(tl.int64) * Tq
     DELTA_base = DELTA + pid_bh.to(tl.int64) * Tq
+    q_desc, do_desc = None, None  # pointer loads
     if TMA:
-        q_desc = tl.make_tensor_descriptor(Q_base, shape=[Tq, HEAD_DIM], strides=[stride_qt, 1],
-                                           block_shape=[BLOCK_M, BLOCK_D])
-        do_desc = tl.make_tensor_descriptor(DO_base, shape=[Tq, HEAD_DIM], strides=[stride_dot, 1],
-                                            block_shape=[BLOCK_M, BLOCK_D])
-    else:
-        q_desc = None
-        do_desc = None
+        q_desc, do_desc = _tile_descs(Q_base, DO_base, Tq, stride_qt, stride_dot, HEAD_DIM, BLOCK_M, BLOCK_D)
 
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
