@@ -108,6 +108,18 @@ def _attention_signature(fn, consts: dict) -> tuple[dict, dict]:
     return sig, ones
 
 
+def _ptxas(compiled) -> dict:
+    """{'regs', 'spill_bytes', 'smem_bytes'} of a kernel compiled for sm_90a: ptxas -v on its PTX."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(compiled.asm["ptx"])
+        f.flush()
+        log = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                             text=True, check=True).stderr
+    return {"regs": int(re.search(r"Used (\d+) registers", log).group(1)),
+            "spill_bytes": int(re.search(r"(\d+) bytes spill stores", log).group(1)),
+            "smem_bytes": compiled.metadata.shared}
+
+
 def usage(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int) -> dict:
     """{'regs', 'spill_bytes', 'smem_bytes'} of fn compiled for sm_90a. Pointers, strides and widths are
     16-divisible, as at a real launch (without that hint Triton cannot use cp.async for 2-byte elements)."""
@@ -118,14 +130,41 @@ def usage(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int
     src = ASTSource(fn, {**signature, **{k: "constexpr" for k in constexprs}}, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-        f.write(compiled.asm["ptx"])
-        f.flush()
-        log = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull], capture_output=True,
-                             text=True, check=True).stderr
-    return {"regs": int(re.search(r"Used (\d+) registers", log).group(1)),
-            "spill_bytes": int(re.search(r"(\d+) bytes spill stores", log).group(1)),
-            "smem_bytes": compiled.metadata.shared}
+    return _ptxas(compiled)
+
+
+SMEM_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90 (227 KB): a kernel needing more cannot launch
+
+
+def gluon_attention_usage(head_dim: int, cfg: tuple, causal: bool = True) -> dict:
+    """{'regs', 'spill_bytes', 'smem_bytes'} of kernels/attention_hopper.py's warp-specialized forward for one
+    CONFIGS candidate, compiled for sm_90a with bf16 host TMA descriptors of the model's shapes. 'regs' is the
+    launch-level count (12 warps share the 64K registers: 168); setmaxnreg then moves the loader warp's to the two
+    consumer warpgroups (240 each), and ptxas reports a spill wherever a partition does not fit its share."""
+    import torch
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+    from kernels import attention_hopper as ah
+
+    block_n, num_buf, pingpong = cfg
+
+    def desc(rows):
+        x = torch.empty(16 * 1024, head_dim, dtype=torch.bfloat16)  # stands in for the model's activations
+        layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16)
+        return mangle_type(TensorDescriptor(x, list(x.shape), [head_dim, 1], [rows, head_dim], layout))
+    fn = ah._attn_fwd_ws_kernel
+    sig = {n: "i32" for n in fn.arg_names}
+    sig.update(q_desc=desc(ah.ROWS), k_desc=desc(block_n), v_desc=desc(block_n), O="*bf16", LSE="*fp32",
+               qk_scale="fp32")
+    consts = dict(BLOCK_N=block_n, NUM_BUF=num_buf, CAUSAL=causal, PINGPONG=pingpong)
+    sig.update({k: "constexpr" for k in consts})
+    names = list(fn.arg_names)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("O", "LSE")}
+    compiled = triton.compile(GluonASTSource(fn, sig, constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return _ptxas(compiled)
 
 
 def report() -> list[dict]:
@@ -155,6 +194,14 @@ def report() -> list[dict]:
             consts = {**consts, **ones}
         rows.append({"case": name, "reg_bound": reg_bound, "spill_bound": spill_bound,
                      "pipelined_bytes": pipelined_bytes(kind, consts, stages), **usage(fn, sig, consts, warps, stages)})
+    # the Gluon forward (Hopper): every candidate config, no spills, and its K/V ring + Q slots within the 227 KB
+    from kernels import attention_hopper as ah
+    for d, cands in ah.CONFIGS.items():
+        for cfg in cands:
+            ring = cfg[1] * 2 * cfg[0] * d * 2 + 4 * ah.ROWS * d * 2  # NUM_BUF x (K + V) + 2 Q slots x 2 halves
+            rows.append({"case": f"gluon attn fwd D{d} {cfg[0]}x{cfg[1]}{' pingpong' if cfg[2] else ''}",
+                         "reg_bound": 168, "spill_bound": 0, "pipelined_bytes": ring, "smem_bound": SMEM_LIMIT,
+                         **gluon_attention_usage(d, cfg)})
     return rows
 
 

@@ -491,8 +491,25 @@ def _bthd_empty(B, H, T, D, like):
     return torch.empty(B, T, H, D, dtype=like.dtype, device=like.device).transpose(1, 2)
 
 
+# On Hopper GPUs the forward runs kernels/attention_hopper.py (Gluon, warp-specialized) at the head dims where it
+# measured faster (its PREFERRED_HEAD_DIMS) and supported() says so; NANOPARA_ATTN_HOPPER=0 (or HOPPER_FWD = False)
+# keeps this file's Triton forward everywhere, for comparisons.
+HOPPER_FWD = os.environ.get("NANOPARA_ATTN_HOPPER", "1") != "0"
+
+
 def attention_block_fwd(q, k, v, causal, sm_scale=None):
-    """Triton forward of a query block against a key/value block. Returns (out, lse fp32 (B, H, Tq))."""
+    """Forward of a query block against a key/value block. Returns (out, lse fp32 (B, H, Tq))."""
+    _check_inputs(q, k, v, causal)
+    if HOPPER_FWD and q.is_cuda and not _INTERPRET:
+        from kernels import attention_hopper
+        if q.shape[-1] in attention_hopper.PREFERRED_HEAD_DIMS and attention_hopper.supported(q, k, v, causal,
+                                                                                             sm_scale):
+            return attention_hopper.attention_fwd(q, k, v, causal, sm_scale)
+    return attention_block_fwd_triton(q, k, v, causal, sm_scale)
+
+
+def attention_block_fwd_triton(q, k, v, causal, sm_scale=None):
+    """The Triton forward (any CUDA GPU, or the CPU interpreter). Returns (out, lse fp32 (B, H, Tq))."""
     _check_inputs(q, k, v, causal)
     B, H, Tq, Tk, D, scale, meta, buckets = _launch_args(q, k, causal, sm_scale)
     out = _bthd_empty(B, H, Tq, D, q)

@@ -9,6 +9,7 @@ side must stay ahead of the GPU, and small problems (decoding, micro-benchmarks)
 How: `fast(kernel)` wraps a `@triton.jit` function or a `@triton.autotune`d one and is called like it,
 `fast_kernel[grid](*args, **constexprs)`. Each call computes a cheap key of what the JIT specialises on:
     tensors       dtype, and whether the address is 16-byte aligned
+    descriptors   (host TMA descriptors of Gluon kernels) dtype, block shape and shared-memory layout
     ints          == 1, divisible by 16, fits in int32            (bools and None by value, floats by type)
     constexprs    by value; the autotuner's key arguments also by value (so a new T bucket is tuned anew)
     device        the current CUDA device (the JIT keeps one cache per device)
@@ -43,6 +44,8 @@ def _spec(args) -> tuple:
             key.append(a)
         elif isinstance(a, int):  # an int subclass
             key.append((a == 1, a % 16 == 0, -_I32 <= a < _I32))
+        elif hasattr(a, "block_shape"):  # a host TMA descriptor: specialised on its dtype, block and layout
+            key.append((a.base.dtype, tuple(a.block_shape), a.layout))
         else:
             key.append(t)
     return tuple(key)
