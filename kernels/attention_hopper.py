@@ -190,26 +190,29 @@ def _consume(WG: gl.constexpr, args, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexp
     i = 0
     tp = 0  # phase of this warpgroup's turn barrier
     qk = gl.zeros([SUB_M, BLOCK_N], gl.float32, s_layout)  # S registers, reused as the (ignored) accumulator input
+    # The first S = Q K_0^T of the CTA's first item is issued here; every later item's is issued by the item
+    # before it, together with that item's last P V, so its epilogue (normalise, store) runs under the wgmma.
+    mbarrier.wait(q_ready.index(0), 0)  # (the grid is never larger than n_items: every CTA has a first item)
+    mbarrier.wait(kv_ready.index(0), 0)
+    tp = _take_turn(turn, WG, tp, PINGPONG)
+    qk = warpgroup_mma(q_smem.index(WG), k_bufs.index(0).permute((1, 0)), qk, use_acc=False, is_async=True)
+    _pass_turn(turn, WG, PINGPONG)
     for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
         b, h, bh, m0, n_blocks, n_free = _work_item(t, n_items, n_bh, n_m, H, Tk, BLOCK_M, BLOCK_N, CAUSAL)
         rows = m0 + WG * SUB_M + gl.arange(0, SUB_M, layout=s_rows)
         qs = i % 2
-        mbarrier.wait(q_ready.index(qs), (i // 2) & 1)
         q = q_smem.index(2 * qs + WG)
 
-        # block 0: S = Q K^T and its softmax; then each step issues S_next = Q K_next^T and O += P V_prev, and
-        # runs the softmax of S_next while the P V wgmma is still on the tensor cores (FlashAttention-3's
+        # block 0: its S is in flight; its softmax. Then each step issues S_next = Q K_next^T and O += P V_prev,
+        # and runs the softmax of S_next while the P V wgmma is still on the tensor cores (FlashAttention-3's
         # intra-warpgroup overlap); O is rescaled once that wgmma has landed
         s = j % NUM_BUF
-        mbarrier.wait(kv_ready.index(s), (j // NUM_BUF) & 1)
-        tp = _take_turn(turn, WG, tp, PINGPONG)
-        qk = warpgroup_mma(q, k_bufs.index(s).permute((1, 0)), qk, use_acc=False, is_async=True)
-        _pass_turn(turn, WG, PINGPONG)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
         qk = _mask(qk, 0, n_free, rows, Tk, BLOCK_N, CAUSAL, s_cols)
         m_i = gl.max(qk, axis=1) * qk_scale  # running max, log2 units
         p = gl.exp2(qk * qk_scale - gl.expand_dims(m_i, 1))  # one FMA per score into exp2
         l_i = gl.sum(p, axis=1)
+        p = gl.convert_layout(p.to(dtype), p_layout)  # P as the next wgmma's A operand (bf16: half the registers)
         acc = gl.zeros([SUB_M, HEAD_DIM], gl.float32, layout=o_layout)
         prev = s
         j += 1
@@ -218,36 +221,45 @@ def _consume(WG: gl.constexpr, args, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexp
             mbarrier.wait(kv_ready.index(s), (j // NUM_BUF) & 1)
             tp = _take_turn(turn, WG, tp, PINGPONG)
             qk = warpgroup_mma(q, k_bufs.index(s).permute((1, 0)), qk, use_acc=False, is_async=True)  # qk: dead
-            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_bufs.index(prev), acc, is_async=True)
+            acc = warpgroup_mma(p, v_bufs.index(prev), acc, is_async=True)
             _pass_turn(turn, WG, PINGPONG)
             qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))  # S_next is in; P V may still run
             qk = _mask(qk, n, n_free, rows, Tk, BLOCK_N, CAUSAL, s_cols)
             m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
-            p = gl.exp2(qk * qk_scale - gl.expand_dims(m_new, 1))
+            p32 = gl.exp2(qk * qk_scale - gl.expand_dims(m_new, 1))
             alpha = gl.exp2(m_i - m_new)
-            l_i = l_i * alpha + gl.sum(p, axis=1)
+            l_i = l_i * alpha + gl.sum(p32, axis=1)
+            p = gl.convert_layout(p32.to(dtype), p_layout)
             m_i = m_new
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(kv_empty.index(prev), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
             prev = s
             j += 1
+
+        # the last P V, and the next item's first S (without a next item: a discarded product of stale buffers)
+        has_next = t + gl.num_programs(0) < n_items
+        mbarrier.wait(q_ready.index((i + 1) % 2), ((i + 1) // 2) & 1, pred=has_next)
+        mbarrier.wait(kv_ready.index(j % NUM_BUF), (j // NUM_BUF) & 1, pred=has_next)
         tp = _take_turn(turn, WG, tp, PINGPONG)
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_bufs.index(prev), acc, is_async=True)
+        acc = warpgroup_mma(p, v_bufs.index(prev), acc, is_async=True)
+        qk = warpgroup_mma(q_smem.index(2 * ((i + 1) % 2) + WG), k_bufs.index(j % NUM_BUF).permute((1, 0)), qk,
+                           use_acc=False, is_async=True)
         _pass_turn(turn, WG, PINGPONG)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
         mbarrier.arrive(kv_empty.index(prev), count=1)
         mbarrier.arrive(q_empty.index(qs), count=1)  # Q's wgmma reads are complete (waited above)
         i += 1
 
         out = acc * gl.expand_dims(gl.convert_layout(1.0 / l_i, o_rows), 1)
-        o_r = m0 + WG * SUB_M + gl.arange(0, SUB_M, layout=o_rows)
+        r0 = m0 + WG * SUB_M  # a 64-bit scalar base and 32-bit offsets: 32 registers fewer than 64-bit pointers
+        o_base = O + b.to(gl.int64) * so_b + h.to(gl.int64) * so_h + r0.to(gl.int64) * so_t
+        o_r = gl.arange(0, SUB_M, layout=o_rows)
         o_c = gl.arange(0, HEAD_DIM, layout=o_cols)
-        o_ptrs = (O + b.to(gl.int64) * so_b + h.to(gl.int64) * so_h
-                  + gl.expand_dims(o_r.to(gl.int64) * so_t, 1) + gl.expand_dims(o_c, 0))
-        o_mask = gl.expand_dims(o_r < Tq, 1) & gl.expand_dims(o_c < HEAD_DIM, 0)
-        gl.store(o_ptrs, out.to(dtype), mask=o_mask)
+        o_mask = gl.expand_dims(o_r < Tq - r0, 1) & gl.expand_dims(o_c < HEAD_DIM, 0)
+        gl.store(o_base + gl.expand_dims(o_r * so_t, 1) + gl.expand_dims(o_c, 0), out.to(dtype), mask=o_mask)
         gl.store(LSE + bh.to(gl.int64) * Tq + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453, mask=rows < Tq)
+    qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))  # the discarded one
 
 
 @gluon.jit
