@@ -8,7 +8,7 @@ Modes, all with the same model, batch, bf16 autocast and fused AdamW, in the sam
 Variants append `:key=value` options to a mode (bench/notes_e2e.md has the measurements):
     ce=inplace|op   triton loss: eager fused kernel, in place (a graph break under compile) | custom ops
     attn=sdpa       triton mode with PyTorch's SDPA instead of our attention (isolates the attention kernel)
-    attn=triton     our attention with the Triton forward everywhere (no Gluon Hopper forward: the A/B of it)
+    attn=triton     our attention with the Triton kernels only (no Gluon Hopper forward / dK-dV: their A/B)
     mlp=fused       triton eager modes with kernels/mlp.py (GELU in the GEMM epilogues) instead of Linear + GELU
     cmode=M         torch.compile(mode=M), e.g. max-autotune-no-cudagraphs, reduce-overhead
     graph=1         eager mode with each forward + backward replayed from a CUDA graph (nanopara/graph.py)
@@ -69,7 +69,7 @@ def make_step(mode: str, args, mesh: Mesh):
     torch.manual_seed(0)
     model = GPT(cfg.model).to(mesh.device)
     from kernels import attention as attention_mod
-    attention_mod.HOPPER_FWD = kv.get("attn") != "triton"  # read at each call: this mode's choice
+    attention_mod.HOPPER_FWD = attention_mod.HOPPER_BWD = kv.get("attn") != "triton"  # read at each call
     if kernels == "triton":
         cls = _TritonSdpaOps if kv.get("attn") == "sdpa" else TritonOps
         model._ops[mesh.device.type] = cls(ce=kv.get("ce", "inplace"), fused_mlp=kv.get("mlp") == "fused")

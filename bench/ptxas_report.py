@@ -136,11 +136,12 @@ def usage(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int
 SMEM_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90 (227 KB): a kernel needing more cannot launch
 
 
-def gluon_attention_usage(head_dim: int, cfg: tuple, causal: bool = True) -> dict:
-    """{'regs', 'spill_bytes', 'smem_bytes'} of kernels/attention_hopper.py's warp-specialized forward for one
-    CONFIGS candidate, compiled for sm_90a with bf16 host TMA descriptors of the model's shapes. 'regs' is the
-    launch-level count (12 warps share the 64K registers: 168); setmaxnreg then moves the loader warp's to the two
-    consumer warpgroups (240 each), and ptxas reports a spill wherever a partition does not fit its share."""
+def gluon_attention_usage(kind: str, head_dim: int, cfg: tuple, causal: bool = True) -> dict:
+    """{'regs', 'spill_bytes', 'smem_bytes'} of a kernels/attention_hopper.py kernel ("fwd": the forward for one
+    CONFIGS candidate, "dkdv": the dK/dV kernel for one BWD_CONFIGS entry), compiled for sm_90a with bf16 host TMA
+    descriptors of the model's shapes. 'regs' is the launch-level count (12 warps share the 64K registers: 168);
+    setmaxnreg then moves the loader warp's to the two consumer warpgroups (240 each), and ptxas reports a spill
+    wherever a partition does not fit its share."""
     import torch
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -148,20 +149,27 @@ def gluon_attention_usage(head_dim: int, cfg: tuple, causal: bool = True) -> dic
     from triton.runtime.jit import mangle_type
     from kernels import attention_hopper as ah
 
-    block_n, num_buf, pingpong = cfg
-
-    def desc(rows):
-        x = torch.empty(16 * 1024, head_dim, dtype=torch.bfloat16)  # stands in for the model's activations
-        layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.bfloat16)
-        return mangle_type(TensorDescriptor(x, list(x.shape), [head_dim, 1], [rows, head_dim], layout))
-    fn = ah._attn_fwd_ws_kernel
+    def desc(rows, cols=head_dim, dtype=torch.bfloat16, gdtype=gl.bfloat16):
+        x = torch.empty(16 * 1024, cols, dtype=dtype)  # stands in for the model's activations
+        layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gdtype)
+        return mangle_type(TensorDescriptor(x, list(x.shape), [cols, 1], [rows, cols], layout))
+    if kind == "fwd":
+        fn, (block_n, num_buf, pingpong) = ah._attn_fwd_ws_kernel, cfg
+        descs = dict(q_desc=desc(ah.ROWS), k_desc=desc(block_n), v_desc=desc(block_n))
+        consts = dict(BLOCK_N=block_n, NUM_BUF=num_buf, CAUSAL=causal, PINGPONG=pingpong)
+        ptrs = {"O": "*bf16", "LSE": "*fp32"}
+    else:
+        fn, (block_q, num_buf) = ah._attn_bwd_dkdv_ws_kernel, cfg
+        vec = desc(1, block_q, torch.float32, gl.float32)
+        descs = dict(q_desc=desc(block_q), do_desc=desc(block_q), k_desc=desc(ah.ROWS), v_desc=desc(ah.ROWS),
+                     l_desc=vec, d_desc=vec)
+        consts = dict(BLOCK_Q=block_q, NUM_BUF=num_buf, CAUSAL=causal)
+        ptrs = {"DK": "*bf16", "DV": "*bf16"}
     sig = {n: "i32" for n in fn.arg_names}
-    sig.update(q_desc=desc(ah.ROWS), k_desc=desc(block_n), v_desc=desc(block_n), O="*bf16", LSE="*fp32",
-               qk_scale="fp32")
-    consts = dict(BLOCK_N=block_n, NUM_BUF=num_buf, CAUSAL=causal, PINGPONG=pingpong)
+    sig.update(descs, **ptrs, qk_scale="fp32", **({"sm_scale": "fp32"} if kind != "fwd" else {}))
     sig.update({k: "constexpr" for k in consts})
     names = list(fn.arg_names)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("O", "LSE")}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
     compiled = triton.compile(GluonASTSource(fn, sig, constexprs=consts, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     return _ptxas(compiled)
@@ -197,11 +205,17 @@ def report() -> list[dict]:
     # the Gluon forward (Hopper): every candidate config, no spills, and its K/V ring + Q slots within the 227 KB
     from kernels import attention_hopper as ah
     for d, cands in ah.CONFIGS.items():
-        for cfg in cands:
+        for cfg in [c for c in cands if c != ah.TRITON]:
             ring = cfg[1] * 2 * cfg[0] * d * 2 + 4 * ah.ROWS * d * 2  # NUM_BUF x (K + V) + 2 Q slots x 2 halves
             rows.append({"case": f"gluon attn fwd D{d} {cfg[0]}x{cfg[1]}{' pingpong' if cfg[2] else ''}",
                          "reg_bound": 168, "spill_bound": 0, "pipelined_bytes": ring, "smem_bound": SMEM_LIMIT,
-                         **gluon_attention_usage(d, cfg)})
+                         **gluon_attention_usage("fwd", d, cfg)})
+    for d, cands in ah.BWD_CONFIGS.items():
+        for cfg in cands:  # NUM_BUF x (Q + dO) + 2 K/V slots x 2 halves x (K + V)
+            ring = cfg[1] * 2 * cfg[0] * d * 2 + 8 * ah.ROWS * d * 2
+            rows.append({"case": f"gluon attn dkdv D{d} {cfg[0]}x{cfg[1]}", "reg_bound": 168, "spill_bound": 0,
+                         "pipelined_bytes": ring, "smem_bound": SMEM_LIMIT,
+                         **gluon_attention_usage("dkdv", d, cfg)})
     return rows
 
 

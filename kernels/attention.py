@@ -24,6 +24,9 @@ fp32. Head dims that are not powers of 2 (e.g. 80, 96) are padded to the next po
 masked loads. Any sequence length: tails are masked. The out and the grads are (B, H, T, D) views of (B, T, H, D)
 memory, so merging heads afterwards (`y.transpose(1, 2).reshape(B, T, H * D)`) is free. Tiles load through
 pointers at head dims up to 64 and through TMA descriptors from 128 (`TMA_MIN_BLOCK_D`, measured there).
+On Hopper GPUs the forward and the dK/dV kernel of the backward are kernels/attention_hopper.py's warp-specialized
+Gluon kernels wherever it supports the call (head dim 64 / 128, bf16/fp16, TMA-readable layouts); the dq kernel
+(with delta) stays this file's. HOPPER_FWD / HOPPER_BWD = False (NANOPARA_ATTN_HOPPER=0) keep Triton everywhere.
 
 Callers: `nanopara/model.py` uses `attention_qkv()` over its packed (B, T, 3*H*D) projection (Triton on CUDA
 tensors, SDPA on CPU tensors): the backward writes dq, dk, dv into one d(qkv) buffer, so no stack copy follows;
@@ -495,6 +498,7 @@ def _bthd_empty(B, H, T, D, like):
 # measured faster (its PREFERRED_HEAD_DIMS) and supported() says so; NANOPARA_ATTN_HOPPER=0 (or HOPPER_FWD = False)
 # keeps this file's Triton forward everywhere, for comparisons.
 HOPPER_FWD = os.environ.get("NANOPARA_ATTN_HOPPER", "1") != "0"
+HOPPER_BWD = HOPPER_FWD  # the same for the dK/dV kernel of the backward
 
 
 def attention_block_fwd(q, k, v, causal, sm_scale=None):
@@ -563,10 +567,24 @@ def attention_block_bwd(do, q, k, v, out, lse, causal, sm_scale=None, grads=None
     _bwd_dq[grid_q](q, k, v, out, do, lse, delta, dq, scale * LOG2E, scale,
                     *q.stride(), *k.stride(), *v.stride(), *out.stride(), *do.stride(), *dq.stride(),
                     H, Tq, Tk, *buckets, TMA=tma_dq, **meta)
+    if _hopper_bwd(q, k, v, do, dk, dv, causal, sm_scale):
+        from kernels import attention_hopper
+        attention_hopper.attention_bwd_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale)
+        return dq, dk, dv
     _bwd_dkdv[grid_kv](q, k, v, do, lse, delta, dk, dv, scale * LOG2E, scale,
                        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
                        H, Tq, Tk, *buckets, TMA=tma_dkdv, **meta)
     return dq, dk, dv
+
+
+def _hopper_bwd(q, k, v, do, dk, dv, causal, sm_scale) -> bool:
+    """dK/dV through kernels/attention_hopper.py's Gluon kernel (Hopper, its PREFERRED_BWD_HEAD_DIMS)."""
+    if not (HOPPER_BWD and q.is_cuda and not _INTERPRET):
+        return False
+    from kernels import attention_hopper
+    return (q.shape[-1] in attention_hopper.PREFERRED_BWD_HEAD_DIMS and dk.stride(-1) == 1 and dv.stride(-1) == 1
+            and attention_hopper.supported(q, k, v, causal, sm_scale) and attention_hopper._rows(do) is not None
+            and do.dtype == q.dtype and q.shape[2] % 4 == 0)  # lse / delta rows are read through TMA
 
 
 # ---------------------------------------------------------------------------------------------------------------

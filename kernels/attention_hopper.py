@@ -1,49 +1,62 @@
-"""Flash attention forward for Hopper (sm_90) in Gluon: warp-specialized, persistent, wgmma + TMA.
+"""Flash attention for Hopper (sm_90) in Gluon: a forward and a dK/dV kernel, warp-specialized, persistent.
 
-Same math and contract as kernels/attention.py's forward (`attention_block_fwd`: out (B, H, Tq, D) view of
-(B, T, H, D) memory, natural-log lse (B, H, Tq) fp32, causal mask, any length). attention.py calls it on Hopper GPUs
-at the head dims where it measured faster than the Triton forward (PREFERRED_HEAD_DIMS: 64) and where `supported()`
-says yes; everywhere else (CPU interpreter, other GPUs, other head dims, layouts TMA cannot read) the Triton forward
-runs. The backward is attention.py's either way: it needs only out and lse, which both forwards produce.
+Same math and contracts as kernels/attention.py (its docstring has the formulas). attention.py calls these on Hopper
+GPUs where `supported()` says yes and the head dim is in PREFERRED_HEAD_DIMS / PREFERRED_BWD_HEAD_DIMS (64, 128):
+  * `attention_fwd`: out (B, H, Tq, D) view of (B, T, H, D) memory and natural-log lse (B, H, Tq) fp32, causal or
+    not, any length (= attention_block_fwd);
+  * `attention_bwd_dkdv`: dK, dV given lse and delta = rowsum(dO * O) (attention.py's Triton dq kernel computes dQ
+    and delta first, as before; needs Tq % 4 == 0, the lse / delta rows being read through TMA).
+Everywhere else (CPU interpreter, other GPUs, other head dims, layouts TMA cannot read) the Triton kernels run.
 
-Why a second forward: Triton 3.6 does not warp-specialize on Hopper, so each warp runs its softmax and its tensor-core
-work one after the other; at head dim 64 the online softmax (exp2, max, sum: ~1000 clocks of MUFU and ALU work per
-128 x 128 block on an SM) is as long as the block's two matmuls. Gluon (`triton.experimental.gluon`) exposes the
-pieces FlashAttention-3 (Shah et al., 2024) builds on, and this kernel uses them:
+Why: Triton 3.6 does not warp-specialize on Hopper, so each warp runs its softmax and its tensor-core work one after
+the other; at head dim 64 the online softmax (exp2, max, sum: ~1000 clocks of MUFU and ALU work per 128 x 128 block
+on an SM) is as long as the block's two matmuls. Gluon (`triton.experimental.gluon`) exposes the pieces
+FlashAttention-3 (Shah et al., 2024) builds on, and both kernels use them:
 
-  * persistent: one CTA per SM walks (128-row query tile, b*h) work items, longest first under the causal mask and
-    dealt to the CTAs in a zigzag (`_work_item`), so the next item's loads overlap the current one's last blocks;
-  * three partitions (`gl.warp_specialize`): a 1-warp loader issuing TMA copies (Q as two 64-row halves, then K, V
-    blocks into a ring of NUM_BUF shared-memory stages) and two 4-warp consumer warpgroups, each owning one 64-row
-    half of the tile. setmaxnreg gives the loader 24 registers and each consumer 240;
-  * a consumer computes S = Q K^T with wgmma from shared memory, the online softmax in registers, and O += P V with
-    P fed to wgmma from registers (no shared-memory round trip). Each step issues S_next = Q K_next^T and O += P V
-    together and runs S_next's softmax while P V is still on the tensor cores (FA3's intra-warpgroup overlap; this
-    holds two ring stages per consumer, hence NUM_BUF >= 4);
-  * PINGPONG (a config option): the consumers take turns issuing their wgmmas (two mbarriers), so one warpgroup's
-    softmax runs under the other's matmuls (FA3's inter-warpgroup schedule);
-  * mbarriers: kv_ready[s] (TMA transaction count), kv_empty[s] (both consumers arrive when done with stage s),
-    q_ready[t] / q_empty[t] for two Q slots, turn[2] for the ping-pong.
+  * persistent: one CTA per SM walks work items (forward: 128-row query tile x (b, h), longest first under the
+    causal mask; dK/dV: 128-key tile x (b, h), the earliest keys first), dealt to the CTAs in a zigzag (round k:
+    CTAs 0..G-1, then G-1..0) so every CTA's sum of work is even;
+  * three partitions (`gl.warp_specialize`): a 1-warp loader issuing TMA copies into rings of shared-memory stages
+    and two 4-warp consumer warpgroups, each owning 64 rows of the item (forward: query rows; dK/dV: key rows).
+    setmaxnreg gives the loader 24 registers and each consumer 240. mbarriers pair every stage: ready (TMA
+    transaction count) and empty (both consumers arrive);
+  * forward consumer: S = Q K^T by wgmma from shared memory, the online softmax in registers, O += P V with P fed
+    to wgmma from registers. Each step issues S_next = Q K_next^T with O += P V and runs S_next's softmax while
+    P V is on the tensor cores (FA3's intra-warpgroup overlap: two stages held per consumer, NUM_BUF >= 4); an
+    item's last P V goes out with the next item's first S, so the epilogue runs under a wgmma. PINGPONG (a config
+    option): the consumers take turns issuing (FA3's inter-warpgroup schedule);
+  * dK/dV consumer (everything transposed, rows are keys; K and V stay in shared memory, not registers, which is
+    what limited the Triton kernel's tiles): per query block S^T = K Q^T and dP^T = V dO^T are issued together,
+    P^T = exp2(S^T * scale - lse) runs while dP^T is on the tensor cores, then dV += P^T dO and, from
+    dS^T = P^T (dP^T - delta), dK += dS^T Q, with P^T and dS^T from registers. lse and delta come through the ring
+    with Q and dO: loaded per step by the consumers, they stalled each block on a global load (0.83-0.96x the
+    Triton kernel); from shared memory, 1.06-1.13x.
 
-Each shape's config (ring depth, ping-pong) is timed on its first call among CONFIGS (`_config`), as
-triton.autotune would. Measured on H200s (session 7, `python -m kernels.attention_hopper --sweep`): D64 0.091-0.096
-ms at B16 H12 T1024 against the Triton forward's 0.100-0.101 and cuDNN's 0.082-0.083; what did not help: a
-polynomial exp2 on the FMA pipe for 1 in 4 scores (FA4's trick: 0.104 vs 0.093 ms, the ALU is as busy as the
-MUFU), two 1-consumer CTAs per SM instead of one 2-consumer CTA (0.101-0.107), 2-stage rings (0.118).
+Configs: the forward's per-shape choice among CONFIGS (ring depth, ping-pong, or the Triton forward itself) is timed
+on its first call (`_config`), as triton.autotune would. Measured on H200s (session 7, `python -m
+kernels.attention_hopper [--sweep]`, results/attention_hopper_s7.txt): D64 B16 H12 T1024 forward 0.090-0.096 ms
+(Triton 0.100-0.101, cuDNN 0.082-0.083), backward (dq + dK/dV) 0.243-0.246 ms (Triton 0.272-0.275); D128 B4 H16
+T4096 forward 0.54-0.63 (Triton 0.58-0.61, machine-dependent), backward 1.88-1.91 (Triton 2.03-2.07). Tried and
+dropped: a polynomial exp2 on the FMA pipe for 1 in 4 scores (FA4's trick: 0.104 vs 0.093 ms, the ALU is as busy as
+the MUFU), two 1-consumer CTAs per SM (0.101-0.107), three consumers of 64 rows (0.110, spills), 2-stage rings
+(0.118); in the dK/dV kernel, lse / delta prefetched a block ahead in registers and the next block's S^T issued
+before dK landed (spills; 0.46-0.49x: results/attention_hopper_dkdv_experiment_s7.diff has that version).
 
-Masking: key blocks left of a tile's first row take no mask; the diagonal blocks and the key tail compare indices.
-Rows past Tq are computed on whatever the TMA box holds (zeros at the tensor's end, the next head's or batch's rows
-inside it) and never stored; keys past Tk are masked to -inf, so their V rows are multiplied by exact zeros.
+Masking: blocks away from the diagonal take no mask; the diagonal blocks and the tails compare indices. Rows past
+the length are computed on whatever the TMA box holds (zeros at the tensor's end, the next head's or batch's rows
+inside it) and never stored; masked scores become -inf (forward) or P^T = 0 (backward), so those rows contribute
+exact zeros.
 
 Layouts TMA reads as 2-D row blocks (`_rows`): (B, H, T, D) memory (rows (b*H + h)*T + t) and (B, T, H, D)-like
 memory such as the model's packed qkv projection (rows b*T + t, column h*stride_h); unit stride along D, 16-byte
-aligned base and strides. Host cost: ~80 us a call (three host descriptors, the launcher encoding them) against the
-Triton forward's ~40; a training step at B=32 is GPU-bound, so the e2e step does not see it.
+aligned base and strides. Host cost: 50-150 us a forward call (host descriptors, the launcher encoding them)
+against the Triton forward's ~40; a training step at B=32 is GPU-bound and does not see it, but `do_bench` rows of
+small shapes do.
 
 Run: `python -m kernels.attention_hopper [--sweep]` (Hopper GPU: parity against the Triton forward and the fp32
-reference, host time per call, GPU time against the Triton forward and cuDNN SDPA). Tests:
-tests/test_attention_hopper.py (GPU) and the offline sm_90a compile of every config in tests/test_registers.py
-(CPU: no spills, shared memory within 227 KB).
+reference, host time per call, GPU time of the forward against the Triton forward and cuDNN SDPA, and of the
+backward with either dK/dV kernel). Tests: tests/test_attention_hopper.py (GPU) and the offline sm_90a compile of
+every config in tests/test_registers.py (CPU: no spills, shared memory within 227 KB).
 """
 
 import torch
@@ -64,16 +77,34 @@ CONSUMER_REGS = gl.constexpr(240)  # registers per thread of the consumer warpgr
 # ping-pong 0.093 vs 0.097 ms (B16 H12 T1024), at D128 it wins at T4096 (0.541 vs 0.577) and loses at T2048
 # (0.369 vs 0.341); BLOCK_N 128 at D128 spills (the S, P and O tiles of 64 x 128 each), 2 stages starve the
 # pipelined loop (it holds two stages per consumer): 64x2 0.814 vs 64x4 0.626 ms.
-CONFIGS = {64: [(128, 4, True), (128, 4, False)], 128: [(64, 5, True), (64, 5, False), (64, 4, False)]}
+TRITON = "triton"  # a candidate too: kernels/attention.py's Triton forward, where it is the faster one
+CONFIGS = {64: [(128, 4, True), (128, 4, False), TRITON], 128: [(64, 5, True), (64, 5, False), (64, 4, False), TRITON]}
 # Head dims where kernels/attention.py's forward dispatches here. H200, session 7, B16 H12 T1024 and B8 H16 T2048
 # over six machines: D64 1.05-1.11x the Triton forward; D128 0.89-1.10x (the same kernel took 0.535-0.626 ms at
-# B4 H16 T4096 on different machines, the Triton one 0.583-0.605), so D128 stays on Triton until it wins everywhere.
-PREFERRED_HEAD_DIMS = (64, )
+# B4 H16 T4096 on different machines, the Triton one 0.583-0.605), which is why TRITON is one of the candidates the
+# first call of a shape times.
+PREFERRED_HEAD_DIMS = (64, 128)
+# the dK/dV kernel: H200 session 7, 1.13x the Triton dK/dV path at D64 B16 H12 T1024 (backward 0.243 vs 0.275 ms),
+# 1.08x at D128 B4 H16 T4096 (1.876 vs 2.025), 1.07-1.08x at T2048 (results/attention_hopper_s7.txt)
+PREFERRED_BWD_HEAD_DIMS = (64, 128)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Kernel: loader partition, consumer partitions, the persistent kernel
 # ---------------------------------------------------------------------------------------------------------------
+
+@gluon.jit
+def _zigzag(t, n_items):
+    """The CTA's loop index t (pid, pid + G, ...; G CTAs) -> the work item it takes: round k deals items k*G ..
+    k*G + G - 1 to CTAs 0..G-1 when k is even and to G-1..0 when odd (the last round may be short)."""
+    G = gl.num_programs(0)
+    k = t // G
+    pid = t % G
+    r = gl.minimum(G, n_items - k * G)  # items in this round
+    if k % 2 == 1:
+        t = k * G + r - 1 - pid
+    return t
+
 
 @gluon.jit
 def _key_blocks(m0, Tk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
@@ -93,12 +124,7 @@ def _work_item(t, n_items, n_bh, n_m, H, Tk, BLOCK_M: gl.constexpr, BLOCK_N: gl.
     which unmasked). Each work item is a 128-row query tile of one (b, h). Items are ordered longest first
     under a causal mask and dealt in a zigzag (round k: CTAs 0..G-1, then G-1..0), so each CTA's sum of work is even:
     at B16 H12 T1024 the busiest CTA gets 53 key blocks against a mean of 52.4 (56 when dealt in one direction)."""
-    G = gl.num_programs(0)
-    k = t // G
-    pid = t % G
-    r = gl.minimum(G, n_items - k * G)  # items in this round
-    if k % 2 == 1:
-        t = k * G + r - 1 - pid
+    t = _zigzag(t, n_items)
     pid_m = t // n_bh
     if CAUSAL:
         pid_m = n_m - 1 - pid_m
@@ -305,6 +331,175 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, O, LSE, so_b, so_h, so_t, qk_sca
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Backward: dK, dV per 128-key tile (dQ and delta stay with kernels/attention.py's Triton dq kernel, which runs first)
+# ---------------------------------------------------------------------------------------------------------------
+
+@gluon.jit
+def _bwd_item(t, n_items, n_bh, H, Tq, BLOCK_Q: gl.constexpr, CAUSAL: gl.constexpr):
+    """Work item t -> (b, h, b*h, first key n0, first and end query block). Key tiles of 2 * SUB_M keys; under a
+    causal mask the first key tiles see the most queries, so they come first, dealt in the zigzag of _work_item."""
+    t = _zigzag(t, n_items)
+    bh = t % n_bh
+    n0 = (t // n_bh) * (2 * SUB_M)
+    lo = 0
+    if CAUSAL:
+        lo = n0 // BLOCK_Q  # queries before the tile's first key see none of its keys
+    return bh // H, bh % H, bh, n0, lo, gl.cdiv(Tq, BLOCK_Q)
+
+
+@gluon.jit
+def _bwd_loader(args, BLOCK_Q: gl.constexpr, NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr):
+    (q_desc, k_desc, v_desc, do_desc, l_desc, d_desc, k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, kv_ready,
+     kv_empty, qd_ready, qd_empty, DK, DV, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, qk_scale, sm_scale, H, Tq, Tk, n_bh,
+     n_items, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, do_rb, do_rh, do_ch) = args
+    j = 0  # query blocks issued: ring slot and phase
+    i = 0  # items: K/V slot and phase
+    for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, h, bh, n0, lo, hi = _bwd_item(t, n_items, n_bh, H, Tq, BLOCK_Q, CAUSAL)
+        ks = i % 2
+        mbarrier.wait(kv_empty.index(ks), ((i // 2) & 1) ^ 1)
+        mbarrier.expect(kv_ready.index(ks), 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+        for c in gl.static_range(2):  # each consumer's 64 keys
+            tma.async_copy_global_to_shared(k_desc, [b * k_rb + h * k_rh + n0 + c * SUB_M, h * k_ch],
+                                            kv_ready.index(ks), k_smem.index(2 * ks + c))
+            tma.async_copy_global_to_shared(v_desc, [b * v_rb + h * v_rh + n0 + c * SUB_M, h * v_ch],
+                                            kv_ready.index(ks), v_smem.index(2 * ks + c))
+        for n in range(lo, hi):
+            s = j % NUM_BUF
+            mbarrier.wait(qd_empty.index(s), ((j // NUM_BUF) & 1) ^ 1)
+            mbarrier.expect(qd_ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                            + l_desc.block_type.nbytes + d_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [b * q_rb + h * q_rh + n * BLOCK_Q, h * q_ch],
+                                            qd_ready.index(s), q_bufs.index(s))
+            tma.async_copy_global_to_shared(do_desc, [b * do_rb + h * do_rh + n * BLOCK_Q, h * do_ch],
+                                            qd_ready.index(s), do_bufs.index(s))
+            tma.async_copy_global_to_shared(l_desc, [bh, n * BLOCK_Q], qd_ready.index(s), l_bufs.index(s))
+            tma.async_copy_global_to_shared(d_desc, [bh, n * BLOCK_Q], qd_ready.index(s), d_bufs.index(s))
+            j += 1
+        i += 1
+
+
+@gluon.jit
+def _lse_delta(l_bufs, d_bufs, s, BLOCK_Q: gl.constexpr, layout: gl.constexpr):
+    """Base-2 lse and delta of the query block in stage s (the loader's TMA zero-fills columns past Tq)."""
+    return (l_bufs.index(s).reshape([BLOCK_Q]).load(layout) * 1.4426950408889634,
+            d_bufs.index(s).reshape([BLOCK_Q]).load(layout))
+
+
+@gluon.jit
+def _bwd_block(st, dpt, dk, dv, q, do, lse2, delta, n, keys, n0, Tq, qk_scale,
+               BLOCK_Q: gl.constexpr, CAUSAL: gl.constexpr, op_layout: gl.constexpr, qcol_l: gl.constexpr):
+    """One query block of a consumer, its S^T and dP^T wgmmas already issued: P^T = exp2(S^T * scale - lse) while
+    dP^T runs, dV += P^T dO, dS^T = P^T (dP^T - delta), dK += dS^T Q (dK, dV returned in flight)."""
+    st = warpgroup_mma_wait(num_outstanding=1, deps=(st, ))
+    pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
+    cols = n * BLOCK_Q + gl.arange(0, BLOCK_Q, layout=qcol_l)
+    masked = (n + 1) * BLOCK_Q > Tq
+    if CAUSAL:
+        masked = masked | (n * BLOCK_Q < n0 + 2 * SUB_M)
+    if masked:  # the diagonal blocks and the query tail
+        keep = gl.expand_dims(cols < Tq, 0) & gl.expand_dims(keys >= 0, 1)
+        if CAUSAL:
+            keep = keep & (gl.expand_dims(cols, 0) >= gl.expand_dims(keys, 1))
+        pt = gl.where(keep, pt, 0.0)
+    dv = warpgroup_mma(gl.convert_layout(pt.to(do.dtype), op_layout), do, dv, is_async=True)
+    dpt = warpgroup_mma_wait(num_outstanding=1, deps=(dpt, ))
+    dst = pt * (dpt - gl.expand_dims(delta, 0))
+    dk = warpgroup_mma(gl.convert_layout(dst.to(q.dtype), op_layout), q, dk, is_async=True)
+    return dk, dv, st, dpt
+
+
+@gluon.jit
+def _bwd_consume(WG: gl.constexpr, args, BLOCK_Q: gl.constexpr, NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr):
+    """Consumer WG: keys [n0 + 64*WG, +64) of each item. Per query block (all transposed, rows are keys):
+    S^T = K Q^T and dP^T = V dO^T issued together; P^T = exp2(S^T * scale - lse) while dP^T runs; dV += P^T dO;
+    dS^T = P^T (dP^T - delta); dK += dS^T Q. P^T and dS^T go to wgmma from registers."""
+    (q_desc, k_desc, v_desc, do_desc, l_desc, d_desc, k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, kv_ready,
+     kv_empty, qd_ready, qd_empty, DK, DV, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, qk_scale, sm_scale, H, Tq, Tk, n_bh,
+     n_items, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, do_rb, do_rh, do_ch) = args
+    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
+    dtype: gl.constexpr = k_desc.dtype
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_Q, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    keys_l: gl.constexpr = gl.SliceLayout(1, st_layout)
+    qcol_l: gl.constexpr = gl.SliceLayout(0, st_layout)
+    st = gl.zeros([SUB_M, BLOCK_Q], gl.float32, st_layout)  # registers reused as the ignored accumulator inputs
+    dpt = gl.zeros([SUB_M, BLOCK_Q], gl.float32, st_layout)
+    j = 0
+    i = 0
+    for t in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        b, h, bh, n0, lo, hi = _bwd_item(t, n_items, n_bh, H, Tq, BLOCK_Q, CAUSAL)
+        keys = n0 + WG * SUB_M + gl.arange(0, SUB_M, layout=keys_l)
+        ks = i % 2
+        mbarrier.wait(kv_ready.index(ks), (i // 2) & 1)
+        k = k_smem.index(2 * ks + WG)
+        v = v_smem.index(2 * ks + WG)
+        dk = gl.zeros([SUB_M, HEAD_DIM], gl.float32, acc_layout)
+        dv = gl.zeros([SUB_M, HEAD_DIM], gl.float32, acc_layout)
+        for n in range(lo, hi):
+            s = j % NUM_BUF
+            mbarrier.wait(qd_ready.index(s), (j // NUM_BUF) & 1)
+            st = warpgroup_mma(k, q_bufs.index(s).permute((1, 0)), st, use_acc=False, is_async=True)
+            dpt = warpgroup_mma(v, do_bufs.index(s).permute((1, 0)), dpt, use_acc=False, is_async=True)
+            lse2, delta = _lse_delta(l_bufs, d_bufs, s, BLOCK_Q, qcol_l)
+            dk, dv, st, dpt = _bwd_block(st, dpt, dk, dv, q_bufs.index(s), do_bufs.index(s), lse2, delta, n, keys,
+                                         n0, Tq, qk_scale, BLOCK_Q, CAUSAL, op_layout, qcol_l)
+            dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+            mbarrier.arrive(qd_empty.index(s), count=1)
+            j += 1
+        mbarrier.arrive(kv_empty.index(ks), count=1)  # K, V reads done (every wgmma waited)
+        i += 1
+        rows = n0 + WG * SUB_M + gl.arange(0, SUB_M, layout=gl.SliceLayout(1, acc_layout))
+        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+        ok = gl.expand_dims(rows < Tk, 1) & gl.expand_dims(d < HEAD_DIM, 0)
+        r64 = gl.expand_dims(rows.to(gl.int64), 1)
+        gl.store(DK + b.to(gl.int64) * sk_b + h.to(gl.int64) * sk_h + r64 * sk_t + gl.expand_dims(d, 0),
+                 (dk * sm_scale).to(dtype), mask=ok)
+        gl.store(DV + b.to(gl.int64) * sv_b + h.to(gl.int64) * sv_h + r64 * sv_t + gl.expand_dims(d, 0),
+                 dv.to(dtype), mask=ok)
+
+
+@gluon.jit
+def _bwd_consumer1(args, BLOCK_Q: gl.constexpr, NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr):
+    _bwd_consume(1, args, BLOCK_Q, NUM_BUF, CAUSAL)
+
+
+@gluon.jit(do_not_specialize=["H", "Tq", "Tk", "n_bh", "q_rb", "q_rh", "q_ch", "k_rb", "k_rh", "k_ch", "v_rb",
+                              "v_rh", "v_ch", "do_rb", "do_rh", "do_ch"])
+def _attn_bwd_dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, l_desc, d_desc, DK, DV,
+                             sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, qk_scale, sm_scale, H, Tq, Tk, n_bh,
+                             q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, do_rb, do_rh, do_ch,
+                             BLOCK_Q: gl.constexpr, NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr):
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [4] + k_desc.block_type.shape, k_desc.layout)  # 2 slots x 2
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [4] + v_desc.block_type.shape, v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [NUM_BUF] + q_desc.block_type.shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(do_desc.dtype, [NUM_BUF] + do_desc.block_type.shape, do_desc.layout)
+    l_bufs = gl.allocate_shared_memory(l_desc.dtype, [NUM_BUF] + l_desc.block_type.shape, l_desc.layout)  # lse
+    d_bufs = gl.allocate_shared_memory(d_desc.dtype, [NUM_BUF] + d_desc.block_type.shape, d_desc.layout)  # delta
+    kv_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    qd_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    qd_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(2):
+        mbarrier.init(kv_ready.index(s), count=1)
+        mbarrier.init(kv_empty.index(s), count=2)
+    for s in gl.static_range(NUM_BUF):
+        mbarrier.init(qd_ready.index(s), count=1)
+        mbarrier.init(qd_empty.index(s), count=2)
+    n_items = gl.cdiv(Tk, 2 * SUB_M) * n_bh
+    args = (q_desc, k_desc, v_desc, do_desc, l_desc, d_desc, k_smem, v_smem, q_bufs, do_bufs, l_bufs, d_bufs, kv_ready,
+            kv_empty, qd_ready, qd_empty, DK, DV, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, qk_scale, sm_scale, H, Tq, Tk,
+            n_bh, n_items, q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, do_rb, do_rh, do_ch)
+    gl.warp_specialize([(_bwd_consume, (0, args, BLOCK_Q, NUM_BUF, CAUSAL)),
+                        (_bwd_consumer1, (args, BLOCK_Q, NUM_BUF, CAUSAL)),
+                        (_bwd_loader, (args, BLOCK_Q, NUM_BUF, CAUSAL))],
+                       [4, 1], [CONSUMER_REGS, 24])
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Launcher
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -366,13 +561,15 @@ def _config(q, k, v, out, lse, causal, scale):
     """The CONFIGS candidate for this shape: the first while a CUDA graph is being captured or where there is one,
     else the fastest of them, timed once per (head dim, causal, Tk and B*H power-of-2 buckets), as triton.autotune
     would (its key), but with the graph-capture guard."""
+    from kernels.attention import attention_block_fwd_triton
     B, H, _, D = q.shape
     cands = CONFIGS[D]
     key = (D, bool(causal), triton.next_power_of_2(k.shape[2]), min(triton.next_power_of_2(B * H), 1024))
     if key not in _TUNED:
         if len(cands) == 1 or torch.cuda.is_current_stream_capturing():
             return cands[0]
-        ms = [triton.testing.do_bench(lambda: _launch(q, k, v, out, lse, causal, scale, c), warmup=5, rep=20)
+        ms = [triton.testing.do_bench((lambda: attention_block_fwd_triton(q, k, v, causal, scale)) if c == TRITON
+                                      else (lambda: _launch(q, k, v, out, lse, causal, scale, c)), warmup=5, rep=20)
               for c in cands]
         _TUNED[key] = cands[ms.index(min(ms))]
     return _TUNED[key]
@@ -389,8 +586,40 @@ def attention_fwd(q, k, v, causal, sm_scale=None, config=None):
     if out.numel() == 0 or k.shape[2] == 0:
         return out, lse
     cfg = config or _config(q, k, v, out, lse, causal, scale)
+    if cfg == TRITON:
+        from kernels.attention import attention_block_fwd_triton
+        return attention_block_fwd_triton(q, k, v, causal, scale)
     _launch(q, k, v, out, lse, causal, scale, cfg)
     return out, lse
+
+
+# head dim -> (BLOCK_Q queries per step, NUM_BUF Q/dO stages) of the dK/dV kernel
+BWD_CONFIGS = {64: [(64, 4)], 128: [(32, 4)]}
+_bwd_ws = fast(_attn_bwd_dkdv_ws_kernel)
+
+
+def attention_bwd_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale=None, config=None):
+    """dK, dV of attention into dk, dv ((B, H, Tk, D), unit stride along D, any other strides), given lse (the
+    forward's) and delta = rowsum(dO * O) as kernels/attention.py's dq kernel stores them ((B*H, Tq) contiguous
+    fp32, read through TMA: Tq % 4 == 0). q, k, v and do must pass supported()."""
+    B, H, Tq, D = q.shape
+    Tk = k.shape[2]
+    scale = sm_scale if sm_scale is not None else D ** -0.5
+    BLOCK_Q, NUM_BUF = config or BWD_CONFIGS[D][0]
+    q_desc, qr = _desc(q, BLOCK_Q)
+    do_desc, dor = _desc(do, BLOCK_Q)
+    k_desc, kr = _desc(k, ROWS)
+    v_desc, vr = _desc(v, ROWS)
+    vec = gl.NVMMASharedLayout.get_default_for([1, BLOCK_Q], gl.float32)  # lse, delta: (B*H, Tq) rows, Tq % 4 == 0
+    l_desc = TensorDescriptor(lse, [B * H, Tq], [Tq, 1], [1, BLOCK_Q], vec)
+    d_desc = TensorDescriptor(delta, [B * H, Tq], [Tq, 1], [1, BLOCK_Q], vec)
+    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    if dev not in _NUM_SMS:
+        _NUM_SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    grid = (min(triton.cdiv(Tk, 2 * ROWS) * B * H, _NUM_SMS[dev]), )
+    _bwd_ws[grid](q_desc, k_desc, v_desc, do_desc, l_desc, d_desc, dk, dv, *dk.stride()[:3], *dv.stride()[:3],
+                  scale * LOG2E, scale, H, Tq, Tk, B * H, *qr, *kr, *vr, *dor,
+                  BLOCK_Q=BLOCK_Q, NUM_BUF=NUM_BUF, CAUSAL=bool(causal), num_warps=4)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -458,14 +687,30 @@ def _bench(sweep=False):
             cud = _graph_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
         flops = 4 * B * H * T * T * D / 2
         attention_fwd(q, k, v, True)  # tunes this shape outside the graph capture
-        key = next(c for kk, c in _TUNED.items() if kk[:3] == (D, True, triton.next_power_of_2(T)))
+        key = _TUNED[(D, True, triton.next_power_of_2(T), min(triton.next_power_of_2(B * H), 1024))]
         for cfg in (CONFIGS[D] if sweep else [None]):
             ours = _graph_ms(lambda: attention_fwd(q, k, v, True, config=cfg))
             name = "tuned " if cfg is None else ""
             c = cfg or key
-            name += f"{c[0]}x{c[1]}" + ("pp" if c[2] else "")
+            name += c if c == TRITON else f"{c[0]}x{c[1]}" + ("pp" if c[2] else "")
             print(f"{f'B{B} H{H} T{T} D{D}':>22} {name:>10} {ours:8.3f} {tri:9.3f} {cud:8.3f} "
                   f"{flops / ours / 1e9:8.1f} {tri / ours:8.2f}x {cud / ours:7.2f}x")
+    print(f"backward (dq kernel + dK/dV kernel, GPU time): {'shape':>18} {'config':>7} {'gluon dkdv':>10} "
+          f"{'triton dkdv':>11} {'speed-up':>8}")
+    for B, H, T, D in [(16, 12, 1024, 64), (4, 16, 4096, 128), (8, 16, 2048, 64), (8, 16, 2048, 128)]:
+        q, k, v = A.split_qkv(torch.randn(B, T, 3 * H * D, device="cuda", dtype=torch.bfloat16), H)
+        out, lse = A.attention_block_fwd(q, k, v, True)
+        do = torch.randn_like(out)
+        A.HOPPER_BWD = False
+        tri = _graph_ms(lambda: A.attention_block_bwd(do, q, k, v, out, lse, True))
+        A.HOPPER_BWD = True
+        default = BWD_CONFIGS[D]
+        for cfg in (default if sweep else default[:1]):
+            BWD_CONFIGS[D] = [cfg]
+            ours = _graph_ms(lambda: A.attention_block_bwd(do, q, k, v, out, lse, True))
+            print(f"{'':>47}{f'B{B} H{H} T{T} D{D}':>18} {f'{cfg[0]}x{cfg[1]}':>7} {ours:10.3f} {tri:11.3f} "
+                  f"{tri / ours:7.2f}x")
+        BWD_CONFIGS[D] = default
 
 
 if __name__ == "__main__":

@@ -29,4 +29,4 @@ def test_kernel_tiles_fit_their_register_and_pipeline_budgets():
         assert r["regs"] <= r["reg_bound"], r
         assert r["smem_bytes"] >= r["pipelined_bytes"], r  # the tile loads went through cp.async buffers
         assert r["smem_bytes"] <= r.get("smem_bound", r["smem_bytes"]), r  # the Gluon forward's ring must launch
-    assert sum(r["case"].startswith("gluon") for r in rows) >= 5  # every CONFIGS candidate of the Gluon forward
+    assert sum(r["case"].startswith("gluon") for r in rows) >= 7  # every Gluon forward / dK-dV config
