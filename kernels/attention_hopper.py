@@ -33,7 +33,7 @@ FlashAttention-3 (Shah et al., 2024) builds on, and both kernels use them:
     Triton kernel); from shared memory, 1.06-1.13x.
 
 Configs: the forward's per-shape choice among CONFIGS (ring depth, ping-pong, or the Triton forward itself) is timed
-on its first call (`_config`), as triton.autotune would. Measured on H200s (session 7, `python -m
+on its first call (`_config`, GPU time by CUDA-graph replay), as triton.autotune would. Measured on H200s (session 7, `python -m
 kernels.attention_hopper [--sweep]`, results/attention_hopper_s7.txt): D64 B16 H12 T1024 forward 0.090-0.096 ms
 (Triton 0.100-0.101, cuDNN 0.082-0.083), backward (dq + dK/dV) 0.243-0.246 ms (Triton 0.272-0.275); D128 B4 H16
 T4096 forward 0.54-0.63 (Triton 0.58-0.61, machine-dependent), backward 1.88-1.91 (Triton 2.03-2.07). Tried and
