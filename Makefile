@@ -58,6 +58,7 @@ test-gpu: setup
 bench: setup
 	$(PY) bench/bench_gpt.py $(BENCH_ARGS)
 	$(PY) -m kernels.attention $(BENCH_ARGS)
+	-$(PY) -m kernels.attention_hopper    # Hopper only (Gluon); says so and goes on elsewhere
 	$(PY) -m kernels.layernorm $(BENCH_ARGS)
 	$(PY) -m kernels.cross_entropy $(BENCH_ARGS)
 	$(PY) -m kernels.adamw $(BENCH_ARGS)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU evidence. Usage: bash bench/gpu_suite.sh SECTION... (results under $OUT or out/)
 #   tests    GPU test suite (bf16 numerics at real sizes)
-#   kernels  per-kernel benchmarks (attention, layernorm, cross-entropy, adamw)
+#   kernels  per-kernel benchmarks (attention, its Hopper Gluon kernels, layernorm, cross-entropy, adamw)
 #   lnsweep  LayerNorm tiles and bandwidth per shape, A/B against .carry/old if that checkout exists
 #   e2e      GPT-2 124M training throughput: nanopara vs torch / torch.compile
 #   curve    GPT-2 124M loss curve on the offline book corpus (needs .carry/data, see README)
@@ -13,7 +13,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 for s in "$@"; do
   case $s in
     tests)   $PY -m pytest -q -m gpu tests 2>&1 | tail -25 | tee "$OUT/tests_gpu.txt" ;;
-    kernels) for k in attention layernorm cross_entropy adamw; do
+    kernels) for k in attention attention_hopper layernorm cross_entropy adamw; do
                $PY -m kernels.$k --quick --out "$OUT/kernels.jsonl" 2>&1 | tee "$OUT/bench_$k.txt" | tail -14; done ;;
     lnsweep) $PY bench/sweep_layernorm.py $([ -d .carry/old/kernels ] && echo --old .carry/old) \
                --out "$OUT/sweep_layernorm.jsonl" 2>&1 | tee "$OUT/sweep_layernorm.txt" | grep -v picked ;;

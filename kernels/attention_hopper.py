@@ -720,4 +720,6 @@ def _bench(sweep=False):
 
 if __name__ == "__main__":
     import sys
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
+        raise SystemExit("kernels.attention_hopper: needs a Hopper (sm_90) GPU; nothing to measure here")
     _bench("--sweep" in sys.argv)
