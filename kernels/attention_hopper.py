@@ -33,14 +33,15 @@ FlashAttention-3 (Shah et al., 2024) builds on, and both kernels use them:
     Triton kernel); from shared memory, 1.06-1.13x.
 
 Configs: the forward's per-shape choice among CONFIGS (ring depth, ping-pong, or the Triton forward itself) is timed
-on its first call (`_config`, GPU time by CUDA-graph replay), as triton.autotune would. Measured on H200s (session 7, `python -m
-kernels.attention_hopper [--sweep]`, results/attention_hopper_s7.txt): D64 B16 H12 T1024 forward 0.090-0.096 ms
-(Triton 0.100-0.101, cuDNN 0.082-0.083), backward (dq + dK/dV) 0.243-0.246 ms (Triton 0.272-0.275); D128 B4 H16
-T4096 forward 0.54-0.63 (Triton 0.58-0.61, machine-dependent), backward 1.88-1.91 (Triton 2.03-2.07). Tried and
-dropped: a polynomial exp2 on the FMA pipe for 1 in 4 scores (FA4's trick: 0.104 vs 0.093 ms, the ALU is as busy as
-the MUFU), two 1-consumer CTAs per SM (0.101-0.107), three consumers of 64 rows (0.110, spills), 2-stage rings
-(0.118); in the dK/dV kernel, lse / delta prefetched a block ahead in registers and the next block's S^T issued
-before dK landed (spills; 0.46-0.49x: results/attention_hopper_dkdv_experiment_s7.diff has that version).
+on its first call (`_config`, GPU time by CUDA-graph replay), as triton.autotune would. Measured on H200s (session
+7, `python -m kernels.attention_hopper [--sweep]`, results/attention_hopper_s7.txt): D64 B16 H12 T1024 forward
+0.090-0.096 ms (Triton 0.100-0.101, cuDNN 0.082-0.083), backward (dq + dK/dV) 0.243-0.246 ms (Triton 0.272-0.275);
+D128 B4 H16 T4096 forward 0.54-0.63 (Triton 0.58-0.61, machine-dependent), backward 1.88-1.91 (Triton 2.03-2.07).
+Tried and dropped: a polynomial exp2 on the FMA pipe for 1 in 4 scores (FA4's trick: 0.104 vs 0.093 ms, the ALU is
+as busy as the MUFU), two 1-consumer CTAs per SM (0.101-0.107), three consumers of 64 rows (0.110, spills), 2-stage
+rings (0.118); in the dK/dV kernel, lse / delta prefetched a block ahead in registers and the next block's S^T issued
+before dK landed (spills; 0.46-0.49x: results/attention_hopper_dkdv_experiment_s7.diff), a ping-pong (worse on an
+H100); a Gluon dQ kernel (no gain: results/attention_hopper_dq_experiment_s7.diff).
 
 Masking: blocks away from the diagonal take no mask; the diagonal blocks and the tails compare indices. Rows past
 the length are computed on whatever the TMA box holds (zeros at the tensor's end, the next head's or batch's rows
@@ -84,13 +85,14 @@ CONFIGS = {64: [(128, 4, True), (128, 4, False), TRITON], 128: [(64, 5, True), (
 # B4 H16 T4096 on different machines, the Triton one 0.583-0.605), which is why TRITON is one of the candidates the
 # first call of a shape times.
 PREFERRED_HEAD_DIMS = (64, 128)
-# the dK/dV kernel: H200 session 7, 1.13x the Triton dK/dV path at D64 B16 H12 T1024 (backward 0.243 vs 0.275 ms),
-# 1.08x at D128 B4 H16 T4096 (1.876 vs 2.025), 1.07-1.08x at T2048 (results/attention_hopper_s7.txt)
+# the dK/dV kernel, backward (dq + dK/dV) against the Triton one, session 7 (results/attention_hopper_s7.txt): H200
+# 1.11-1.13x at D64 B16 H12 T1024 (0.243-0.246 vs 0.272-0.275 ms), 1.08-1.09x at D128 B4 H16 T4096 (1.876-1.907 vs
+# 2.025-2.071); H100s: 1.00-1.10x at D64 (0.247-0.272 vs 0.273; 0.99-1.10x at T2048), 1.09-1.12x at D128.
 PREFERRED_BWD_HEAD_DIMS = (64, 128)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Kernel: loader partition, consumer partitions, the persistent kernel
+# Forward: loader partition, consumer partitions, the persistent kernel
 # ---------------------------------------------------------------------------------------------------------------
 
 @gluon.jit
@@ -530,15 +532,26 @@ def supported(q, k, v, causal, sm_scale=None) -> bool:
 
 
 def _desc(x, block_rows):
+    """A host TMA descriptor of x's rows in blocks of (block_rows, D), and x's (rows per batch, rows per head,
+    column per head) for the kernel's coordinates."""
     shape, strides, rb, rh, ch = _rows(x)
     block = [block_rows, x.shape[-1]]
     layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16)
     return TensorDescriptor(x, shape, strides, block, layout), (rb, rh, ch)
 
 
+_NUM_SMS = {}
+
+
+def _num_sms(device) -> int:
+    """SMs of q's GPU: the persistent grids launch at most one CTA per SM."""
+    dev = device.index if device.index is not None else torch.cuda.current_device()
+    if dev not in _NUM_SMS:
+        _NUM_SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    return _NUM_SMS[dev]
+
 
 _fwd_ws = fast(_attn_fwd_ws_kernel)  # the compiled binary launched directly after the first call
-_NUM_SMS = {}
 _TUNED = {}  # (head dim, causal, Tk bucket, B*H bucket) -> the fastest CONFIGS candidate, timed on first use
 
 
@@ -548,13 +561,10 @@ def _launch(q, k, v, out, lse, causal, scale, cfg):
     q_desc, qr = _desc(q, ROWS)
     k_desc, kr = _desc(k, BLOCK_N)
     v_desc, vr = _desc(v, BLOCK_N)
-    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    if dev not in _NUM_SMS:
-        _NUM_SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-    grid = (min(triton.cdiv(Tq, 2 * ROWS) * B * H, _NUM_SMS[dev]), )  # persistent: one CTA per SM at most
-    _fwd_ws[grid](q_desc, k_desc, v_desc, out, lse, *out.stride()[:3], scale * LOG2E, H, Tq, k.shape[2],
-                              B * H, *qr, *kr, *vr, BLOCK_N=BLOCK_N, NUM_BUF=NUM_BUF, CAUSAL=bool(causal),
-                              PINGPONG=PINGPONG, num_warps=4)
+    grid = (min(triton.cdiv(Tq, 2 * ROWS) * B * H, _num_sms(q.device)), )
+    _fwd_ws[grid](q_desc, k_desc, v_desc, out, lse, *out.stride()[:3], scale * LOG2E, H, Tq, k.shape[2], B * H,
+                  *qr, *kr, *vr, BLOCK_N=BLOCK_N, NUM_BUF=NUM_BUF, CAUSAL=bool(causal), PINGPONG=PINGPONG,
+                  num_warps=4)
 
 
 def _config(q, k, v, out, lse, causal, scale):
@@ -618,10 +628,7 @@ def attention_bwd_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale=None, c
     vec = gl.NVMMASharedLayout.get_default_for([1, BLOCK_Q], gl.float32)  # lse, delta: (B*H, Tq) rows, Tq % 4 == 0
     l_desc = TensorDescriptor(lse, [B * H, Tq], [Tq, 1], [1, BLOCK_Q], vec)
     d_desc = TensorDescriptor(delta, [B * H, Tq], [Tq, 1], [1, BLOCK_Q], vec)
-    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    if dev not in _NUM_SMS:
-        _NUM_SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-    grid = (min(triton.cdiv(Tk, 2 * ROWS) * B * H, _NUM_SMS[dev]), )
+    grid = (min(triton.cdiv(Tk, 2 * ROWS) * B * H, _num_sms(q.device)), )
     _bwd_ws[grid](q_desc, k_desc, v_desc, do_desc, l_desc, d_desc, dk, dv, *dk.stride()[:3], *dv.stride()[:3],
                   scale * LOG2E, scale, H, Tq, Tk, B * H, *qr, *kr, *vr, *dor,
                   BLOCK_Q=BLOCK_Q, NUM_BUF=NUM_BUF, CAUSAL=bool(causal), num_warps=4)
