@@ -221,6 +221,10 @@ def profile_step(step, x, y, mesh, label, out_dir):
         if e.time_range.end > end:
             end, last = e.time_range.end, e
     lines += [f"  {g:7.2f} at {at:6.1f}  {a[:45]} -> {b[:45]}" for g, at, a, b in sorted(gaps, reverse=True)[:10]]
+    lines += ["  the last NCCL kernels (start .. end ms in the step, ms):"]
+    lines += [f"  {(e.time_range.start - t0) / 1e3:7.2f} .. {(e.time_range.end - t0) / 1e3:7.2f} "
+              f"{(e.time_range.end - e.time_range.start) / 1e3:6.2f}  {e.name[:60]}"
+              for e in sorted(comm, key=lambda e: e.time_range.start)[-6:]]
     print("\n".join(lines), flush=True)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"profile_dp_{label.replace(':', '_').replace('@', '_')}.txt"), "w") as fh:
