@@ -7,6 +7,9 @@
 #   zero3  ZeRO-3 prefetch depth 1 vs 2 against our DDP, twice interleaved, one profiled step per mode; then B=32/GPU
 #   zero3u ZeRO-3 units of 1, 2, 3, 4 blocks (parallel.zero3_unit_blocks) against our DDP, twice interleaved, at
 #          B=16/GPU (where the forward is host-bound) and B=32; one profiled step per mode
+#   acc    GPT-2's batch of 524,288 tokens (B=16 x T=1024, 32 micro-steps on one GPU, 32/N on N): torch DDP and
+#          ours at 1 and N GPUs, ZeRO-1/2 and ZeRO-3 (units of 3 blocks) at N; scaling against the same run; then
+#          one micro-step of B=32 per GPU, the same modes
 #   tp     tp = 2 and N on gpt2_124m and gpt_1b, sp off/on: tokens/s, MFU, memory, comm overhead
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -46,6 +49,14 @@ for s in "$@"; do
              cat "$OUT"/prof/*.txt > "$OUT/zero3u_prof.txt"; rm -r "$OUT/prof"; grep profile "$OUT/zero3u_prof.txt"
              run $N bench/bench_dp.py --modes ddp,$u --micro_batch 32 --large '' --out "$OUT/zero3u_b32_$N.json"
            } 2>&1 | grep -v Warning | tee "$OUT/zero3u.txt" ;;
+    acc)   { run 1 bench/bench_dp.py --modes torch_ddp,ddp --accum 32 --warmup 1 --steps 4 --large '' \
+               --out "$OUT/acc_1.json"
+             run $N bench/bench_dp.py --modes torch_ddp,ddp,zero1,zero2,zero3:u3,torch_ddp,ddp,zero2 --accum $((32 / N)) \
+               --warmup 2 --steps $((4 * N)) --large '' --baseline "$OUT/acc_1.json" --out "$OUT/acc_$N.json"
+             run 1 bench/bench_dp.py --modes torch_ddp,ddp --micro_batch 32 --large '' --out "$OUT/one_1.json"
+             run $N bench/bench_dp.py --modes torch_ddp,ddp,zero1,zero2,zero3:u3 --micro_batch 32 --large '' \
+               --baseline "$OUT/one_1.json" --out "$OUT/one_$N.json"
+           } 2>&1 | grep -v Warning | tee "$OUT/acc.txt" ;;
     tp)    { for n in 2 $N; do run $n bench/bench_tp.py --preset gpt2_124m --quick --out "$OUT/tp124_$n.json"; done
              run $N bench/bench_tp.py --preset gpt2_124m --sp --quick --out "$OUT/tp124sp_$N.json"
              run $N bench/bench_tp.py --preset gpt_1b --quick --out "$OUT/tp1b_$N.json"

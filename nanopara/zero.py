@@ -14,7 +14,9 @@ ZeRO-1 (P_os): DDP's buckets, but parameters are views of flat buffers. A bucket
   slice, and the flat parameter buffers are all-gathered after the step. no_sync skips the reduction as in DDP.
   Both collectives run in place (f.grad's / f.param's own [lo, hi) is the shard), so ZeRO-1 adds no buffers.
 ZeRO-2 (P_os+g): a bucket's full gradient exists only until its reduce-scatter ends (at most `max_inflight` = 2
-  bucket copies at once: the older is drained before a third starts); the rank keeps its shard.
+  bucket copies at once: the older is drained before a third starts); the rank keeps its shard. The backward's
+  last reductions are not waited for at its end: under gradient accumulation they run beside the next micro-step's
+  forward (the tied wte/lm_head bucket, complete only after the embedding backward, is the largest).
   ZeRO-2/3 reduce on every micro-step and accumulate shards (no_sync is a no-op for them: skipping the reduction
   would mean holding the full gradient, which is what they exist to avoid).
 ZeRO-3 (P_os+g+p): zero3.py (Zero3), on these flat buffers and this engine: parameters too are sharded, and each
@@ -213,10 +215,11 @@ class Zero(_BucketHooks, _Engine):
     def _after_backward(self):
         if self.stage == 1 and self._sync:
             self._launch_ready(force=True)
-        elif self.stage >= 2:
-            if self.stage == 2:
-                self._launch_ready(force=True)
-                self._reset_buckets()
+        elif self.stage == 2:  # the last buckets' reductions stay in flight: under gradient accumulation they
+            # overlap the next micro-step's forward (its first launch, or the step, drains them)
+            self._launch_ready(force=True)
+            self._reset_buckets()
+        elif self.stage == 3:
             self._drain()
 
     def _drain(self, keep: int = 0):
