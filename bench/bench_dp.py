@@ -19,6 +19,7 @@
                "ddp:nocomm" = a control with every all-reduce skipped (the engine's own cost, the upper bound of
                scaling; not a training mode); "zero3:p2" = ZeRO-3 gathering 2 units ahead (zero3.PREFETCH);
                "zero3:u2" = ZeRO-3 units of 2 blocks (parallel.zero3_unit_blocks: fewer hooks per step);
+               "zero2:i4" = ZeRO-2 with up to 4 full-size bucket reductions in flight (engine.max_inflight, 2);
                "ddp:single" = a control of N independent one-GPU runs at once (the
                SingleDevice engine on every rank: what the machine itself loses when all its GPUs work).
                step ms is the slowest rank's; "fast ms" the fastest rank's. host ms (rank 0): CPU time to issue
@@ -120,6 +121,8 @@ def engine_step_fn(model, mesh, cfg, variant=""):
     if variant.startswith("p"):  # "zero3:p2": ZeRO-3 gathers 2 units ahead (zero3.PREFETCH, read at each hook)
         zero3.PREFETCH = int(variant[1:])
     engine = SingleDevice(model, mesh, cfg) if variant == "single" else build_engine(model, mesh, cfg)
+    if variant.startswith("i"):  # "zero2:i4": ZeRO-2/3 keep up to 4 full-size reductions in flight (max_inflight)
+        engine.max_inflight = int(variant[1:])
     if variant == "nocomm":  # control, not a result: the engine's hooks and buffers, its all-reduces skipped
         engine._launch = lambda i: _Done()
     tails = []  # (start, end) CUDA events around the gradient wait at the step: exposed communication

@@ -200,10 +200,11 @@ class Zero(_BucketHooks, _Engine):
             out = f.grad[f.lo:f.hi]
             return f, dist.reduce_scatter_tensor(out, f.grad, group=self.group, async_op=True), out, None
         self._drain(keep=self.max_inflight - 1)  # bounds the full-size bucket copies alive at once
-        sent = torch.zeros(f.padded, device=self.device)  # (padded,): one bucket, alive until its reduction ends
-        for p, view in zip(f.params, _views(sent, f.sizes)):
-            if p.grad is not None:
-                view.copy_(p.grad.reshape(-1))
+        # (padded,): one bucket, alive until its reduction ends; one cat kernel, no zero-fill of the whole bucket
+        parts = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=self.device)
+                 for p in f.params] + [torch.zeros(f.padded - f.numel, device=self.device)]
+        sent = torch.cat(parts)
+        for p in f.params:
             p.grad = None  # ZeRO-2: the full gradient is freed; only the reduced shard is kept
         out = sent[f.lo:f.hi]  # in place, as above
         return f, dist.reduce_scatter_tensor(out, sent, group=self.group, async_op=True), out, sent
