@@ -687,6 +687,7 @@ def _bench(argv=None):
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from kernels import attention_hopper
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="two shapes, fewer repetitions")
     ap.add_argument("--out", default=None, help="also write the table as JSON lines to this file")
@@ -764,9 +765,11 @@ def _bench(argv=None):
         tiles = {n: [c for key, c in kern.cache.items() if key[:2] == (causal, D) and key[3:5] == buckets]
                  for n, kern in (("fwd", _attn_fwd_kernel), ("dq", _attn_bwd_dq_kernel),
                                  ("dkdv", _attn_bwd_dkdv_kernel))}  # the autotuner's pick for this shape's key
-        print("#   tuned tiles: " + "; ".join(
+        hop = [f"gluon fwd {c}" for key, c in attention_hopper._TUNED.items() if key[:2] == (D, causal)
+               and key[2:] == (triton.next_power_of_2(T), min(triton.next_power_of_2(B * H), 1024))]
+        print("#   tuned tiles: " + "; ".join(hop + [
             f"{n} {c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']} w{c.num_warps} s{c.num_stages}"
-            for n, cs in tiles.items() for c in cs))
+            for n, cs in tiles.items() for c in cs]))
     print("ratios are speed-ups (baseline time / our time): > 1 means ours is faster")
     if args.out:
         with open(args.out, "w") as f:

@@ -22,8 +22,11 @@ FlashAttention-3 (Shah et al., 2024) builds on, and both kernels use them:
     transaction count) and empty (both consumers arrive);
   * forward consumer: S = Q K^T by wgmma from shared memory, the online softmax in registers, O += P V with P fed
     to wgmma from registers. Each step issues S_next = Q K_next^T with O += P V and runs S_next's softmax while
-    P V is on the tensor cores (FA3's intra-warpgroup overlap: two stages held per consumer, NUM_BUF >= 4); an
-    item's last P V goes out with the next item's first S, so the epilogue runs under a wgmma. PINGPONG (a config
+    P V is on the tensor cores (FA3's intra-warpgroup overlap). That holds K of one block and V of the block before,
+    so the V ring is one stage deeper than the K ring and a step releases (K_j, V_{j-1}): with 128 x 128 tiles at
+    D128, 2 K + 3 V stages fit in shared memory and still load a block ahead (a shared K/V ring of 2 stages could
+    not: 0.81 vs 0.63 ms at 64-key blocks, session 7). An item's last P V goes out with the next item's first S,
+    so the epilogue runs under a wgmma. PINGPONG (a config
     option): the consumers take turns issuing (FA3's inter-warpgroup schedule);
   * dK/dV consumer (everything transposed, rows are keys; K and V stay in shared memory, not registers, which is
     what limited the Triton kernel's tiles): per query block S^T = K Q^T and dP^T = V dO^T are issued together,
@@ -41,7 +44,11 @@ Tried and dropped: a polynomial exp2 on the FMA pipe for 1 in 4 scores (FA4's tr
 as busy as the MUFU), two 1-consumer CTAs per SM (0.101-0.107), three consumers of 64 rows (0.110, spills), 2-stage
 rings (0.118); in the dK/dV kernel, lse / delta prefetched a block ahead in registers and the next block's S^T issued
 before dK landed (spills; 0.46-0.49x: results/attention_hopper_dkdv_experiment_s7.diff), a ping-pong (worse on an
-H100); a Gluon dQ kernel (no gain: results/attention_hopper_dq_experiment_s7.diff).
+H100); a Gluon dQ kernel (no gain: results/attention_hopper_dq_experiment_s7.diff). Session 9: K and V rings with
+barriers of their own (K released as soon as S is in): 0.95-0.98x the one-barrier-per-step ring, as each extra
+arrive is a warpgroup-wide bar.sync; in the dK/dV kernel, lse / delta read from shared memory where used (64-query
+blocks then spill 64 B instead of 196) made the 32-query kernel slower (1.02x the Triton backward instead of 1.09x)
+and 64-query blocks no faster (1.01-1.04x).
 
 Masking: blocks away from the diagonal take no mask; the diagonal blocks and the tails compare indices. Rows past
 the length are computed on whatever the TMA box holds (zeros at the tensor's end, the next head's or batch's rows
@@ -73,13 +80,15 @@ LOG2E = 1.4426950408889634
 ROWS = 64  # query rows per consumer warpgroup (one wgmma M tile); a work item is 2 * ROWS rows
 SUB_M = gl.constexpr(ROWS)  # the same, for the kernels
 CONSUMER_REGS = gl.constexpr(240)  # registers per thread of the consumer warpgroups (setmaxnreg); the loader: 24
-# head dim -> candidate (BLOCK_N keys per block, NUM_BUF K/V stages, PINGPONG), the first the default; with more than
-# one, the first call of a shape times them (_config). H200 session 7 (kernels/attention_hopper.py --sweep): at D64
-# ping-pong 0.093 vs 0.097 ms (B16 H12 T1024), at D128 it wins at T4096 (0.541 vs 0.577) and loses at T2048
-# (0.369 vs 0.341); BLOCK_N 128 at D128 spills (the S, P and O tiles of 64 x 128 each), 2 stages starve the
-# pipelined loop (it holds two stages per consumer): 64x2 0.814 vs 64x4 0.626 ms.
+# head dim -> candidate (BLOCK_N keys per block, NUM_BUF K stages (V: NUM_BUF + 1), PINGPONG), the first the default;
+# with more than one, the first call of a shape times them (_config). H200 session 7 (--sweep): at D64 ping-pong
+# 0.093 vs 0.097 ms (B16 H12 T1024). Session 9 (H200s, bench/ab_attention_hopper.py, results/attention_fwd_s9.txt):
+# 128-key blocks at D128 (the V ring one deeper makes 2 K stages enough) against session 8's best of 64-key blocks
+# in 5 shared stages (which no longer fit): 1.04-1.16x at B4 H16 T4096; at B8 H16 T2048 1.06-1.19x on one machine
+# (the old tuner had taken the Triton forward) and 0.93-0.98x on another; D64 0.99-1.06x. Ping-pong or not at D128
+# varies by machine and shape, so both are timed.
 TRITON = "triton"  # a candidate too: kernels/attention.py's Triton forward, where it is the faster one
-CONFIGS = {64: [(128, 4, True), (128, 4, False), TRITON], 128: [(64, 5, True), (64, 5, False), (64, 4, False), TRITON]}
+CONFIGS = {64: [(128, 4, True), (128, 4, False), TRITON], 128: [(128, 2, True), (128, 2, False), (64, 4, True), TRITON]}
 # Head dims where kernels/attention.py's forward dispatches here. H200, session 7, B16 H12 T1024 and B8 H16 T2048
 # over six machines: D64 1.05-1.11x the Triton forward; D128 0.89-1.10x (the same kernel took 0.535-0.626 ms at
 # B4 H16 T4096 on different machines, the Triton one 0.583-0.605), which is why TRITON is one of the candidates the
@@ -156,13 +165,16 @@ def _loader(args, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr, CAUSAL: gl.const
         k_row = b * k_rb + h * k_rh
         v_row = b * v_rb + h * v_rh
         for n in range(n_blocks):
+            # block j: K to K stage j % NUM_BUF, V to V stage j % (NUM_BUF + 1), one barrier pair per step. The
+            # consumers release step m once S_m and P_{m-1} V_{m-1} are done (K_m and V_{m-1} free), so block j
+            # waits for step j - NUM_BUF: K stage j % NUM_BUF and V stage (j - NUM_BUF - 1) % (NUM_BUF + 1)
             s = j % NUM_BUF
             mbarrier.wait(kv_empty.index(s), ((j // NUM_BUF) & 1) ^ 1)
             mbarrier.expect(kv_ready.index(s), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [k_row + n * BLOCK_N, h * k_ch], kv_ready.index(s),
                                             k_bufs.index(s))
             tma.async_copy_global_to_shared(v_desc, [v_row + n * BLOCK_N, h * v_ch], kv_ready.index(s),
-                                            v_bufs.index(s))
+                                            v_bufs.index(j % (NUM_BUF + 1)))
             j += 1
         i += 1
 
@@ -234,15 +246,15 @@ def _consume(WG: gl.constexpr, args, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexp
         # block 0: its S is in flight; its softmax. Then each step issues S_next = Q K_next^T and O += P V_prev,
         # and runs the softmax of S_next while the P V wgmma is still on the tensor cores (FlashAttention-3's
         # intra-warpgroup overlap); O is rescaled once that wgmma has landed
-        s = j % NUM_BUF
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+        mbarrier.arrive(kv_empty.index(j % NUM_BUF), count=1)  # step j: S_j done, P V of the block before too
         qk = _mask(qk, 0, n_free, rows, Tk, BLOCK_N, CAUSAL, s_cols)
         m_i = gl.max(qk, axis=1) * qk_scale  # running max, log2 units
         p = gl.exp2(qk * qk_scale - gl.expand_dims(m_i, 1))  # one FMA per score into exp2
         l_i = gl.sum(p, axis=1)
         p = gl.convert_layout(p.to(dtype), p_layout)  # P as the next wgmma's A operand (bf16: half the registers)
         acc = gl.zeros([SUB_M, HEAD_DIM], gl.float32, layout=o_layout)
-        prev = s
+        prev = j % (NUM_BUF + 1)  # the V stage of the block whose P is held
         j += 1
         for n in range(1, n_blocks):
             s = j % NUM_BUF
@@ -260,9 +272,9 @@ def _consume(WG: gl.constexpr, args, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexp
             p = gl.convert_layout(p32.to(dtype), p_layout)
             m_i = m_new
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            mbarrier.arrive(kv_empty.index(prev), count=1)
+            mbarrier.arrive(kv_empty.index(s), count=1)  # step j: K_j and V_{j-1} free
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
-            prev = s
+            prev = j % (NUM_BUF + 1)
             j += 1
 
         # the last P V, and the next item's first S (without a next item: a discarded product of stale buffers)
@@ -274,8 +286,7 @@ def _consume(WG: gl.constexpr, args, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexp
         qk = warpgroup_mma(q_smem.index(2 * ((i + 1) % 2) + WG), k_bufs.index(j % NUM_BUF).permute((1, 0)), qk,
                            use_acc=False, is_async=True)
         _pass_turn(turn, WG, PINGPONG)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-        mbarrier.arrive(kv_empty.index(prev), count=1)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # (V_prev is released with the next S: step j)
         mbarrier.arrive(q_empty.index(qs), count=1)  # Q's wgmma reads are complete (waited above)
         i += 1
 
@@ -305,7 +316,7 @@ def _attn_fwd_ws_kernel(q_desc, k_desc, v_desc, O, LSE, so_b, so_h, so_t, qk_sca
     BLOCK_M: gl.constexpr = 2 * SUB_M
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [4] + q_desc.block_type.shape, q_desc.layout)  # 2 slots x 2
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NUM_BUF] + k_desc.block_type.shape, k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NUM_BUF] + v_desc.block_type.shape, v_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NUM_BUF + 1] + v_desc.block_type.shape, v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())

@@ -108,17 +108,25 @@ def test_training_step_through_autograd():
 @pytest.mark.parametrize("D", [64, 128])
 def test_every_config_is_deterministic_and_agrees(D):
     """No atomics, so a correct kernel gives the same bits every run: a race between the loader's TMA writes and
-    the consumers' reads (a barrier phase off by one) shows up as run-to-run differences. Every CONFIGS candidate
-    (ring depth, ping-pong) computes the same sums in the same order, so they agree bit for bit too."""
+    the consumers' reads (a barrier phase off by one) shows up as run-to-run differences. CONFIGS candidates with
+    the same key block (ring depth, ping-pong) compute the same sums in the same order, so they agree bit for bit
+    too. Another key block rounds P to bf16 against other running maxima, so it is judged, like every candidate
+    (the tuner may pick any), against the fp32 reference by the Triton forward's error."""
     from kernels import attention_hopper
     q, k, v = _inputs(8, 12, 1024, 1024, D, packed=True, seed=3)
-    first = None
+    ref, ref_lse = attention_ref(q.float(), k.float(), v.float(), True)
+    tri, _ = attention_block_fwd_triton(q, k, v, True)
+    err_tri = (tri.float() - ref).abs().max().item()
+    first = {}  # BLOCK_N -> (out, lse) of its first config's first run
     for cfg in [c for c in attention_hopper.CONFIGS[D] if c != attention_hopper.TRITON]:
-        for _ in range(10):
-            out, lse = attention_hopper.attention_fwd(q, k, v, True, config=cfg)
-            if first is None:
-                first = (out.clone(), lse.clone())
-            assert torch.equal(out, first[0]) and torch.equal(lse, first[1]), cfg
+        runs = [attention_hopper.attention_fwd(q, k, v, True, config=cfg) for _ in range(10)]
+        for out, lse in runs[1:]:
+            assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1]), f"{cfg}: not deterministic"
+        out, lse = first.setdefault(cfg[0], runs[0])
+        assert torch.equal(runs[0][0], out) and torch.equal(runs[0][1], lse), f"{cfg} vs the first {cfg[0]}"
+        err = (out.float() - ref).abs().max().item()
+        assert err <= 2 * err_tri + 1e-3 * ref.abs().max().item() + 1e-5, f"{cfg}: {err:.3e} vs {err_tri:.3e}"
+        torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
