@@ -198,6 +198,8 @@ def report() -> list[dict]:
             consts = {"GROUP_M": 8, "DOT_PRECISION": "tf32", "NUM_SMS": 132, **consts}
         else:
             consts = {"BLOCK_D": consts["HEAD_DIM"], "CAUSAL": True, "TMA": False, **consts}
+            if kind == "attn_dq":
+                consts["GROUP"] = 8
             sig, ones = _attention_signature(fn, consts)
             consts = {**consts, **ones}
         rows.append({"case": name, "reg_bound": reg_bound, "spill_bound": spill_bound,

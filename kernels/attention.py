@@ -245,6 +245,22 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, qk_scale,
 # ---------------------------------------------------------------------------------------------------------------
 
 @triton.jit
+def _grouped_order(pid, n_m, n_programs, CAUSAL: tl.constexpr, GROUP: tl.constexpr):
+    """A 1-D grid of n_m query blocks x n_bh (batch, head) pairs -> (query block, pair), in groups of GROUP heads:
+    a group's programs run its heads side by side, heaviest query blocks first under the causal mask, so the GPU's
+    dispatch order is longest-first across the group's heads (a shorter tail) while the programs in flight share a
+    few heads' K and V in L2. GROUP = 1: one head after another."""
+    n_bh = n_programs // n_m
+    g = pid // (GROUP * n_m)
+    g_heads = tl.minimum(GROUP, n_bh - g * GROUP)  # the last group may be short
+    r = pid - g * GROUP * n_m
+    pid_m = r // g_heads
+    if CAUSAL:
+        pid_m = n_m - 1 - pid_m
+    return pid_m, g * GROUP + r % g_heads
+
+
+@triton.jit
 def _attn_bwd_dq_inner(dq, q, do, lse2, delta, K_base, V_base, k_desc, v_desc, stride_kt, stride_kd, stride_vt,
                        stride_vd, offs_m, offs_d, lo, hi, Tk, qk_scale,
                        BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -294,11 +310,8 @@ def _attn_bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, qk_scale, sm_scale,
                         stride_dqb, stride_dqh, stride_dqt, stride_dqd,
                         H, Tq, Tk, T_BUCKET, BH_BUCKET,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid_m = tl.program_id(0)
-    if CAUSAL:  # heaviest query blocks first
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    pid_bh = tl.program_id(1)
+                        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m, pid_bh = _grouped_order(tl.program_id(0), tl.cdiv(Tq, BLOCK_M), tl.num_programs(0), CAUSAL, GROUP)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     K_base = K + b * stride_kb + h * stride_kh
@@ -532,6 +545,13 @@ def attention_block_fwd_triton(q, k, v, causal, sm_scale=None):
     return out, lse
 
 
+# heads the dq kernel's programs are grouped by (_grouped_order), for head dims <= 64 / above. Session 9
+# (bench/ab_attention.py, results/attention_bwd_s9.txt), groups of 8 against one head after another, backward GPU
+# time at D128 B4 H16 T4096: 1.02x (H200 A/B), 1.873 -> 1.830 ms (H200), 1.881 -> 1.797 and 1.938 -> 1.906 (H100);
+# at B8 H16 T2048 and at D64 within the machines' noise either way (0.95-1.05x), so D64 keeps one head at a time
+DQ_HEAD_GROUP = {False: 1, True: 8}
+
+
 def attention_block_bwd(do, q, k, v, out, lse, causal, sm_scale=None, grads=None):
     """Backward of one block given the (possibly merged, global) out and lse. Returns (dq, dk, dv): new (B, H, T, D)
     views of (B, T, H, D) memory, or `grads` = (dq, dk, dv) given to write into (any strides; every element is
@@ -554,8 +574,8 @@ def attention_block_bwd(do, q, k, v, out, lse, causal, sm_scale=None, grads=None
     if dq.numel() == 0:
         return dq, dk.zero_(), dv.zero_()
 
-    def grid_q(cfg):
-        return (triton.cdiv(Tq, cfg["BLOCK_M"]), B * H)
+    def grid_q(cfg):  # one axis: _grouped_order maps it to (query block, (b, h))
+        return (triton.cdiv(Tq, cfg["BLOCK_M"]) * B * H, )
 
     def grid_kv(cfg):
         return (triton.cdiv(Tk, cfg["BLOCK_N"]), B * H)
@@ -566,7 +586,7 @@ def attention_block_bwd(do, q, k, v, out, lse, causal, sm_scale=None, grads=None
     # dq first: it also writes delta, which the dk/dv kernel reads (same stream, so ordered)
     _bwd_dq[grid_q](q, k, v, out, do, lse, delta, dq, scale * LOG2E, scale,
                     *q.stride(), *k.stride(), *v.stride(), *out.stride(), *do.stride(), *dq.stride(),
-                    H, Tq, Tk, *buckets, TMA=tma_dq, **meta)
+                    H, Tq, Tk, *buckets, TMA=tma_dq, GROUP=DQ_HEAD_GROUP[meta["BLOCK_D"] > 64], **meta)
     if _hopper_bwd(q, k, v, do, dk, dv, causal, sm_scale):
         from kernels import attention_hopper
         attention_hopper.attention_bwd_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale)

@@ -82,7 +82,7 @@ SUB_M = gl.constexpr(ROWS)  # the same, for the kernels
 CONSUMER_REGS = gl.constexpr(240)  # registers per thread of the consumer warpgroups (setmaxnreg); the loader: 24
 # head dim -> candidate (BLOCK_N keys per block, NUM_BUF K stages (V: NUM_BUF + 1), PINGPONG), the first the default;
 # with more than one, the first call of a shape times them (_config). H200 session 7 (--sweep): at D64 ping-pong
-# 0.093 vs 0.097 ms (B16 H12 T1024). Session 9 (H200s, bench/ab_attention_hopper.py, results/attention_fwd_s9.txt):
+# 0.093 vs 0.097 ms (B16 H12 T1024). Session 9 (H200s, bench/ab_attention.py, results/attention_fwd_s9.txt):
 # 128-key blocks at D128 (the V ring one deeper makes 2 K stages enough) against session 8's best of 64-key blocks
 # in 5 shared stages (which no longer fit): 1.04-1.16x at B4 H16 T4096; at B8 H16 T2048 1.06-1.19x on one machine
 # (the old tuner had taken the Triton forward) and 0.93-0.98x on another; D64 0.99-1.06x. Ping-pong or not at D128

@@ -51,6 +51,7 @@ def _grads(fn, q, k, v, do):
     (1, 1, 17, 40, 80, False, False),  # D=80 padded to 128 inside the kernel
     (1, 1, 45, 45, 32, True, False),
     (1, 2, 37, 37, 18, True, False),  # D=18 (72-byte fp32 rows): padded to 32 inside the kernel
+    (3, 4, 33, 33, 128, True, False),  # 12 (b, h) pairs: the dq kernel's head groups of 8 and a short one of 4
 ])
 @pytest.mark.parametrize("loads", ["auto", "tma", "pointers"])
 def test_fwd_bwd_match_reference_fp32(B, H, Tq, Tk, D, causal, strided, loads, monkeypatch):

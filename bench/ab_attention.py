@@ -1,0 +1,109 @@
+"""A/B of the attention kernels against another checkout's, on one GPU (the forward: Hopper).
+
+    python bench/ab_attention.py --old DIR [--op fwd|bwd] [--out FILE]
+    python bench/ab_attention.py --dq-groups 1,4,8,16 [--out FILE]
+
+DIR is a checkout of an earlier commit (e.g. `git worktree add /tmp/old HEAD~1`). --op fwd (default) times the Gluon
+forward, kernels/attention_hopper.py's attention_fwd; --op bwd the backward, kernels/attention.py's
+attention_block_bwd (dq + dK/dV; the old module's Triton kernels, and on Hopper the current Gluon dK/dV kernel).
+For each shape and layout (the model's packed qkv views, and (B, H, T, D) memory) both modules tune as in training
+(first call), then their GPU time (CUDA-graph replay) is taken in three interleaved rounds and each keeps its best:
+the same D128 forward drifts 6-10% within seconds on an H100 (results/attention_h100_s8.txt), so one timing each
+would compare moments, not kernels. --dq-groups times this checkout's backward with each head-group size of the dq
+kernel's program order (kernels/attention.py DQ_HEAD_GROUP) instead.
+"""
+import argparse
+import importlib.util
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kernels import attention as A  # noqa: E402
+from kernels import attention_hopper as new_hopper  # noqa: E402
+
+SHAPES = [(16, 12, 1024, 64), (4, 16, 4096, 128), (8, 16, 2048, 64), (8, 16, 2048, 128)]
+
+
+def _load(path, name):
+    spec = importlib.util.spec_from_file_location(f"{name}_old", os.path.join(path, "kernels", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # (its `kernels.*` imports resolve to ours: the launcher did not change)
+    return mod
+
+
+def _dq_groups(groups, out_path):
+    """The backward's GPU time per dq head-group size (both head-dim classes set alike), interleaved rounds."""
+    print(torch.cuda.get_device_name())
+    rows, saved = [], dict(A.DQ_HEAD_GROUP)
+    for B, H, T, D in SHAPES:
+        q, k, v = A.split_qkv(torch.randn(B, T, 3 * H * D, device="cuda", dtype=torch.bfloat16), H)
+        out, lse = A.attention_block_fwd(q, k, v, True)
+        do = torch.randn_like(out)
+        ms = {g: float("inf") for g in groups}
+        for _ in range(3):
+            for g in groups:
+                A.DQ_HEAD_GROUP.update({False: g, True: g})
+                ms[g] = min(ms[g], new_hopper._graph_ms(lambda: A.attention_block_bwd(do, q, k, v, out, lse, True)))
+        A.DQ_HEAD_GROUP.update(saved)
+        rows.append(dict(gpu=torch.cuda.get_device_name(), B=B, H=H, T=T, D=D, **{f"group{g}_ms": ms[g] for g in ms}))
+        print(f"bwd B{B} H{H} T{T} D{D} packed: " + ", ".join(f"group {g}: {t:.3f} ms" for g, t in ms.items()),
+              flush=True)
+    if out_path:
+        with open(out_path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--old", help="a checkout whose kernels are timed too")
+    ap.add_argument("--dq-groups", help="comma-separated head-group sizes of the dq kernel to time (no --old)")
+    ap.add_argument("--op", choices=["fwd", "bwd"], default="fwd")
+    ap.add_argument("--out", help="also write JSON lines here")
+    args = ap.parse_args()
+    if args.dq_groups:
+        return _dq_groups([int(g) for g in args.dq_groups.split(",")], args.out)
+    if not args.old:
+        ap.error("--old DIR (or --dq-groups)")
+    new = new_hopper if args.op == "fwd" else A
+    old = _load(args.old, new.__name__.split(".")[-1])
+    print(torch.cuda.get_device_name())
+    rows = []
+    for B, H, T, D in SHAPES:
+        for packed in (True, False):
+            if packed:
+                q, k, v = A.split_qkv(torch.randn(B, T, 3 * H * D, device="cuda", dtype=torch.bfloat16), H)
+            else:
+                q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            if args.op == "fwd":
+                calls = {name: (lambda m=m: m.attention_fwd(q, k, v, True)) for name, m in (("old", old), ("new", new))}
+            else:
+                out, lse = A.attention_block_fwd(q, k, v, True)
+                do = torch.randn_like(out)
+                calls = {name: (lambda m=m: m.attention_block_bwd(do, q, k, v, out, lse, True))
+                         for name, m in (("old", old), ("new", new))}
+            for fn in calls.values():
+                fn()  # tune this shape outside the graph capture
+            ms = {name: float("inf") for name in calls}
+            for _ in range(3):
+                for name, fn in calls.items():
+                    ms[name] = min(ms[name], new_hopper._graph_ms(fn))
+            key = (D, True, 1 << (T - 1).bit_length(), min(1 << (B * H - 1).bit_length(), 1024))
+            cfg = {n: str(m._TUNED.get(key)) if args.op == "fwd" else "" for n, m in (("old", old), ("new", new))}
+            row = dict(gpu=torch.cuda.get_device_name(), op=args.op, B=B, H=H, T=T, D=D,
+                       layout="packed" if packed else "bhtd", old_ms=ms["old"], new_ms=ms["new"],
+                       old_config=cfg["old"], new_config=cfg["new"], speedup=ms["old"] / ms["new"])
+            rows.append(row)
+            tag = {n: f" ({cfg[n]})" if cfg[n] else "" for n in cfg}
+            print(f"{args.op} B{B} H{H} T{T} D{D} {row['layout']:>6}: old {ms['old']:.3f} ms{tag['old']}, new "
+                  f"{ms['new']:.3f} ms{tag['new']}: {row['speedup']:.3f}x", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+if __name__ == "__main__":
+    main()
