@@ -26,8 +26,8 @@ FlashAttention-3 (Shah et al., 2024) builds on, and both kernels use them:
     so the V ring is one stage deeper than the K ring and a step releases (K_j, V_{j-1}): with 128 x 128 tiles at
     D128, 2 K + 3 V stages fit in shared memory and still load a block ahead (a shared K/V ring of 2 stages could
     not: 0.81 vs 0.63 ms at 64-key blocks, session 7). An item's last P V goes out with the next item's first S,
-    so the epilogue runs under a wgmma. PINGPONG (a config
-    option): the consumers take turns issuing (FA3's inter-warpgroup schedule);
+    so the epilogue runs under a wgmma. PINGPONG (a config option): the consumers take turns issuing (FA3's
+    inter-warpgroup schedule);
   * dK/dV consumer (everything transposed, rows are keys; K and V stay in shared memory, not registers, which is
     what limited the Triton kernel's tiles): per query block S^T = K Q^T and dP^T = V dO^T are issued together,
     P^T = exp2(S^T * scale - lse) runs while dP^T is on the tensor cores, then dV += P^T dO and, from
