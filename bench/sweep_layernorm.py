@@ -1,12 +1,15 @@
 """Tile sweeps of kernels/layernorm.py (GPU time, CUDA-graph replay): where its tuning numbers come from.
 
-    python bench/sweep_layernorm.py [--old DIR] [--shapes 16384x768,...] [--groups 1,4] [--out FILE]
+    python bench/sweep_layernorm.py [--old DIR] [--shapes 16384x768,...] [--groups 1,4] [--profile] [--out FILE]
+    python bench/sweep_layernorm.py --dwdb [--out FILE]
 
 Per shape (bf16 rows; "+res" = add_layernorm with an fp32 residual stream, as in the model): the tiles the
 autotuner picked and its five fastest candidates, then the forward and the backward alone in GPU time (CUDA-graph
 replay) with the bandwidth they reach as a share of the measured copy bandwidth. `--old DIR` also times the
 layernorm module of another checkout (e.g. `git archive <rev> | tar -x -C DIR`) in the same process: A/B of a
-kernel change on one GPU.
+kernel change on one GPU. `--profile`: the backward's kernels one by one (torch.profiler, mean GPU us a call), to
+see what the partials' second stage and the row kernel each take. `--dwdb`: the second stage alone (column sums of
+the (n_groups, C) partials) over its launch parameters, at the partial shapes the backward makes.
 """
 import argparse
 import importlib.util
@@ -62,13 +65,64 @@ def _time(mod, M, C, res, groups_per_sm=None):
     return t_f, t_b, fwd_bytes, bwd_bytes
 
 
+def _profile(M, C, res, calls=20):
+    """{kernel name: mean GPU us per backward call} of the backward at this shape."""
+    x = torch.randn(M, C, device="cuda", dtype=torch.float32 if res else torch.bfloat16)
+    w = 1 + 0.1 * torch.randn(C, device="cuda")
+    dy = torch.randn(M, C, device="cuda", dtype=torch.bfloat16)
+    dh = torch.randn(M, C, device="cuda", dtype=torch.float32) if res else None
+    mean, rstd = x.float().mean(-1), torch.rsqrt(x.float().var(-1, unbiased=False) + 1e-5)
+    ln.layernorm_bwd(dy, x, w, True, mean, rstd, dh=dh)  # tuned outside the profile
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            ln.layernorm_bwd(dy, x, w, True, mean, rstd, dh=dh)
+        torch.cuda.synchronize()
+    return {e.key: e.device_time_total / calls for e in prof.key_averages() if e.device_time_total > 0}
+
+
+def _dwdb_sweep(out):
+    """GPU time of the partials' second stage per (BLOCK_C, BLOCK_G, num_warps), against the committed launch."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for M, C in ((16384, 768), (32768, 768), (8192, 4096), (4096, 8192), (2048, 16384)):
+        n = ln._bwd_groups_per_sm(C) * sms
+        rpg = triton.cdiv(M, n)
+        rpg = triton.cdiv(rpg, ln.BWD_GROUP_ALIGN) * ln.BWD_GROUP_ALIGN if rpg >= 4 * ln.BWD_GROUP_ALIGN else rpg
+        n = triton.cdiv(M, rpg)
+        part = torch.randn(2, n, C, device="cuda")
+        dw, db = torch.empty(C, device="cuda"), torch.empty(C, device="cuda")
+        res = {}
+        for bc in (8, 16, 32, 64, 128):
+            for bg in (16, 32, 64, 128, 256):
+                for w in (1, 2, 4, 8):
+                    if bc * bg < 32 * w or bc * bg > 8192:
+                        continue
+                    def run(bc=bc, bg=bg, w=w):
+                        ln._layernorm_dwdb_kernel[(triton.cdiv(C, bc),)](part[0], part[1], dw, db, n, C, HAS_BIAS=True,
+                                                                        BLOCK_G=bg, BLOCK_C=bc, num_warps=w)
+                    run()
+                    res[(bc, bg, w)] = triton.testing.do_bench_cudagraph(run, rep=20) * 1e3
+        best = sorted(res.items(), key=lambda kv: kv[1])[:5]
+        print(f"  dwdb {n} groups x {C}: committed (8, 256, w4) {res[(8, 256, 4)]:.2f} us; best " +
+              " ".join(f"[C{k[0]} G{k[1]} w{k[2]} {t:.2f}us]" for k, t in best))
+        if out:
+            out.write(json.dumps(dict(kind="dwdb", groups=n, C=C, device=torch.cuda.get_device_name(),
+                                      us={f"{k[0]}x{k[1]}w{k[2]}": t for k, t in res.items()})) + "\n")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--old", help="a checkout whose kernels/layernorm.py is timed too")
     ap.add_argument("--out", help="append JSON lines here")
     ap.add_argument("--shapes", help="only these, e.g. 16384x768,32768x768+res (default: all of SHAPES)")
+    ap.add_argument("--dwdb", action="store_true", help="sweep the partials' second stage only")
+    ap.add_argument("--profile", action="store_true", help="also list the backward's kernels with their GPU times")
     ap.add_argument("--groups", default="", help="also time the backward at these row groups per SM, e.g. 1,4")
     args = ap.parse_args()
+    if args.dwdb:
+        with open(args.out, "a") if args.out else open(os.devnull, "w") as out:
+            _dwdb_sweep(out)
+        return
     copy = ln._copy_bandwidth()
     old = _load(args.old) if args.old else None
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {copy:.0f} GB/s")
@@ -92,6 +146,9 @@ def main():
             _, t_b, _, bb = _time(ln, M, C, res, int(g))
             row[f"new_bwd_us_groups{g}"] = t_b
             print(f"  {name:>15} new, {g} row groups per SM: bwd {t_b:6.1f} us ({100 * bb / t_b / 1e3 / copy:4.1f}%)")
+        if args.profile:
+            row["bwd_kernels_us"] = _profile(M, C, res)
+            print("      bwd kernels: " + ", ".join(f"{k[:40]} {v:.1f} us" for k, v in row["bwd_kernels_us"].items()))
         if out:
             out.write(json.dumps(row) + "\n")
     if out:

@@ -89,6 +89,14 @@ _PER_THREAD = {"fwd": (16, 32), "bwd": (16, 64)}
 _FWD_WALKS = ((1, 0), (3, 2), (4, 1), (2, 2), (3, 1))
 SMEM_BYTES = 200 * 1024  # shared memory per SM the pipelined tiles may take (H100/H200: 227 KB per block)
 BWD_GROUPS_PER_SM = 2  # backward row groups per SM: 2 measured best with the wide tiles (30.3 vs 33.0 us at 16384x768)
+
+
+def _bwd_groups_per_sm(C):
+    """Backward row groups per SM. Rows >= 8192 wide: one. Each group writes and the second kernel reads a (C,)
+    fp32 row of dw (and db) partials, n_groups x C x 8 bytes against the M x C x 6 bytes of the backward itself; at
+    4096 x 8192 two groups per SM made that 9% more traffic: 67.6 us vs 60.1 us at one (H200, bench/sweep_layernorm.py
+    --groups)."""
+    return 1 if C >= 8192 else BWD_GROUPS_PER_SM
 # rows per group rounded up to a multiple of the largest BLOCK_M (groups split into whole tiles) once a group has
 # 4 such tiles or more; fewer rows are not rounded, so a small M still spreads over every SM
 BWD_GROUP_ALIGN = 8
@@ -134,7 +142,7 @@ def _pruner(kind):
 
         def fits(c):
             m, w, s = c.kwargs["BLOCK_M"], c.num_warps, c.kwargs["STAGES"]
-            per_sm = c.kwargs.get("PROGRAMS_PER_SM", BWD_GROUPS_PER_SM) or 1
+            per_sm = c.kwargs.get("PROGRAMS_PER_SM", _bwd_groups_per_sm(named_args["C"])) or 1
             return (lo <= m * block_c // (32 * w) <= hi and m * block_c <= MAX_C and per_sm * w <= 64
                     and per_sm * (s - 1) * m * row_bytes <= SMEM_BYTES)
         # rows narrower than 128 fit no tile in range: one row a program, not pipelined, the fewest warps
@@ -332,11 +340,7 @@ def layernorm_bwd(dy, x, weight, has_bias, mean, rstd, dh=None, n_groups=None):
     dx = torch.empty((M, C), dtype=x.dtype, device=x.device)
     # row groups: a few resident programs per SM (3 in the interpreter: several groups, uneven sizes); whole
     # tiles per group, so only the very last tile of the last group is partial
-    # rows >= 8192 wide: one group per SM. Each group writes and the second kernel reads a (C,) fp32 row of dw (and
-    # db) partials, n_groups x C x 8 bytes against the M x C x 6 bytes of the backward itself; at 4096 x 8192 two
-    # groups per SM made that 9% more traffic: 67.6 us vs 60.1 us at one (H200, bench/sweep_layernorm.py --groups)
-    per_sm = 1 if C >= 8192 else BWD_GROUPS_PER_SM
-    n_groups = n_groups or (per_sm * _sm_count(x.device) if x.is_cuda else 3)
+    n_groups = n_groups or (_bwd_groups_per_sm(C) * _sm_count(x.device) if x.is_cuda else 3)
     rows_per_group = triton.cdiv(max(M, 1), n_groups)
     if rows_per_group >= 4 * BWD_GROUP_ALIGN:
         rows_per_group = triton.cdiv(rows_per_group, BWD_GROUP_ALIGN) * BWD_GROUP_ALIGN
@@ -352,12 +356,15 @@ def layernorm_bwd(dy, x, weight, has_bias, mean, rstd, dh=None, n_groups=None):
             HAS_DH=dh is not None, HAS_BIAS=has_bias, BLOCK_C=triton.next_power_of_2(C))
     else:
         part.zero_()
-    # second stage over the (n_groups, C) partials (~3 MB for C = 768): latency bound, so many narrow column
-    # strips (C / 8 programs) with 256 group rows per loop step, few dependent steps each. Measured on an H200
-    # at 16384x768 (512 groups, bench/sweep_layernorm.py): 8 x 256 3.7 us, 16 x 128 5.5 us, 32 x 128 6.9 us,
-    # 64 x 64 12.1 us
-    _dwdb[(triton.cdiv(C, 8),)](part[0], part[-1], dw, db, n_groups, C, HAS_BIAS=has_bias,
-                                BLOCK_G=256, BLOCK_C=8, num_warps=4)
+    # second stage over the (n_groups, C) partials (~1.6 MB for C = 768, 17 MB at 16384): latency bound, so many
+    # narrow column strips with few dependent loop steps each. Measured on an H200 (bench/sweep_layernorm.py
+    # --dwdb, results/layernorm_s10.txt; columns x group rows a step, warps): 256 x 768 partials: 8 x 256 w4
+    # 2.5 us (16 x 64 w1 3.4); 256 x 4096: 16 x 256 w4 3.1 us (8 x 256 w4 3.9); one group per SM (128 x 8192 /
+    # 16384): 16 x 64 w1 2.8 / 3.8 us (8 x 256 w4 4.2 / 7.0)
+    block_c = 8 if C <= 1024 else 16
+    block_g, warps = (64, 1) if n_groups <= 192 else (256, 4)
+    _dwdb[(triton.cdiv(C, block_c),)](part[0], part[-1], dw, db, n_groups, C, HAS_BIAS=has_bias,
+                                      BLOCK_G=block_g, BLOCK_C=block_c, num_warps=warps)
     return dx.view(x.shape), dw, db
 
 

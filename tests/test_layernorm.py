@@ -8,6 +8,7 @@ GPU (`-m gpu`): real sizes in bf16, judged by "kernel error vs fp32 reference <=
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
 from kernels import layernorm as ln
 from kernels.layernorm import (MAX_C, add_layernorm, add_layernorm_ref, add_layernorm_triton, layernorm,
@@ -77,10 +78,14 @@ def test_layernorm_half_params():
     torch.testing.assert_close(got[3].double(), want[3], atol=3e-2, rtol=4e-3)
 
 
-@pytest.mark.parametrize("n_groups", [1, 2, 5, 37])
-def test_backward_row_groups(n_groups):
+# (M, C, n_groups). The second stage's launch depends on both: 8-column strips up to 1024 wide and 16 above (a
+# masked strip at 1100); up to 192 groups 64 group rows a step (100 groups: two steps, the second partial), above
+# that 256 (230 groups: one partial step)
+@pytest.mark.parametrize("M,C,n_groups", [(37, 200, 1), (37, 200, 2), (37, 200, 5), (37, 200, 37),
+                                          (150, 1100, 100), (230, 1100, 230)])
+def test_backward_row_groups(M, C, n_groups):
     """dw/db partials must add up however rows are split into groups (uneven and one-tile groups included)."""
-    x, w, b, dy = _inputs((37, 200), torch.float32, seed=n_groups)
+    x, w, b, dy = _inputs((M, C), torch.float32, seed=n_groups)
     y, _, mean, rstd = layernorm_fwd(x, w, b, 1e-5)
     dx, dw, db = layernorm_bwd(dy, x, w, True, mean, rstd, n_groups=n_groups)
     want = _oracle(lambda x, w, b: layernorm_ref(x, w, b), (x, w, b), (dy,))
@@ -112,6 +117,22 @@ def test_add_layernorm_half_branch_into_fp32_stream():
     torch.testing.assert_close(got[1], x.float() + r, atol=0, rtol=0)
     _assert_all_close(got[:2] + got[3:], want[:2] + want[3:], torch.float32)
     _assert_all_close(got[2:3], want[2:3], torch.float16)  # dx: the fp32 grad rounded to fp16 once
+
+
+def test_backward_tiles_fit_the_groups_per_sm(monkeypatch):
+    """The GPU tile pruner must assume as many backward row groups per SM as layernorm_bwd launches: one from 8192
+    wide (so 3-stage tiles, two 64 KB rows in flight, stay candidates at 16384: assuming two groups had ruled them
+    out), two below (so no candidate's two groups overflow shared memory)."""
+    monkeypatch.setattr(ln, "_INTERPRET", False)  # the GPU candidate list and pruning, evaluated on CPU
+    prune = ln._pruner("bwd")["early_config_prune"]
+    for C, per_sm in ((16384, 1), (8192, 1), (4096, 2), (768, 2)):
+        assert ln._bwd_groups_per_sm(C) == per_sm
+        x = torch.empty(1, C, dtype=torch.bfloat16)
+        kept = prune(ln._configs("bwd"), dict(X=x, DY=x, DH=None, C=C), BLOCK_C=triton.next_power_of_2(C))
+        smem = [per_sm * (c.kwargs["STAGES"] - 1) * c.kwargs["BLOCK_M"] * C * 4 for c in kept]
+        assert kept and max(smem) <= ln.SMEM_BYTES, (C, smem)
+        if C == 16384:
+            assert max(c.kwargs["STAGES"] for c in kept) == 3, [c.kwargs for c in kept]
 
 
 @pytest.mark.parametrize("block_m,programs_per_sm", [(1, 0), (4, 0), (2, 1), (4, 3)])
