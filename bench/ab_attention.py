@@ -2,6 +2,7 @@
 
     python bench/ab_attention.py --old DIR [--op fwd|bwd] [--out FILE]
     python bench/ab_attention.py --dq-groups 1,4,8,16 [--out FILE]
+    python bench/ab_attention.py --dkdv-configs 32x4,32x5,32x6 [--out FILE]
 
 DIR is a checkout of an earlier commit (e.g. `git worktree add /tmp/old HEAD~1`). --op fwd (default) times the Gluon
 forward, kernels/attention_hopper.py's attention_fwd; --op bwd the backward, kernels/attention.py's
@@ -10,7 +11,8 @@ For each shape and layout (the model's packed qkv views, and (B, H, T, D) memory
 (first call), then their GPU time (CUDA-graph replay) is taken in three interleaved rounds and each keeps its best:
 the same D128 forward drifts 6-10% within seconds on an H100 (results/attention_h100_s8.txt), so one timing each
 would compare moments, not kernels. --dq-groups times this checkout's backward with each head-group size of the dq
-kernel's program order (kernels/attention.py DQ_HEAD_GROUP) instead.
+kernel's program order (kernels/attention.py DQ_HEAD_GROUP) instead; --dkdv-configs times it at head dim 128 with
+each (query block, ring stages) of the Gluon dK/dV kernel (kernels/attention_hopper.py BWD_CONFIGS).
 """
 import argparse
 import importlib.util
@@ -35,37 +37,53 @@ def _load(path, name):
     return mod
 
 
-def _dq_groups(groups, out_path):
-    """The backward's GPU time per dq head-group size (both head-dim classes set alike), interleaved rounds."""
+def _knob_sweep(name, values, set_value, head_dims, out_path):
+    """The backward's GPU time (packed qkv inputs) per value of one knob, set by set_value(v), interleaved rounds."""
     print(torch.cuda.get_device_name())
-    rows, saved = [], dict(A.DQ_HEAD_GROUP)
-    for B, H, T, D in SHAPES:
+    rows = []
+    for B, H, T, D in [s for s in SHAPES if s[3] in head_dims]:
         q, k, v = A.split_qkv(torch.randn(B, T, 3 * H * D, device="cuda", dtype=torch.bfloat16), H)
         out, lse = A.attention_block_fwd(q, k, v, True)
         do = torch.randn_like(out)
-        ms = {g: float("inf") for g in groups}
+        ms = {x: float("inf") for x in values}
         for _ in range(3):
-            for g in groups:
-                A.DQ_HEAD_GROUP.update({False: g, True: g})
-                ms[g] = min(ms[g], new_hopper._graph_ms(lambda: A.attention_block_bwd(do, q, k, v, out, lse, True)))
-        A.DQ_HEAD_GROUP.update(saved)
-        rows.append(dict(gpu=torch.cuda.get_device_name(), B=B, H=H, T=T, D=D, **{f"group{g}_ms": ms[g] for g in ms}))
-        print(f"bwd B{B} H{H} T{T} D{D} packed: " + ", ".join(f"group {g}: {t:.3f} ms" for g, t in ms.items()),
+            for x in values:
+                set_value(x)
+                ms[x] = min(ms[x], new_hopper._graph_ms(lambda: A.attention_block_bwd(do, q, k, v, out, lse, True)))
+        rows.append(dict(gpu=torch.cuda.get_device_name(), B=B, H=H, T=T, D=D, **{f"{name}{x}_ms": ms[x] for x in ms}))
+        print(f"bwd B{B} H{H} T{T} D{D} packed: " + ", ".join(f"{name} {x}: {t:.3f} ms" for x, t in ms.items()),
               flush=True)
     if out_path:
         with open(out_path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
+def _dq_groups(groups, out_path):
+    """The backward's GPU time per dq head-group size (both head-dim classes set alike)."""
+    saved = dict(A.DQ_HEAD_GROUP)
+    _knob_sweep("group", groups, lambda g: A.DQ_HEAD_GROUP.update({False: g, True: g}), (64, 128), out_path)
+    A.DQ_HEAD_GROUP.update(saved)
+
+
+def _dkdv_configs(configs, out_path):
+    """The backward's GPU time at head dim 128 per (query block, ring stages) of the Gluon dK/dV kernel."""
+    saved = list(new_hopper.BWD_CONFIGS[128])
+    _knob_sweep("dkdv", configs, lambda c: new_hopper.BWD_CONFIGS.update({128: [c]}), (128,), out_path)
+    new_hopper.BWD_CONFIGS[128] = saved
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--old", help="a checkout whose kernels are timed too")
     ap.add_argument("--dq-groups", help="comma-separated head-group sizes of the dq kernel to time (no --old)")
+    ap.add_argument("--dkdv-configs", help="comma-separated BLOCK_QxNUM_BUF of the D128 dK/dV kernel (no --old)")
     ap.add_argument("--op", choices=["fwd", "bwd"], default="fwd")
     ap.add_argument("--out", help="also write JSON lines here")
     args = ap.parse_args()
     if args.dq_groups:
         return _dq_groups([int(g) for g in args.dq_groups.split(",")], args.out)
+    if args.dkdv_configs:
+        return _dkdv_configs([tuple(int(n) for n in c.split("x")) for c in args.dkdv_configs.split(",")], args.out)
     if not args.old:
         ap.error("--old DIR (or --dq-groups)")
     new = new_hopper if args.op == "fwd" else A
