@@ -331,6 +331,17 @@ def layernorm_fwd(x, weight, bias, eps, residual=None, out_dtype=None):
 
 
 
+def _bwd_groups(M, C, device, n_groups=None):
+    """(n_groups, rows_per_group) of the backward: a few resident programs per SM (3 in the interpreter: several
+    groups, uneven sizes), or n_groups if given; whole tiles per group, so only the very last tile of the last group
+    is partial."""
+    n_groups = n_groups or (_bwd_groups_per_sm(C) * _sm_count(device) if device.type == "cuda" else 3)
+    rows_per_group = triton.cdiv(max(M, 1), n_groups)
+    if rows_per_group >= 4 * BWD_GROUP_ALIGN:
+        rows_per_group = triton.cdiv(rows_per_group, BWD_GROUP_ALIGN) * BWD_GROUP_ALIGN
+    return triton.cdiv(max(M, 1), rows_per_group), rows_per_group
+
+
 def layernorm_bwd(dy, x, weight, has_bias, mean, rstd, dh=None, n_groups=None):
     """Returns (dx, dw, db): dx in x's dtype (+dh when given), dw/db in weight's dtype (db None without bias)."""
     C = x.shape[-1]
@@ -338,13 +349,7 @@ def layernorm_bwd(dy, x, weight, has_bias, mean, rstd, dh=None, n_groups=None):
     dh2 = None if dh is None else _rows(dh, C)
     M = x2.shape[0]
     dx = torch.empty((M, C), dtype=x.dtype, device=x.device)
-    # row groups: a few resident programs per SM (3 in the interpreter: several groups, uneven sizes); whole
-    # tiles per group, so only the very last tile of the last group is partial
-    n_groups = n_groups or (_bwd_groups_per_sm(C) * _sm_count(x.device) if x.is_cuda else 3)
-    rows_per_group = triton.cdiv(max(M, 1), n_groups)
-    if rows_per_group >= 4 * BWD_GROUP_ALIGN:
-        rows_per_group = triton.cdiv(rows_per_group, BWD_GROUP_ALIGN) * BWD_GROUP_ALIGN
-    n_groups = triton.cdiv(max(M, 1), rows_per_group)
+    n_groups, rows_per_group = _bwd_groups(M, C, x.device, n_groups)
     # every group writes its whole row of partials (zeros if it has no rows), so no memset is needed
     part = torch.empty((2 if has_bias else 1, n_groups, C), dtype=torch.float32, device=x.device)
     dw = torch.empty(C, dtype=weight.dtype, device=x.device)
