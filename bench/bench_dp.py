@@ -20,6 +20,8 @@
                scaling; not a training mode); "zero3:p2" = ZeRO-3 gathering 2 units ahead (zero3.PREFETCH);
                "zero3:u2" = ZeRO-3 units of 2 blocks (parallel.zero3_unit_blocks: fewer hooks per step);
                "zero2:i4" = ZeRO-2 with up to 4 full-size bucket reductions in flight (engine.max_inflight, 2);
+               "ddp:nodest" / "zero2:nodest" = without gradient destinations (dp._Engine._set_grad_dests): the
+               Linear weights' gradients made in new tensors and copied into the buckets, as before session 11;
                "ddp:single" = a control of N independent one-GPU runs at once (the
                SingleDevice engine on every rank: what the machine itself loses when all its GPUs work).
                step ms is the slowest rank's; "fast ms" the fastest rank's. host ms (rank 0): CPU time to issue
@@ -125,6 +127,8 @@ def engine_step_fn(model, mesh, cfg, variant=""):
         engine.max_inflight = int(variant[1:])
     if variant == "nocomm":  # control, not a result: the engine's hooks and buffers, its all-reduces skipped
         engine._launch = lambda i: _Done()
+    if variant == "nodest":  # DDP / ZeRO-2 without gradient destinations: every gradient copied into its bucket
+        engine._set_grad_dests([])
     tails = []  # (start, end) CUDA events around the gradient wait at the step: exposed communication
     if mesh.device.type == "cuda":
         finish_grads = engine._finish_grads

@@ -11,6 +11,9 @@
 #          ours at 1 and N GPUs, ZeRO-1/2 and ZeRO-3 (units of 3 blocks) at N; scaling against the same run; then
 #          one micro-step of B=32 per GPU, the same modes
 #   tp     tp = 2 and N on gpt2_124m and gpt_1b, sp off/on: tokens/s, MFU, memory, comm overhead
+#   ab     engine A/B: this tree against OLD=<dir of another commit's tree> (git archive REV | tar -x -C dir),
+#          DDP and ZeRO-2 at GPT-2's batch (32/N micro-steps), new, old, new, old in separate processes; then one
+#          micro-step of B=32 per GPU (our DDP's scaling against the one-GPU run of the same tree, no-comm control)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 PY=${PY:-python3}
@@ -62,6 +65,22 @@ for s in "$@"; do
              run $N bench/bench_tp.py --preset gpt_1b --quick --out "$OUT/tp1b_$N.json"
              run $N bench/bench_tp.py --preset gpt_1b --sp --quick --out "$OUT/tp1bsp_$N.json"; } 2>&1 \
              | grep -v Warning | tee "$OUT/tp.txt" ;;
+    ab)    { [ -d "${OLD:-}" ] || { echo "ab: set OLD to another commit's tree"; exit 2; }
+             here=$PWD
+             for tree in new old new old; do
+               [ $tree = new ] && cd "$here" || cd "$OLD"
+               TRITON_CACHE_DIR=$HOME/.triton_$tree run $N bench/bench_dp.py --modes ddp,zero2,ddp,zero2 \
+                 --accum $((32 / N)) --warmup 2 --steps $((4 * N)) --large '' --out "$OUT/ab_acc_${tree}_$N.json" \
+                 | tail -5 | sed "s/^/$tree: /"
+             done
+             for tree in new old; do
+               [ $tree = new ] && cd "$here" || cd "$OLD"
+               run 1 bench/bench_dp.py --modes ddp --micro_batch 32 --large '' --out "$OUT/ab_one_${tree}_1.json" \
+                 | tail -1 | sed "s/^/$tree 1 GPU: /"
+               run $N bench/bench_dp.py --modes ddp:nocomm,ddp,zero2,ddp --micro_batch 32 --large '' \
+                 --baseline "$OUT/ab_one_${tree}_1.json" --out "$OUT/ab_one_${tree}_$N.json" | tail -5 | sed "s/^/$tree: /"
+             done; cd "$here"
+           } 2>&1 | grep -v Warning | tee "$OUT/ab.txt" ;;
     *) echo "unknown section $s"; exit 2 ;;
   esac
 done

@@ -162,6 +162,8 @@ class _Engine:
         self.params = [p for _, p in named]
         self.optimizer = None
         self._handles = []  # hook handles, removed by close()
+        self._dest_params, self._given = [], set()  # parameters with a gradient destination; ids given one this round
+        self.copied = 0  # gradient elements copied into communication buffers (what the destinations avoid)
 
     def close(self) -> None:
         """Wait for the gradient communication in flight (starts none) and remove this engine's hooks from the
@@ -171,6 +173,26 @@ class _Engine:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._set_grad_dests([])
+
+    def _set_grad_dests(self, params) -> None:
+        """Give `params` gradient destinations. Those that model.matmul_weight reads (the Linear weights) ask for
+        one in backward: each weight's fp32 gradient is then written by its bf16 -> fp32 cast straight into
+        `self._grad_dest(p)`, a view of the engine's buffer that autograd keeps as p.grad, instead of into a new
+        tensor the engine would copy there. Not for a parameter the model holds under two names (the tied
+        wte/lm_head): autograd sums its two gradients into a new tensor anyway. `_grad_dest` gives a parameter at most one destination per round
+        (`_given`), so a weight used twice in one forward gets its second gradient in a new tensor, which
+        autograd adds to the first (into a new tensor, the destination is then copied like any other)."""
+        for p in self._dest_params:  # the previous ones go (close(): all)
+            if hasattr(p, "grad_into"):
+                del p.grad_into
+        uses = {}
+        for _, p in self.model.named_parameters(remove_duplicate=False):
+            uses[id(p)] = uses.get(id(p), 0) + 1
+        dest = _weak(self, "_grad_dest")
+        self._dest_params = [p for p in params if uses.get(id(p)) == 1]
+        for p in self._dest_params:
+            p.grad_into = dest
 
     @contextlib.contextmanager
     def no_sync(self, skip: bool = True):
@@ -387,11 +409,21 @@ class DDP(_BucketHooks, _Engine):
                       for p, g in zip(b, _views(buf, [p.numel() for p in b]))}
         self._zero_grads()
         self._install_hooks(self.buckets)
+        self._set_grad_dests(self.params)
+
+    def _grad_dest(self, p):
+        """p's slot, as a new view (so autograd keeps it as p.grad without a copy), for p's first gradient after
+        a step; None later (the next micro-steps accumulate into p.grad, the slot, in place)."""
+        if p.grad is not None or id(p) in self._given:
+            return None
+        self._given.add(id(p))
+        return self._slot[id(p)].view_as(p)
 
     def _on_grad(self, p):
         slot = self._slot[id(p)]
-        if p.grad.data_ptr() != slot.data_ptr():  # the first gradient since the step: hand it over to the bucket
-            slot.copy_(p.grad)
+        if p.grad.data_ptr() != slot.data_ptr():  # the first gradient since the step, not made in its slot: hand
+            slot.copy_(p.grad)                    # it over to the bucket
+            self.copied += p.numel()
             p.grad = slot
         super()._on_grad(p)
 
@@ -430,6 +462,7 @@ class DDP(_BucketHooks, _Engine):
     def _zero_grads(self):
         for p in self.params:  # the buckets keep their memory; the next backward hands new gradients over
             p.grad = None
+        self._given.clear()
 
     def _extra_grads(self):
         return self.bufs

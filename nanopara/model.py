@@ -108,7 +108,7 @@ class TritonOps:
         GEMMs (plain Linears in eager mode; tp.py's parallel Linears and torch.compile take the PyTorch ops). Off
         by default: its Triton GEMMs run at 0.70x / 0.55x of cuBLAS, which eats what the fusion saves (H200: MLP
         fwd+bwd 1.800 vs 1.795 ms eager; 124M training 496k vs 502k tok/s, bench/notes_e2e.md)."""
-        plain = type(c_fc) is nn.Linear and type(c_proj) is nn.Linear
+        plain = type(c_fc) in (nn.Linear, Linear) and type(c_proj) in (nn.Linear, Linear)
         if self._mlp is None or not plain or not self._triton(x) or torch.compiler.is_compiling():
             return TorchOps.mlp(x, c_fc, c_proj)
         return self._mlp(x, c_fc.weight, c_fc.bias, c_proj.weight, c_proj.bias)
@@ -124,6 +124,39 @@ def make_ops(kind: str, device: torch.device | str):
 # ----------------------------------------------------------------------------------------------------------------
 # modules
 
+class _WeightCast(torch.autograd.Function):
+    """w -> w in the matmul's dtype (the cast autocast would make inside F.linear); backward writes dW, in w's
+    dtype, into the tensor `w.grad_into(w)` returns instead of a new one (None: a new one)."""
+
+    @staticmethod
+    def forward(ctx, w, dtype):
+        ctx.w = w
+        return w.to(dtype) if w.dtype != dtype else w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dest = ctx.w.grad_into(ctx.w)
+        return (grad.to(ctx.w.dtype) if dest is None else dest.copy_(grad)), None
+
+
+def matmul_weight(w: torch.Tensor) -> torch.Tensor:
+    """A Linear's weight as its matmul reads it. Where something set `w.grad_into` (a data-parallel engine,
+    nanopara/dp.py: a function of w returning a w-shaped view of its gradient bucket, or None), the fp32 gradient is
+    written straight into that view, so autograd keeps it as w.grad and the engine's bucket needs no copy of it.
+    Otherwise (and under torch.compile or no_grad) w itself: F.linear casts it under autocast as usual."""
+    if getattr(w, "grad_into", None) is None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return w
+    on = torch.is_autocast_enabled(w.device.type)
+    return _WeightCast.apply(w, torch.get_autocast_dtype(w.device.type) if on else w.dtype)
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose weight goes through matmul_weight (same parameters, names and numerics)."""
+
+    def forward(self, x):
+        return F.linear(x, matmul_weight(self.weight), self.bias)
+
+
 class LayerNorm(nn.Module):
     """Parameters only; the op comes from the model's op table (so blocks can fuse the residual add into it)."""
 
@@ -137,8 +170,8 @@ class LayerNorm(nn.Module):
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)  # columns: [q heads | k heads | v heads]
-        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_attn = Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)  # columns: [q heads | k heads | v heads]
+        self.c_proj = Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.n_head = cfg.n_head  # heads held by this module: tp.py lowers it to n_head // tp
         self.head_dim = cfg.head_dim
         self.dropout = cfg.dropout
@@ -160,8 +193,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
-        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_fc = Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
 
     def forward(self, x, ops):
@@ -219,7 +252,7 @@ class GPT(nn.Module):
             h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
             ln_f=LayerNorm(cfg.n_embd, cfg.bias),
         ))
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab, bias=False)
+        self.lm_head = Linear(cfg.n_embd, cfg.padded_vocab, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied (GPT-2)
         self._ops = {}  # device type -> op table, chosen on first use
         self.reset_parameters()

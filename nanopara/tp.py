@@ -52,7 +52,7 @@ import torch.nn.functional as F
 
 from nanopara.comm import all_gather_along, all_reduce_sum, f, g, reduce_scatter_along, reduce_scatter_seq
 from nanopara.config import Config, ModelConfig, ParallelConfig
-from nanopara.model import GPT
+from nanopara.model import GPT, matmul_weight
 
 # ----------------------------------------------------------------------------------------------------------------
 # the plan: which module becomes what (walked by apply_tp in named_modules order)
@@ -154,9 +154,9 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x):  # (B, T, in) or (B, T/tp, in) under SP -> (B, T, out/tp)
         s = self.state
         if s.sp:
-            return _GatherLinear.apply(x, self.weight, self.bias, s.group)
+            return _GatherLinear.apply(x, matmul_weight(self.weight), self.bias, s.group)
         # cast first, so f's backward all-reduces a bf16 grad, not the fp32 grad of the LayerNorm output
-        return F.linear(f(_autocast(x), s.group), self.weight, self.bias)
+        return F.linear(f(_autocast(x), s.group), matmul_weight(self.weight), self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -168,7 +168,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x):  # (B, T, in/tp) -> (B, T, out), or (B, T/tp, out) under SP
         s = self.state
-        y = F.linear(x, self.weight)  # partial sums over this rank's inputs
+        y = F.linear(x, matmul_weight(self.weight))  # partial sums over this rank's inputs
         y = reduce_scatter_seq(y, s.group) if s.sp else g(y, s.group)
         return y if self.bias is None else y + self.bias.to(y.dtype)  # keep autocast's dtype, like nn.Linear
 

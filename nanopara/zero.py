@@ -150,6 +150,10 @@ class Zero(_BucketHooks, _Engine):
                 else:
                     f.grad_shard = torch.zeros(f.shard, device=self.device)
             self._install_hooks([f.params for f in self.flats])
+            if stage == 2:  # each bucket's send buffer, made when its first gradient comes (_grad_dest)
+                self._send = [None] * len(self.flats)
+                self._at = {id(p): (i, off) for i, f in enumerate(self.flats) for p, off in zip(f.params, f.offsets)}
+                self._set_grad_dests(self.params)
         elif hasattr(self, "_make_units"):  # zero3.Zero3: parameter units instead of buckets
             self._make_units(model, compute_dtype(cfg, self.device))
         else:
@@ -200,14 +204,39 @@ class Zero(_BucketHooks, _Engine):
             out = f.grad[f.lo:f.hi]
             return f, dist.reduce_scatter_tensor(out, f.grad, group=self.group, async_op=True), out, None
         self._drain(keep=self.max_inflight - 1)  # bounds the full-size bucket copies alive at once
-        # (padded,): one bucket, alive until its reduction ends; one cat kernel, no zero-fill of the whole bucket
-        parts = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=self.device)
-                 for p in f.params] + [torch.zeros(f.padded - f.numel, device=self.device)]
-        sent = torch.cat(parts)
+        # (padded,): one bucket, alive until its reduction ends. Gradients written into it by their casts
+        # (_grad_dest) stay; the others are copied in. No destination given: one cat kernel; one parameter
+        # and no padding (the tied wte): its own gradient is the buffer.
+        sent, self._send[i] = self._send[i], None
+        if sent is not None:
+            for p, view in zip(f.params, _views(sent, f.sizes)):
+                if p.grad is None:
+                    view.zero_()
+                elif p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad.reshape(-1))
+                    self.copied += p.numel()
+            sent[f.numel:].zero_()
+        elif len(f.params) == 1 and f.padded == f.numel and f.params[0].grad is not None:
+            sent = f.params[0].grad.reshape(-1)
+        else:
+            sent = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=self.device)
+                              for p in f.params] + [torch.zeros(f.padded - f.numel, device=self.device)])
+            self.copied += sum(p.numel() for p in f.params if p.grad is not None)
         for p in f.params:
             p.grad = None  # ZeRO-2: the full gradient is freed; only the reduced shard is kept
+            self._given.discard(id(p))
         out = sent[f.lo:f.hi]  # in place, as above
         return f, dist.reduce_scatter_tensor(out, sent, group=self.group, async_op=True), out, sent
+
+    def _grad_dest(self, p):
+        """ZeRO-2: p's range of its bucket's send buffer (made by the bucket's first request), once per micro-step."""
+        if p.grad is not None or id(p) in self._given:
+            return None
+        self._given.add(id(p))
+        i, off = self._at[id(p)]
+        if self._send[i] is None:
+            self._send[i] = torch.empty(self.flats[i].padded, device=self.device)
+        return self._send[i][off:off + p.numel()].view_as(p)
 
     def _before_backward(self):
         if self.stage == 1:
@@ -239,6 +268,8 @@ class Zero(_BucketHooks, _Engine):
         self._drain()
         if self.stage < 3:
             self._reset_buckets()
+        if self.stage == 2:  # a backward that did not finish may have left send buffers and destinations given
+            self._send, self._given = [None] * len(self.flats), set()
 
     def _finish_grads(self):
         if self.stage == 1:

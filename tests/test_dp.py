@@ -8,7 +8,8 @@ Checked per layout (DDP, ZeRO-1/2/3 and ZeRO-3 with units of 2 blocks at dp 2 an
 and never on no_sync micro-steps; ZeRO-3 keeps at most 3 units gathered, every unit's gather was prefetched, and a
 step's hooks, all-gathers and reduce-scatters are counted per unit (3 blocks in units of 2: 2 units, the last
 partial); under DDP a parameter without a gradient in a step reduces as zeros (not its bucket slot's old
-value); memory_bytes() equals the ZeRO formulas; state_dict -> torch.save -> fresh engine -> load -> continue is
+value); DDP and ZeRO-2 copy only the non-Linear gradients into their buffers (the Linear weights' are written
+there by their casts, model.matmul_weight), and a weight used twice in a forward still gets both gradients; memory_bytes() equals the ZeRO formulas; state_dict -> torch.save -> fresh engine -> load -> continue is
 bit-exact, and a ZeRO-3 shard of another unit size is a clear error; ZeRO-3 shards -> unshard -> DDP continues;
 sp_partial / tp_dim rules (SingleDevice at tp=2; DDP and ZeRO-3 at dp=2 x tp=2).
 Memory (test_engines_free_memory_and_bound_transients): after `del engine, model` + gc nothing survives (weakrefs);
@@ -35,7 +36,7 @@ import torch.distributed as dist
 from nanopara.config import Config, ModelConfig
 from nanopara.dp import DDP, SingleDevice, build_engine, param_kind
 from nanopara.mesh import Mesh
-from nanopara.model import GPT
+from nanopara.model import GPT, Linear
 from nanopara.zero import Zero, unshard_model, unshard_optimizer
 from nanopara.zero3 import PREFETCH
 from tests.distributed import spawn as spawn_gloo
@@ -295,6 +296,8 @@ def _worker(rank, n, ref, out_path):
     assert all(torch.count_nonzero(p.grad) > 0 for p in lin[1].parameters())
     engine.step(LR)
 
+    _check_grad_destinations(mesh, tokens[0][rows])
+
     # reshard: ZeRO-3 shards of every rank -> full form -> a DDP engine continues
     cfg = make_cfg(zero=3)
     engine = build_engine(make_model(cfg), mesh, cfg)
@@ -315,6 +318,54 @@ def _worker(rank, n, ref, out_path):
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(errs, f, indent=1)
+
+
+def _expected_copies(engine, micro_steps: int) -> int:
+    """Gradient elements DDP / ZeRO-2 copy into their buffers when every Linear weight but the tied one gets a
+    destination: DDP once a step, ZeRO-2 every micro-step except a bucket of one unpadded parameter (sent as is)."""
+    tied = engine.model.transformer.wte.weight
+    linear = {id(m.weight) for m in engine.model.modules() if isinstance(m, Linear)} - {id(tied)}
+    if isinstance(engine, DDP):
+        return sum(p.numel() for p in engine.params if id(p) not in linear)
+    return micro_steps * sum(p.numel() for f in engine.flats if not (len(f.params) == 1 and f.padded == f.numel)
+                             for p in f.params if id(p) not in linear)
+
+
+def _check_grad_destinations(mesh, mb):
+    """DDP and ZeRO-2 give the Linear weights (not the tied wte/lm_head) gradient destinations: their gradients
+    are made inside the bucket / send buffer, so only the other parameters are copied there (`engine.copied`);
+    a weight used twice in one forward still gets the sum of its two gradients."""
+    for zero in (0, 2):
+        cfg = make_cfg(zero)
+        model = make_model(cfg)
+        engine = build_engine(model, mesh, cfg)
+        tied = model.transformer.wte.weight
+        assert [p for p in engine._dest_params] == [p for p in engine.params if p is not tied]
+        assert all(hasattr(p, "grad_into") for p in engine._dest_params)
+        for micro in range(2):  # DDP: the first micro-step's gradients land in their slots, the second adds there
+            with engine.no_sync(micro == 0):
+                engine.backward(engine.model(mb[:, :-1], mb[:, 1:])[1])
+        engine._finish_grads()
+        assert engine.copied == _expected_copies(engine, 2), (zero, engine.copied, _expected_copies(engine, 2))
+        engine.step(LR)
+        engine.close()
+        assert not any(hasattr(p, "grad_into") for p in model.parameters())
+
+        # one weight used twice: the second use gets no destination, autograd sums both
+        torch.manual_seed(3)
+        lin, x = torch.nn.ModuleList([Linear(3, 3), Linear(3, 3)]), torch.randn(2, 3)
+        w, b, w1, _ = ref = [p.detach().clone().requires_grad_() for p in lin.parameters()]
+        F = torch.nn.functional
+        (F.linear(F.linear(x, w, b), w, b).sum() * w1.sum()).backward()  # lin[1]: a factor, one use
+        engine = build_engine(lin, mesh, make_cfg(zero))
+        engine.backward(lin[0](lin[0](x)).sum() * lin[1].weight.sum())
+        engine._finish_grads()
+        grads = {k: torch.zeros_like(r) if r.grad is None else r.grad for (k, _), r in zip(lin.named_parameters(), ref)}
+        if zero == 0:  # lin[1].bias got no gradient: it reduces as zeros
+            assert all(torch.allclose(p.grad, grads[k]) for k, p in lin.named_parameters())
+        else:
+            assert all(torch.allclose(f.grad_shard, f.slice_of(grads, "cpu")) for f in engine.flats)
+        engine.close()
 
 
 def _check_tp_rules(rank, n, ref, tokens, errs):
@@ -530,6 +581,8 @@ def _gpu_worker(rank, n):
             engine.backward(loss)
             engine.step(cfg.train.lr)
             losses.append(loss.item())
+            if s == 0 and mode in ("ddp", "zero2"):  # bf16 -> fp32 casts wrote the Linear weights' gradients
+                assert engine.copied == _expected_copies(engine, 1), (mode, engine.copied)
         _check_memory(engine, base, psi, n)
         curves[f"{mode}/{kernels}"] = losses
     ref = curves["ddp/torch"]
