@@ -37,7 +37,9 @@ Hooks hold the engine weakly (`_weak`), so `del engine` frees everything; `close
 DDP: gradients live in flat buckets of ~parallel.bucket_mb, filled in reverse registration order (≈ backward
 order). A step starts with p.grad = None, so autograd keeps the gradient it made (no add into a zeroed buffer);
 the post-accumulate-grad hook copies it into the parameter's slice of its bucket and makes p.grad that view
-(later micro-steps accumulate into it in place), and counts the bucket's parameters; once all are in, the bucket's
+(later micro-steps accumulate into it in place), and counts the bucket's parameters. The Linear weights skip the
+copy: the engine names their slots as gradient destinations (`_set_grad_dests`, model.matmul_weight), so their
+bf16 -> fp32 gradient casts write into the slots directly; once all are in, the bucket's
 all-reduce starts (async_op=True) while backward goes on. Buckets start in index order so every rank issues the
 same collectives in the same order; step() waits on the handles. parallel.reduce_dtype=bf16
 sends a bf16 copy of each bucket instead (half the bytes; the sum is rounded to bf16 and copied back into the
@@ -180,9 +182,10 @@ class _Engine:
         one in backward: each weight's fp32 gradient is then written by its bf16 -> fp32 cast straight into
         `self._grad_dest(p)`, a view of the engine's buffer that autograd keeps as p.grad, instead of into a new
         tensor the engine would copy there. Not for a parameter the model holds under two names (the tied
-        wte/lm_head): autograd sums its two gradients into a new tensor anyway. `_grad_dest` gives a parameter at most one destination per round
-        (`_given`), so a weight used twice in one forward gets its second gradient in a new tensor, which
-        autograd adds to the first (into a new tensor, the destination is then copied like any other)."""
+        wte/lm_head): autograd sums its two gradients into a new tensor anyway. `_grad_dest` gives a parameter
+        at most one destination per round (`_given`), so a weight used twice in one forward gets its second
+        gradient in a new tensor, which autograd adds to the first (into a new tensor, which is then copied
+        like any other gradient)."""
         for p in self._dest_params:  # the previous ones go (close(): all)
             if hasattr(p, "grad_into"):
                 del p.grad_into

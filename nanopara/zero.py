@@ -14,7 +14,10 @@ ZeRO-1 (P_os): DDP's buckets, but parameters are views of flat buffers. A bucket
   slice, and the flat parameter buffers are all-gathered after the step. no_sync skips the reduction as in DDP.
   Both collectives run in place (f.grad's / f.param's own [lo, hi) is the shard), so ZeRO-1 adds no buffers.
 ZeRO-2 (P_os+g): a bucket's full gradient exists only until its reduce-scatter ends (at most `max_inflight` = 2
-  bucket copies at once: the older is drained before a third starts); the rank keeps its shard. The backward's
+  bucket copies at once: the older is drained before a third starts); the rank keeps its shard. The send buffer of
+  a bucket is made when its first gradient comes: the Linear weights' gradient casts write into it (gradient
+  destinations, dp._Engine._set_grad_dests); the other parameters' gradients are copied in at launch, and a bucket
+  of one unpadded parameter (the tied wte) sends that gradient itself. The backward's
   last reductions are not waited for at its end: under gradient accumulation they run beside the next micro-step's
   forward (the tied wte/lm_head bucket, complete only after the embedding backward, is the largest).
   ZeRO-2/3 reduce on every micro-step and accumulate shards (no_sync is a no-op for them: skipping the reduction

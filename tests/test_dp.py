@@ -9,8 +9,9 @@ and never on no_sync micro-steps; ZeRO-3 keeps at most 3 units gathered, every u
 step's hooks, all-gathers and reduce-scatters are counted per unit (3 blocks in units of 2: 2 units, the last
 partial); under DDP a parameter without a gradient in a step reduces as zeros (not its bucket slot's old
 value); DDP and ZeRO-2 copy only the non-Linear gradients into their buffers (the Linear weights' are written
-there by their casts, model.matmul_weight), and a weight used twice in a forward still gets both gradients; memory_bytes() equals the ZeRO formulas; state_dict -> torch.save -> fresh engine -> load -> continue is
-bit-exact, and a ZeRO-3 shard of another unit size is a clear error; ZeRO-3 shards -> unshard -> DDP continues;
+there by their casts, model.matmul_weight), and a weight used twice in a forward still gets both gradients;
+memory_bytes() equals the ZeRO formulas; state_dict -> torch.save -> fresh engine -> load -> continue is bit-exact,
+and a ZeRO-3 shard of another unit size is a clear error; ZeRO-3 shards -> unshard -> DDP continues;
 sp_partial / tp_dim rules (SingleDevice at tp=2; DDP and ZeRO-3 at dp=2 x tp=2).
 Memory (test_engines_free_memory_and_bound_transients): after `del engine, model` + gc nothing survives (weakrefs);
 per step, ZeRO-1 reduces in place, ZeRO-2 holds no p.grad after backward, ZeRO-2/3 keep at most max_inflight
