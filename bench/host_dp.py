@@ -1,0 +1,80 @@
+"""Host cost of the data-parallel engines' backward machinery (hooks, gradient destinations), on CPU.
+
+    torchrun --nproc_per_node=2 bench/host_dp.py [--repeats 60]
+
+GPT-2 124M's structure (12 blocks, 148 parameter tensors, 48 Linear weights with gradient destinations) at toy
+widths (n_embd 48, T 8, B 1), so a backward is nearly all per-op and per-hook Python/C++ overhead. Communication is
+switched off (each engine's `_launch` returns a finished stand-in), so the rows compare what the engine's own
+host work adds to a backward: SingleDevice (no hooks), DDP and ZeRO-2 with and without gradient destinations
+(`_set_grad_dests([])`). Median of the timed backwards, rank 0. On a GPU these costs hide behind the kernels unless
+the step is host-bound (small micro-batches); see bench_dp.py's `host ms` for the GPU-side measure.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from nanopara.config import Config, ModelConfig  # noqa: E402
+from nanopara.dp import SingleDevice, build_engine  # noqa: E402
+from nanopara.mesh import Mesh  # noqa: E402
+from nanopara.model import GPT  # noqa: E402
+
+
+class _Done:
+    def wait(self):
+        pass
+
+
+def _no_comm(engine):
+    """Replace the engine's gradient collectives with finished stand-ins (same return shapes as `_launch`)."""
+    if hasattr(engine, "flats"):  # ZeRO-2: (flat, work, reduced shard, sent)
+        engine._launch = lambda i: (engine.flats[i], _Done(), torch.zeros(engine.flats[i].shard), None)
+    else:
+        engine._launch = lambda i: _Done()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=60)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    mesh = Mesh.build(dp=int(os.environ.get("WORLD_SIZE", 1)), device="cpu")
+    cfg = Config(device="cpu", seed=0)
+    cfg.model = ModelConfig(n_layer=12, n_head=12, n_embd=48, block_size=16, vocab_size=64, vocab_multiple=1,
+                            kernels="torch")
+    x = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(0))
+    modes = ["single", "ddp", "ddp:nodest", "zero2", "zero2:nodest"] if mesh.dp > 1 else ["single"]
+    for mode in modes + modes:  # twice: the second pass shows the spread
+        base, _, variant = mode.partition(":")
+        cfg.parallel.zero = 2 if base == "zero2" else 0
+        torch.manual_seed(0)
+        model = GPT(cfg.model)
+        engine = SingleDevice(model, mesh, cfg) if base == "single" else build_engine(model, mesh, cfg)
+        if base != "single":
+            _no_comm(engine)
+        if variant == "nodest":
+            engine._set_grad_dests([])
+        times = []
+        for _ in range(args.repeats):
+            _, loss = engine.model(x[:, :-1], x[:, 1:])
+            t0 = time.perf_counter()
+            engine.backward(loss)
+            times.append(time.perf_counter() - t0)
+            engine.step(0.0)  # zero the grads / reset the buckets as a training step would
+        times = sorted(times[10:])
+        if mesh.rank == 0:
+            print(f"{mode:>13}: backward {1e3 * times[len(times) // 2]:.2f} ms host (median of {len(times)})",
+                  flush=True)
+        engine.close()
+    mesh.destroy()
+
+
+if __name__ == "__main__":
+    main()
