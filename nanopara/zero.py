@@ -212,12 +212,13 @@ class Zero(_BucketHooks, _Engine):
         # and no padding (the tied wte): its own gradient is the buffer.
         sent, self._send[i] = self._send[i], None
         if sent is not None:
-            for p, view in zip(f.params, _views(sent, f.sizes)):
+            at = sent.data_ptr()  # views only where a gradient is missing or elsewhere (host time: see host_dp.py)
+            for p, off, size in zip(f.params, f.offsets, f.sizes):
                 if p.grad is None:
-                    view.zero_()
-                elif p.grad.data_ptr() != view.data_ptr():
-                    view.copy_(p.grad.reshape(-1))
-                    self.copied += p.numel()
+                    sent[off:off + size].zero_()
+                elif p.grad.data_ptr() != at + off * sent.element_size():
+                    sent[off:off + size].copy_(p.grad.reshape(-1))
+                    self.copied += size
             sent[f.numel:].zero_()
         elif len(f.params) == 1 and f.padded == f.numel and f.params[0].grad is not None:
             sent = f.params[0].grad.reshape(-1)
