@@ -143,8 +143,10 @@ def matmul_weight(w: torch.Tensor) -> torch.Tensor:
     """A Linear's weight as its matmul reads it. Where something set `w.grad_into` (a data-parallel engine,
     nanopara/dp.py: a function of w returning a w-shaped view of its gradient bucket, or None), the fp32 gradient is
     written straight into that view, so autograd keeps it as w.grad and the engine's bucket needs no copy of it.
-    Otherwise (and under torch.compile or no_grad) w itself: F.linear casts it under autocast as usual."""
-    if getattr(w, "grad_into", None) is None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+    Otherwise w itself, and F.linear casts it under autocast as usual: no destination set, a gradient already there
+    (the next micro-steps accumulate into it in place), no_grad, or torch.compile."""
+    if (getattr(w, "grad_into", None) is None or w.grad is not None or not torch.is_grad_enabled()
+            or torch.compiler.is_compiling()):
         return w
     on = torch.is_autocast_enabled(w.device.type)
     return _WeightCast.apply(w, torch.get_autocast_dtype(w.device.type) if on else w.dtype)
