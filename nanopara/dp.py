@@ -39,7 +39,7 @@ order). A step starts with p.grad = None, so autograd keeps the gradient it made
 the post-accumulate-grad hook copies it into the parameter's slice of its bucket and makes p.grad that view
 (later micro-steps accumulate into it in place), and counts the bucket's parameters. The Linear weights skip the
 copy: the engine names their slots as gradient destinations (`_set_grad_dests`, model.matmul_weight), so their
-bf16 -> fp32 gradient casts write into the slots directly; once all are in, the bucket's
+bf16 -> fp32 gradient casts write into the slots directly. Once all of a bucket's parameters are in, its
 all-reduce starts (async_op=True) while backward goes on. Buckets start in index order so every rank issues the
 same collectives in the same order; step() waits on the handles. parallel.reduce_dtype=bf16
 sends a bf16 copy of each bucket instead (half the bytes; the sum is rounded to bf16 and copied back into the
