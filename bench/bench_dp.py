@@ -88,7 +88,7 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def torch_ddp_step_fn(model, mesh, cfg):
+def torch_ddp_step_fn(model, mesh, cfg, phases):
     ddp = torch.nn.parallel.DistributedDataParallel(
         model, device_ids=[mesh.local_rank] if mesh.device.type == "cuda" else None, bucket_cap_mb=25,
         gradient_as_bucket_view=True)
@@ -99,15 +99,21 @@ def torch_ddp_step_fn(model, mesh, cfg):
             with ddp.no_sync() if m < ACCUM - 1 else contextlib.nullcontext():
                 with amp(mesh.device):
                     _, loss = ddp(x, y)
+                if m == 0:
+                    phases.mark("fwd")
                 (loss / ACCUM).backward()
+        phases.mark("bwd")
+        phases.mark("grads")  # torch DDP waits for its last bucket inside backward
 
     def finish():
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        phases.mark("end")
         return norm.item()  # our engines return the norm as a float too (train.py logs it)
 
     def step(x, y):
+        phases.mark("start")
         fwd_bwd(x, y)
         return finish()
     step.fwd_bwd, step.finish = fwd_bwd, finish
@@ -119,7 +125,38 @@ class _Done:
         pass
 
 
-def engine_step_fn(model, mesh, cfg, variant=""):
+class Phases:
+    """CUDA events on the compute stream at each timed step's phase boundaries, on every rank (--phases):
+    start | forward | fwd | backward | bwd | tail (the wait for gradient communication; torch DDP waits inside its
+    backward) | grads | clip + optimizer | end | gap (GPU time until the next step's start: the host issuing it).
+    Each phase's GPU time includes any idle of the stream inside it (waiting for the host or for NCCL)."""
+
+    NAMES = ("fwd", "bwd", "tail", "opt", "gap")
+
+    def __init__(self):
+        self.on, self.steps = False, []
+
+    def mark(self, name):
+        if not self.on:
+            return
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        if name == "start":
+            self.steps.append({})
+        self.steps[-1][name] = e
+
+    def medians(self) -> list[float]:
+        """Median ms of each phase over the steps (gap: over the steps that have a next one), then their sum."""
+        order = ("start", "fwd", "bwd", "grads", "end")
+        rows = []
+        for i, st in enumerate(self.steps[:-1]):
+            t = [st[a].elapsed_time(st[b]) for a, b in zip(order, order[1:])]
+            rows.append(t + [st["end"].elapsed_time(self.steps[i + 1]["start"])])
+        med = [sorted(col)[len(col) // 2] for col in zip(*rows)]
+        return med + [sum(med)]
+
+
+def engine_step_fn(model, mesh, cfg, phases, variant=""):
     if variant.startswith("p"):  # "zero3:p2": ZeRO-3 gathers 2 units ahead (zero3.PREFETCH, read at each hook)
         zero3.PREFETCH = int(variant[1:])
     engine = SingleDevice(model, mesh, cfg) if variant == "single" else build_engine(model, mesh, cfg)
@@ -139,6 +176,7 @@ def engine_step_fn(model, mesh, cfg, variant=""):
             finish_grads()
             b.record()
             tails.append((a, b))
+            phases.mark("grads")
         engine._finish_grads = timed_finish
 
     def fwd_bwd(x, y):
@@ -146,12 +184,18 @@ def engine_step_fn(model, mesh, cfg, variant=""):
             with engine.no_sync(m < ACCUM - 1):
                 with amp(mesh.device):
                     _, loss = engine.model(x, y)
+                if m == 0:
+                    phases.mark("fwd")
                 engine.backward(loss / ACCUM)
+        phases.mark("bwd")
 
     def finish():
-        return engine.step(cfg.train.lr)
+        norm = engine.step(cfg.train.lr)
+        phases.mark("end")
+        return norm
 
     def step(x, y):
+        phases.mark("start")
         fwd_bwd(x, y)
         return finish()
     step.tails, step.fwd_bwd, step.finish = tails, fwd_bwd, finish
@@ -238,15 +282,16 @@ def profile_step(step, x, y, mesh, label, out_dir):
         fh.write("\n".join(lines) + "\n")
 
 
-def run_mode(mode, cfg, mesh, warmup, steps, variant="", profile_dir=""):
+def run_mode(mode, cfg, mesh, warmup, steps, variant="", profile_dir="", phases=False):
     cuda = mesh.device.type == "cuda"
     start, prefetch = torch.cuda.memory_allocated() if cuda else 0, zero3.PREFETCH
     model = build(cfg, mesh)
     n_params, psi = model.num_params(), sum(p.numel() for p in model.parameters())  # the tied weight once
+    ph = Phases()
     if mode == "torch_ddp":
-        step, engine = torch_ddp_step_fn(model, mesh, cfg)
+        step, engine = torch_ddp_step_fn(model, mesh, cfg, ph)
     else:
-        step, engine = engine_step_fn(model, mesh, cfg, variant)
+        step, engine = engine_step_fn(model, mesh, cfg, ph, variant)
     B, T = cfg.train.micro_batch, cfg.train.seq_len
     g = torch.Generator(device=mesh.device).manual_seed(mesh.rank)
     xy = torch.randint(0, cfg.model.vocab_size, (B, T + 1), device=mesh.device, generator=g)
@@ -263,11 +308,20 @@ def run_mode(mode, cfg, mesh, warmup, steps, variant="", profile_dir=""):
     if tails is not None:
         tails.clear()
     dist.barrier()
+    ph.on = phases and cuda
     t0 = time.perf_counter()
     for _ in range(steps):
         step(x, y)
+    ph.mark("start")  # the end of the last step's gap
     sync(mesh.device)
     dt_mine = time.perf_counter() - t0
+    ph.on = False
+    per_rank = None
+    if ph.steps:  # every rank took this branch (phases and cuda are the same everywhere)
+        mine = torch.tensor(ph.medians(), device=mesh.device)
+        every = [torch.empty_like(mine) for _ in range(mesh.world)]
+        dist.all_gather(every, mine)
+        per_rank = [t.tolist() for t in every]
     peak = torch.cuda.max_memory_allocated() / GB if cuda else 0.0
     tail = sum(a.elapsed_time(b) for a, b in tails) / steps if tails else float("nan")
     stats = torch.tensor([dt_mine, peak, base, peak - base, tail, -dt_mine], device=mesh.device)
@@ -289,7 +343,13 @@ def run_mode(mode, cfg, mesh, warmup, steps, variant="", profile_dir=""):
         if left > 0.1:  # cuBLAS workspaces (tens of MB) may stay after the first mode; a model would not
             print(f"WARNING rank {mesh.rank}: {mode} left {left:.2f} GB allocated after cleanup; the next mode's "
                   f"memory numbers include it", flush=True)
+    if per_rank and mesh.is_main:
+        label = mode + (f":{variant}" if variant else "")
+        for r, med in enumerate(per_rank):
+            print(f"phases {label:>12} rank {r}: " + " ".join(f"{n} {v:6.2f}" for n, v in
+                                                             zip(Phases.NAMES + ("sum",), med)), flush=True)
     return {"mode": mode + (f":{variant}" if variant else ""), "tok_s": mesh.world * B * T * ACCUM * steps / dt,
+            "phases": None if per_rank is None else [dict(zip(Phases.NAMES + ("sum",), m)) for m in per_rank],
             "step_ms": dt / steps * 1e3, "host_ms": host, "fastest_rank_step_ms": -dt_fastest / steps * 1e3,
             "tail_ms": tail,
             "peak_GB": peak,
@@ -315,6 +375,8 @@ def main():
     ap.add_argument("--profile", default="", metavar="DIR",
                     help="after each mode's timed steps, profile one step on rank 0 (GPU idle, NCCL time, top kernels)")
     ap.add_argument("--steps", type=int, default=30, help="timed steps per mode")
+    ap.add_argument("--phases", action="store_true", help="per-rank medians of each step phase's GPU time "
+                    "(forward, backward, tail, clip + optimizer, gap to the next step; CUDA events)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
     ap.add_argument("--large", default="gpt2_1558m", help="preset of the memory part ('' skips it)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
@@ -347,7 +409,7 @@ def main():
             cfg.parallel.reduce_dtype = "bf16"
         if variant.startswith("u"):  # "zero3:u2": units of 2 transformer blocks
             cfg.parallel.zero3_unit_blocks = int(variant[1:])
-        r = run_mode(mode, cfg, mesh, warmup, steps, variant, args.profile)
+        r = run_mode(mode, cfg, mesh, warmup, steps, variant, args.profile, args.phases)
         m = cfg.model
         fpt = 6 * r["n_params"] + 12 * m.n_layer * m.n_embd * args.seq_len
         r["mfu"] = fpt * r["tok_s"] / (n * peak_flops) if peak_flops else 0.0
