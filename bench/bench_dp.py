@@ -20,6 +20,8 @@
                scaling; not a training mode); "zero3:p2" = ZeRO-3 gathering 2 units ahead (zero3.PREFETCH);
                "zero3:u2" = ZeRO-3 units of 2 blocks (parallel.zero3_unit_blocks: fewer hooks per step);
                "zero2:i4" = ZeRO-2 with up to 4 full-size bucket reductions in flight (engine.max_inflight, 2);
+               "ddp:normfirst" = the engine step that reads the
+               grad norm on the host before issuing the update (dp._Engine.async_step off, as on CPU);
                "ddp:nodest" / "zero2:nodest" = without gradient destinations (dp._Engine._set_grad_dests): the
                Linear weights' gradients made in new tensors and copied into the buckets, as before session 11;
                "ddp:single" = a control of N independent one-GPU runs at once (the
@@ -129,12 +131,29 @@ class Phases:
     """CUDA events on the compute stream at each timed step's phase boundaries, on every rank (--phases):
     start | forward | fwd | backward | bwd | tail (the wait for gradient communication; torch DDP waits inside its
     backward) | grads | clip + optimizer | end | gap (GPU time until the next step's start: the host issuing it).
-    Each phase's GPU time includes any idle of the stream inside it (waiting for the host or for NCCL)."""
+    Each phase's GPU time includes any idle of the stream inside it (waiting for the host or for NCCL). Also the
+    host time spent in Python's garbage collector during the timed steps (gc.callbacks), per generation."""
 
     NAMES = ("fwd", "bwd", "tail", "opt", "gap")
 
     def __init__(self):
-        self.on, self.steps = False, []
+        self.on, self.steps, self.gc_ms, self.gc_n, self._t = False, [], 0.0, [0, 0, 0], 0.0
+
+    def start(self):
+        self.on = True
+        gc.callbacks.append(self._gc)
+
+    def stop(self):
+        self.on = False
+        if self._gc in gc.callbacks:
+            gc.callbacks.remove(self._gc)
+
+    def _gc(self, phase, info):
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.gc_ms += (time.perf_counter() - self._t) * 1e3
+            self.gc_n[info["generation"]] += 1
 
     def mark(self, name):
         if not self.on:
@@ -145,15 +164,22 @@ class Phases:
             self.steps.append({})
         self.steps[-1][name] = e
 
-    def medians(self) -> list[float]:
-        """Median ms of each phase over the steps (gap: over the steps that have a next one), then their sum."""
+    def table(self) -> list[list[float]]:
+        """Per step (that has a next one): ms of each phase."""
         order = ("start", "fwd", "bwd", "grads", "end")
-        rows = []
-        for i, st in enumerate(self.steps[:-1]):
-            t = [st[a].elapsed_time(st[b]) for a, b in zip(order, order[1:])]
-            rows.append(t + [st["end"].elapsed_time(self.steps[i + 1]["start"])])
+        return [[st[a].elapsed_time(st[b]) for a, b in zip(order, order[1:])]
+                + [st["end"].elapsed_time(self.steps[i + 1]["start"])] for i, st in enumerate(self.steps[:-1])]
+
+    def summary(self) -> list[float]:
+        """Median ms of each phase, their sum, the mean step (start to start), gc ms per step, gc runs of
+        generation 0, 1, 2 over the timed steps."""
+        rows = self.table()
         med = [sorted(col)[len(col) // 2] for col in zip(*rows)]
-        return med + [sum(med)]
+        mean = sum(sum(r) for r in rows) / len(rows)
+        return med + [sum(med), mean, self.gc_ms / len(rows)] + [float(n) for n in self.gc_n]
+
+
+PHASE_KEYS = Phases.NAMES + ("sum", "mean", "gc_ms", "gc0", "gc1", "gc2")
 
 
 def engine_step_fn(model, mesh, cfg, phases, variant=""):
@@ -164,6 +190,8 @@ def engine_step_fn(model, mesh, cfg, phases, variant=""):
         engine.max_inflight = int(variant[1:])
     if variant == "nocomm":  # control, not a result: the engine's hooks and buffers, its all-reduces skipped
         engine._launch = lambda i: _Done()
+    if variant == "normfirst":  # the step that reads the norm before issuing the update (CPU's path)
+        engine.async_step = False
     if variant == "nodest":  # DDP / ZeRO-2 without gradient destinations: every gradient copied into its bucket
         engine._set_grad_dests([])
     tails = []  # (start, end) CUDA events around the gradient wait at the step: exposed communication
@@ -300,28 +328,28 @@ def run_mode(mode, cfg, mesh, warmup, steps, variant="", profile_dir="", phases=
         step(x, y)
     sync(mesh.device)
     gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+    if cuda:  # no empty_cache() here: the first timed step would cudaMalloc every activation again (+22-44 ms
+        torch.cuda.reset_peak_memory_stats()  # on 2 x H100 at B=16, --phases: 1.1-2.4% of 30 steps' time)
     base = torch.cuda.memory_allocated() / GB if cuda else 0.0  # the states (and the batch): what a step starts from
     tails = getattr(step, "tails", None)
     if tails is not None:
         tails.clear()
     dist.barrier()
-    ph.on = phases and cuda
+    if phases and cuda:
+        ph.start()
     t0 = time.perf_counter()
     for _ in range(steps):
         step(x, y)
     ph.mark("start")  # the end of the last step's gap
     sync(mesh.device)
     dt_mine = time.perf_counter() - t0
-    ph.on = False
-    per_rank = None
+    ph.stop()
+    per_rank = steps_rank0 = None
     if ph.steps:  # every rank took this branch (phases and cuda are the same everywhere)
-        mine = torch.tensor(ph.medians(), device=mesh.device)
+        mine = torch.tensor(ph.summary(), device=mesh.device)
         every = [torch.empty_like(mine) for _ in range(mesh.world)]
         dist.all_gather(every, mine)
-        per_rank = [t.tolist() for t in every]
+        per_rank, steps_rank0 = [t.tolist() for t in every], ph.table()
     peak = torch.cuda.max_memory_allocated() / GB if cuda else 0.0
     tail = sum(a.elapsed_time(b) for a, b in tails) / steps if tails else float("nan")
     stats = torch.tensor([dt_mine, peak, base, peak - base, tail, -dt_mine], device=mesh.device)
@@ -345,11 +373,12 @@ def run_mode(mode, cfg, mesh, warmup, steps, variant="", profile_dir="", phases=
                   f"memory numbers include it", flush=True)
     if per_rank and mesh.is_main:
         label = mode + (f":{variant}" if variant else "")
-        for r, med in enumerate(per_rank):
-            print(f"phases {label:>12} rank {r}: " + " ".join(f"{n} {v:6.2f}" for n, v in
-                                                             zip(Phases.NAMES + ("sum",), med)), flush=True)
+        for r, v in enumerate(per_rank):
+            print(f"phases {label:>12} rank {r}: " + " ".join(f"{n} {t:6.2f}" for n, t in zip(PHASE_KEYS[:8], v))
+                  + f" | gc runs {v[8]:.0f}/{v[9]:.0f}/{v[10]:.0f}", flush=True)
     return {"mode": mode + (f":{variant}" if variant else ""), "tok_s": mesh.world * B * T * ACCUM * steps / dt,
-            "phases": None if per_rank is None else [dict(zip(Phases.NAMES + ("sum",), m)) for m in per_rank],
+            "phases": None if per_rank is None else [dict(zip(PHASE_KEYS, v)) for v in per_rank],
+            "phase_steps_rank0": steps_rank0,
             "step_ms": dt / steps * 1e3, "host_ms": host, "fastest_rank_step_ms": -dt_fastest / steps * 1e3,
             "tail_ms": tail,
             "peak_GB": peak,
