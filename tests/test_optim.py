@@ -1,6 +1,12 @@
-"""Optimizer pieces: decay groups, LR schedule, clipping, fp16 loss scaling and skipped steps."""
+"""Optimizer pieces: decay groups, LR schedule, clipping, fp16 loss scaling and skipped steps.
+
+The engine's step has two paths (dp._Engine.step): CPU reads the norm first; GPU (`async_step`) hands the clip
+divisor and the skip flag to the fused AdamW kernel as tensors and reads the norm last. The clipping, skipping and
+grad-scale tests run both, the GPU path here on CPU with torch's fused CPU AdamW (same grad_scale / found_inf).
+"""
 import math
 
+import pytest
 import torch
 
 from nanopara.config import Config, ModelConfig, TrainConfig
@@ -10,13 +16,22 @@ from nanopara.model import GPT
 from nanopara.optim import LossScaler, lr_at, param_groups
 
 
-def tiny_engine(clip=1.0):
+def tiny_engine(clip=1.0, async_step=False):
     cfg = Config(device="cpu")
     cfg.model = ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=64, kernels="torch")
     cfg.train.grad_clip = clip
     torch.manual_seed(0)
     model = GPT(cfg.model)
-    return model, build_engine(model, Mesh.build(device="cpu"), cfg)
+    engine = build_engine(model, Mesh.build(device="cpu"), cfg)
+    if async_step:  # the GPU path: a fused AdamW (CPU has one too), norm read after the update
+        t = cfg.train
+        engine.optimizer = torch.optim.AdamW(param_groups(model.named_parameters(), t.weight_decay), lr=t.lr,
+                                             betas=(t.beta1, t.beta2), eps=t.eps, fused=True)
+        engine.async_step = True
+    return model, engine
+
+
+PATHS = pytest.mark.parametrize("async_step", [False, True], ids=["norm-first", "norm-last"])
 
 
 def test_weight_decay_only_on_matrices_and_tied_weight_once():
@@ -36,8 +51,9 @@ def test_lr_schedule_warmup_then_cosine():
     assert all(lr_at(s, t) >= lr_at(s + 1, t) for s in range(10, 120))
 
 
-def test_clipping_bounds_the_update_norm():
-    model, engine = tiny_engine(clip=0.01)
+@PATHS
+def test_clipping_bounds_the_update_norm(async_step):
+    model, engine = tiny_engine(clip=0.01, async_step=async_step)
     x = torch.randint(0, 64, (2, 8))
     _, loss = model(x, x)
     engine.backward(loss)
@@ -49,8 +65,9 @@ def test_clipping_bounds_the_update_norm():
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
 
 
-def test_non_finite_gradients_skip_the_step():
-    model, engine = tiny_engine()
+@PATHS
+def test_non_finite_gradients_skip_the_step(async_step):
+    model, engine = tiny_engine(async_step=async_step)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     x = torch.randint(0, 64, (2, 8))
     _, loss = model(x, x)
@@ -59,6 +76,7 @@ def test_non_finite_gradients_skip_the_step():
     assert not math.isfinite(norm)
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
     assert all(p.grad is None or p.grad.abs().sum() == 0 for p in model.parameters())  # grads cleared for the next step
+    assert all(int(st["step"]) == 0 for st in engine.optimizer.state.values())  # the skipped step is not counted
 
 
 def test_fp16_loss_scale_halves_on_overflow_and_grows_after_clean_steps():
@@ -76,11 +94,12 @@ def test_fp16_loss_scale_halves_on_overflow_and_grows_after_clean_steps():
     assert off.scale == 1.0
 
 
-def test_grad_scale_is_divided_out():
+@PATHS
+def test_grad_scale_is_divided_out(async_step):
     """engine.step(grad_scale=S) on grads of S*loss gives the same update as step() on grads of loss."""
     results = []
     for scale in (1.0, 1024.0):
-        model, engine = tiny_engine()
+        model, engine = tiny_engine(async_step=async_step)
         x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
         _, loss = model(x, x)
         engine.backward(loss * scale)
@@ -89,4 +108,26 @@ def test_grad_scale_is_divided_out():
     assert math.isclose(results[0][0], results[1][0], rel_tol=1e-6)
     for a, b in zip(results[0][1], results[1][1]):
         # power-of-two scale: exact up to rounding of the clip coef
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_async_step_reads_the_norm_after_the_update(monkeypatch):
+    """The GPU path issues the update before its one host read (the norm), and its clipped update equals the CPU
+    path's up to fp32 rounding (the kernel divides by 1/coef where the CPU path multiplies by coef)."""
+    x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(2))
+    out = {}
+    for async_step in (False, True):
+        model, engine = tiny_engine(clip=0.05, async_step=async_step)
+        _, loss = model(x, x)
+        engine.backward(loss)
+        events, item, update = [], torch.Tensor.item, engine.optimizer.step
+        monkeypatch.setattr(torch.Tensor, "item", lambda t: events.append("read") or item(t))
+        monkeypatch.setattr(engine.optimizer, "step", lambda: events.append("update") or update())
+        norm = engine.step(1e-2)
+        monkeypatch.undo()
+        assert norm > 0.05  # clipping is active
+        before_update = events[:events.index("update")]  # (the for-loop AdamW reads its step counters itself)
+        assert ("read" in before_update) != async_step and "read" in events, events
+        out[async_step] = [p.detach().clone() for p in model.parameters()]
+    for a, b in zip(out[False], out[True]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
