@@ -233,16 +233,16 @@ class _Engine:
                 self.optimizer.found_inf = (~torch.isfinite(norm)).float()                          # divides
                 self._update(lr)
             self._after_step()
-            norm = norm.item()
-        else:
-            norm = math.sqrt(sq.item()) / grad_scale
-            if math.isfinite(norm):
-                coef = clip_coef(torch.tensor(norm), self.cfg.train.grad_clip).item() / grad_scale
-                if coef != 1.0:
-                    torch._foreach_mul_([g for g, _ in pieces], coef)
-                if self.optimizer is not None:
-                    self._update(lr)
-                self._after_step()
+            self._zero_grads()  # stream-ordered after the update; the host work is done before the one sync
+            return norm.item()
+        norm = math.sqrt(sq.item()) / grad_scale
+        if math.isfinite(norm):
+            coef = clip_coef(torch.tensor(norm), self.cfg.train.grad_clip).item() / grad_scale
+            if coef != 1.0:
+                torch._foreach_mul_([g for g, _ in pieces], coef)
+            if self.optimizer is not None:
+                self._update(lr)
+            self._after_step()
         self._zero_grads()
         return norm
 
