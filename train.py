@@ -278,8 +278,9 @@ def train(cfg: Config) -> dict:
                         _, loss = engine.model(x, y)
                     engine.backward(loss.float() * (scaler.scale / accum))
             loss_sum += loss.detach().float()
-        loss_val = all_reduce_mean(loss_sum / accum, mesh, mesh.groups.get("dp_cp")).item()
-        grad_norm = engine.step(lr, grad_scale=scaler.scale)
+        loss_mean = all_reduce_mean(loss_sum / accum, mesh, mesh.groups.get("dp_cp"))
+        grad_norm = engine.step(lr, grad_scale=scaler.scale)  # a NaN loss gives a NaN norm: the engine skips
+        loss_val = loss_mean.item()  # read after the update is issued, so the GPU does not idle while it is
         finite = math.isfinite(loss_val) and math.isfinite(grad_norm)
         scaler.update(math.isfinite(grad_norm))
         if not math.isfinite(loss_val):

@@ -26,9 +26,11 @@
                Linear weights' gradients made in new tensors and copied into the buckets, as before session 11;
                "ddp:single" = a control of N independent one-GPU runs at once (the
                SingleDevice engine on every rank: what the machine itself loses when all its GPUs work).
-               step ms is the slowest rank's; "fast ms" the fastest rank's. host ms (rank 0): CPU time to issue
-               one forward + backward while the GPU is held busy (bench_dp.host_ms): near the GPU's time for the
-               same work, the step is bound by the host.
+               step ms is the slowest rank's mean; "fast ms" the fastest rank's. med ms (GPU): the slowest rank's
+               median step, start to start (CUDA events), robust to the host stalls of tens of ms that hit a few
+               steps of any process on these machines; med scal = the 1-GPU run's med ms / this med ms. host ms
+               (rank 0): CPU time to issue one forward + backward while the GPU is held busy (bench_dp.host_ms):
+               near the GPU's time for the same work, the step is bound by the host.
 2. memory      a large preset (gpt2_1558m by default) with micro_batch 1 per ZeRO stage: the model states this
                rank holds (memory_bytes) next to the ZeRO paper's formula for fp32 params/grads + fp32 Adam m, v
                (16Ψ, 8Ψ+8Ψ/N, 4Ψ+12Ψ/N, 16Ψ/N; ours adds padding of < N elements per flat buffer), the step
@@ -171,15 +173,16 @@ class Phases:
                 + [st["end"].elapsed_time(self.steps[i + 1]["start"])] for i, st in enumerate(self.steps[:-1])]
 
     def summary(self) -> list[float]:
-        """Median ms of each phase, their sum, the mean step (start to start), gc ms per step, gc runs of
-        generation 0, 1, 2 over the timed steps."""
+        """Median ms of each phase, their sum, the mean and the median step (start to start), gc ms per step, gc
+        runs of generation 0, 1, 2 over the timed steps."""
         rows = self.table()
         med = [sorted(col)[len(col) // 2] for col in zip(*rows)]
-        mean = sum(sum(r) for r in rows) / len(rows)
-        return med + [sum(med), mean, self.gc_ms / len(rows)] + [float(n) for n in self.gc_n]
+        steps = sorted(sum(r) for r in rows)
+        return (med + [sum(med), sum(steps) / len(steps), steps[len(steps) // 2], self.gc_ms / len(rows)]
+                + [float(n) for n in self.gc_n])
 
 
-PHASE_KEYS = Phases.NAMES + ("sum", "mean", "gc_ms", "gc0", "gc1", "gc2")
+PHASE_KEYS = Phases.NAMES + ("sum", "mean", "median", "gc_ms", "gc0", "gc1", "gc2")
 
 
 def engine_step_fn(model, mesh, cfg, phases, variant=""):
@@ -335,7 +338,7 @@ def run_mode(mode, cfg, mesh, warmup, steps, variant="", profile_dir="", phases=
     if tails is not None:
         tails.clear()
     dist.barrier()
-    if phases and cuda:
+    if cuda:  # (a few CUDA events per step: the median step; the phases themselves are printed with --phases)
         ph.start()
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -345,7 +348,7 @@ def run_mode(mode, cfg, mesh, warmup, steps, variant="", profile_dir="", phases=
     dt_mine = time.perf_counter() - t0
     ph.stop()
     per_rank = steps_rank0 = None
-    if ph.steps:  # every rank took this branch (phases and cuda are the same everywhere)
+    if ph.steps:  # every rank took this branch (cuda is the same everywhere)
         mine = torch.tensor(ph.summary(), device=mesh.device)
         every = [torch.empty_like(mine) for _ in range(mesh.world)]
         dist.all_gather(every, mine)
@@ -371,15 +374,16 @@ def run_mode(mode, cfg, mesh, warmup, steps, variant="", profile_dir="", phases=
         if left > 0.1:  # cuBLAS workspaces (tens of MB) may stay after the first mode; a model would not
             print(f"WARNING rank {mesh.rank}: {mode} left {left:.2f} GB allocated after cleanup; the next mode's "
                   f"memory numbers include it", flush=True)
-    if per_rank and mesh.is_main:
+    if per_rank and phases and mesh.is_main:
         label = mode + (f":{variant}" if variant else "")
         for r, v in enumerate(per_rank):
-            print(f"phases {label:>12} rank {r}: " + " ".join(f"{n} {t:6.2f}" for n, t in zip(PHASE_KEYS[:8], v))
-                  + f" | gc runs {v[8]:.0f}/{v[9]:.0f}/{v[10]:.0f}", flush=True)
+            print(f"phases {label:>12} rank {r}: " + " ".join(f"{n} {t:6.2f}" for n, t in zip(PHASE_KEYS[:10], v))
+                  + f" | gc runs {v[10]:.0f}/{v[11]:.0f}/{v[12]:.0f}", flush=True)
     return {"mode": mode + (f":{variant}" if variant else ""), "tok_s": mesh.world * B * T * ACCUM * steps / dt,
             "phases": None if per_rank is None else [dict(zip(PHASE_KEYS, v)) for v in per_rank],
             "phase_steps_rank0": steps_rank0,
-            "step_ms": dt / steps * 1e3, "host_ms": host, "fastest_rank_step_ms": -dt_fastest / steps * 1e3,
+            "step_ms": dt / steps * 1e3, "step_ms_median": max(v[7] for v in per_rank) if per_rank else float("nan"),
+            "host_ms": host, "fastest_rank_step_ms": -dt_fastest / steps * 1e3,
             "tail_ms": tail,
             "peak_GB": peak,
             "base_GB": base, "transient_GB": transient, "left_GB": left,
@@ -458,20 +462,24 @@ def main():
               f"B={args.micro_batch}/GPU x {args.accum} micro-steps, T={args.seq_len}, bf16 autocast, kernels=torch, "
               f"{steps} timed steps")
         print(f"{'mode':>12} | {'tok/s':>10} {'vs torch':>8} {'scaling':>7} {'MFU':>6} {'step ms':>8} {'fast ms':>7} "
-              f"{'tail ms':>7} {'host ms':>7} | {'peak GB':>8} {'states GB':>9} {'base GB':>8} {'transient':>9}")
+              f"{'tail ms':>7} {'host ms':>7} {'med ms':>7} {'med scal':>8} | {'peak GB':>8} {'states GB':>9} "
+              f"{'base GB':>8} {'transient':>9}")
         one = {}
         if args.baseline:
             with open(args.baseline) as f:
-                one = {r["mode"]: r["tok_s"] for r in json.load(f)["rows"]}
+                one = {r["mode"]: r for r in json.load(f)["rows"]}
         for r in rows:
             ref = one.get("torch_ddp" if r["mode"] == "torch_ddp" else "ddp")
-            r["scaling"] = r["tok_s"] / (n * ref) if ref else None
+            r["scaling"] = r["tok_s"] / (n * ref["tok_s"]) if ref else None
+            r["scaling_median"] = ref.get("step_ms_median", float("nan")) / r["step_ms_median"] if ref else None
+            msc = "-" if r["scaling_median"] is None else f"{100 * r['scaling_median']:.1f}%"
             rel = f"{r['tok_s'] / base:.3f}" if base else "-"
             st = f"{r['states_GB']:.2f}" if r["states_GB"] is not None else "-"
             tail = "-" if r["tail_ms"] != r["tail_ms"] else f"{r['tail_ms']:.2f}"
             scale = "-" if r["scaling"] is None else f"{100 * r['scaling']:.1f}%"
             print(f"{r['mode']:>12} | {r['tok_s']:10,.0f} {rel:>8} {scale:>7} {r['mfu'] * 100:5.1f}% "
-                  f"{r['step_ms']:8.1f} {r['fastest_rank_step_ms']:7.1f} {tail:>7} {r['host_ms']:7.1f} | "
+                  f"{r['step_ms']:8.1f} {r['fastest_rank_step_ms']:7.1f} {tail:>7} {r['host_ms']:7.1f} "
+                  f"{r['step_ms_median']:7.1f} {msc:>8} | "
                   f"{r['peak_GB']:8.2f} {st:>9} {r['base_GB']:8.2f} {r['transient_GB']:9.2f}")
         if large:
             print(f"\n{big}: Ψ = {large[0]['psi'] / 1e9:.3f}B parameters, B=1, per ZeRO stage on {n} GPUs")

@@ -1,4 +1,4 @@
-"""Host cost of the data-parallel engines' backward machinery (hooks, gradient destinations), on CPU.
+"""Host cost of the data-parallel engines' forward and backward machinery (hooks, gradient destinations), on CPU.
 
     torchrun --nproc_per_node=2 bench/host_dp.py [--repeats 60]
 
@@ -61,17 +61,19 @@ def main():
             _no_comm(engine)
         if variant == "nodest":
             engine._set_grad_dests([])
-        times = []
+        fwd, bwd = [], []
         for _ in range(args.repeats):
-            _, loss = engine.model(x[:, :-1], x[:, 1:])
             t0 = time.perf_counter()
+            _, loss = engine.model(x[:, :-1], x[:, 1:])
+            t1 = time.perf_counter()
             engine.backward(loss)
-            times.append(time.perf_counter() - t0)
+            fwd.append(t1 - t0)
+            bwd.append(time.perf_counter() - t1)
             engine.step(0.0)  # zero the grads / reset the buckets as a training step would
-        times = sorted(times[10:])
+        fwd, bwd = sorted(fwd[10:]), sorted(bwd[10:])
         if mesh.rank == 0:
-            print(f"{mode:>13}: backward {1e3 * times[len(times) // 2]:.2f} ms host (median of {len(times)})",
-                  flush=True)
+            print(f"{mode:>13}: forward {1e3 * fwd[len(fwd) // 2]:.2f} ms, backward {1e3 * bwd[len(bwd) // 2]:.2f} "
+                  f"ms host (medians of {len(fwd)})", flush=True)
         engine.close()
     mesh.destroy()
 
