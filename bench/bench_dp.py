@@ -22,8 +22,9 @@
                "zero2:i4" = ZeRO-2 with up to 4 full-size bucket reductions in flight (engine.max_inflight, 2);
                "ddp:normfirst" = the engine step that reads the
                grad norm on the host before issuing the update (dp._Engine.async_step off, as on CPU);
-               "ddp:nodest" / "zero2:nodest" = without gradient destinations (dp._Engine._set_grad_dests): the
-               Linear weights' gradients made in new tensors and copied into the buckets, as before session 11;
+               "zero2:nodest" = without gradient destinations (dp._Engine._set_grad_dests): the Linear weights'
+               gradients made in new tensors and copied into the buckets, as before session 11; "ddp:dest" =
+               DDP with them (parallel.grad_dests=on; off by default since session 12);
                "ddp:single" = a control of N independent one-GPU runs at once (the
                SingleDevice engine on every rank: what the machine itself loses when all its GPUs work).
                step ms is the slowest rank's mean; "fast ms" the fastest rank's. med ms (GPU): the slowest rank's
@@ -195,8 +196,10 @@ def engine_step_fn(model, mesh, cfg, phases, variant=""):
         engine._launch = lambda i: _Done()
     if variant == "normfirst":  # the step that reads the norm before issuing the update (CPU's path)
         engine.async_step = False
-    if variant == "nodest":  # DDP / ZeRO-2 without gradient destinations: every gradient copied into its bucket
+    if variant == "nodest":  # ZeRO-2 without gradient destinations: every gradient copied into its bucket
         engine._set_grad_dests([])
+    if variant == "dest":  # DDP with them (parallel.grad_dests=on)
+        engine._set_grad_dests(engine.params)
     tails = []  # (start, end) CUDA events around the gradient wait at the step: exposed communication
     if mesh.device.type == "cuda":
         finish_grads = engine._finish_grads

@@ -5,7 +5,7 @@
 GPT-2 124M's structure (12 blocks, 148 parameter tensors, 48 Linear weights with gradient destinations) at toy
 widths (n_embd 48, T 8, B 1), so a backward is nearly all per-op and per-hook Python/C++ overhead. Communication is
 switched off (each engine's `_launch` returns a finished stand-in), so the rows compare what the engine's own
-host work adds to a backward: SingleDevice (no hooks), DDP and ZeRO-2 with and without gradient destinations
+host work adds to a forward and a backward: SingleDevice (no hooks), DDP and ZeRO-2 with and without gradient destinations
 (`_set_grad_dests([])`). Median of the timed backwards, rank 0. On a GPU these costs hide behind the kernels unless
 the step is host-bound (small micro-batches); see bench_dp.py's `host ms` for the GPU-side measure.
 """
@@ -50,7 +50,7 @@ def main():
     cfg.model = ModelConfig(n_layer=12, n_head=12, n_embd=48, block_size=16, vocab_size=64, vocab_multiple=1,
                             kernels="torch")
     x = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(0))
-    modes = ["single", "ddp", "ddp:nodest", "zero2", "zero2:nodest"] if mesh.dp > 1 else ["single"]
+    modes = ["single", "ddp", "ddp:dest", "zero2", "zero2:nodest"] if mesh.dp > 1 else ["single"]
     for mode in modes + modes:  # twice: the second pass shows the spread
         base, _, variant = mode.partition(":")
         cfg.parallel.zero = 2 if base == "zero2" else 0
@@ -61,6 +61,8 @@ def main():
             _no_comm(engine)
         if variant == "nodest":
             engine._set_grad_dests([])
+        if variant == "dest":  # DDP's are off by default (parallel.grad_dests=auto)
+            engine._set_grad_dests(engine.params)
         fwd, bwd = [], []
         for _ in range(args.repeats):
             t0 = time.perf_counter()

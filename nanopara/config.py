@@ -57,6 +57,8 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"    # gpipe | 1f1b | interleaved
     bucket_mb: float = 25.0      # DDP gradient bucket size
     reduce_dtype: str = "fp32"   # DDP gradient all-reduce in fp32 | bf16 (half the bytes; grads stay fp32)
+    grad_dests: str = "auto"     # Linear weight grads written straight into DDP/ZeRO-2 buffers (dp._set_grad_dests):
+                                 # auto = ZeRO-2 only (it would copy every micro-step) | on (DDP too) | off
     zero3_unit_blocks: int = 1   # ZeRO-3 gathers this many consecutive blocks as one unit: fewer hooks and
                                  # collectives per step, as many times the gathered bytes (> n_layer: one unit)
     timeout_s: int = 600         # collective timeout: a rank mismatch errors instead of hanging forever
@@ -141,6 +143,10 @@ class Config:
             raise ConfigError(f"parallel.reduce_dtype must be fp32 or bf16, got {p.reduce_dtype!r}")
         if p.reduce_dtype != "fp32" and p.zero != 0:
             raise ConfigError("parallel.reduce_dtype=bf16 is implemented for DDP (parallel.zero=0) only")
+        if p.grad_dests not in ("auto", "on", "off"):
+            raise ConfigError(f"parallel.grad_dests must be auto, on or off, got {p.grad_dests!r}")
+        if p.grad_dests == "on" and p.zero not in (0, 2):
+            raise ConfigError("parallel.grad_dests=on applies to DDP and ZeRO-2 (parallel.zero=0 or 2) only")
         if p.zero3_unit_blocks < 1:
             raise ConfigError(f"parallel.zero3_unit_blocks must be >= 1, got {p.zero3_unit_blocks}")
         if p.zero3_unit_blocks != 1 and p.zero != 3:

@@ -37,9 +37,13 @@ Hooks hold the engine weakly (`_weak`), so `del engine` frees everything; `close
 DDP: gradients live in flat buckets of ~parallel.bucket_mb, filled in reverse registration order (≈ backward
 order). A step starts with p.grad = None, so autograd keeps the gradient it made (no add into a zeroed buffer);
 the post-accumulate-grad hook copies it into the parameter's slice of its bucket and makes p.grad that view
-(later micro-steps accumulate into it in place), and counts the bucket's parameters. The Linear weights skip the
-copy: the engine names their slots as gradient destinations (`_set_grad_dests`, model.matmul_weight), so their
-bf16 -> fp32 gradient casts write into the slots directly. Once all of a bucket's parameters are in, its
+(later micro-steps accumulate into it in place), and counts the bucket's parameters. With
+parallel.grad_dests=on the Linear weights skip the copy: the engine names their slots as gradient destinations
+(`_set_grad_dests`, model.matmul_weight), so their bf16 -> fp32 gradient casts write into the slots directly.
+Off by default for DDP: it saves one copy per optimizer step (~0.25 ms of an H100 at 124M) and costs a Python
+autograd node per Linear per micro-step (~1 ms of host time per forward), which showed as slower median steps
+where the forward is host-bound (2 x H100, B=16: 61.6 vs 61.8-62.3 ms, results/dp_s12.txt); ZeRO-2 copies every
+micro-step, so there they stay on (`auto`). Once all of a bucket's parameters are in, its
 all-reduce starts (async_op=True) while backward goes on. Buckets start in index order so every rank issues the
 same collectives in the same order; step() waits on the handles. parallel.reduce_dtype=bf16
 sends a bf16 copy of each bucket instead (half the bytes; the sum is rounded to bf16 and copied back into the
@@ -437,7 +441,8 @@ class DDP(_BucketHooks, _Engine):
                       for p, g in zip(b, _views(buf, [p.numel() for p in b]))}
         self._zero_grads()
         self._install_hooks(self.buckets)
-        self._set_grad_dests(self.params)
+        if cfg.parallel.grad_dests == "on":  # off by default for DDP: see the docstring
+            self._set_grad_dests(self.params)
 
     def _grad_dest(self, p):
         """p's slot, as a new view (so autograd keeps it as p.grad without a copy), for p's first gradient after

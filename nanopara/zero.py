@@ -16,7 +16,7 @@ ZeRO-1 (P_os): DDP's buckets, but parameters are views of flat buffers. A bucket
 ZeRO-2 (P_os+g): a bucket's full gradient exists only until its reduce-scatter ends (at most `max_inflight` = 2
   bucket copies at once: the older is drained before a third starts); the rank keeps its shard. The send buffer of
   a bucket is made when its first gradient comes: the Linear weights' gradient casts write into it (gradient
-  destinations, dp._Engine._set_grad_dests); the other parameters' gradients are copied in at launch, and a bucket
+  destinations, dp._Engine._set_grad_dests; none with parallel.grad_dests=off); the other parameters' gradients are copied in at launch, and a bucket
   of one unpadded parameter (the tied wte) sends that gradient itself. The backward's
   last reductions are not waited for at its end: under gradient accumulation they run beside the next micro-step's
   forward (the tied wte/lm_head bucket, complete only after the embedding backward, is the largest).
@@ -156,7 +156,8 @@ class Zero(_BucketHooks, _Engine):
             if stage == 2:  # each bucket's send buffer, made when its first gradient comes (_grad_dest)
                 self._send = [None] * len(self.flats)
                 self._at = {id(p): (i, off) for i, f in enumerate(self.flats) for p, off in zip(f.params, f.offsets)}
-                self._set_grad_dests(self.params)
+                if cfg.parallel.grad_dests != "off":
+                    self._set_grad_dests(self.params)
         elif hasattr(self, "_make_units"):  # zero3.Zero3: parameter units instead of buckets
             self._make_units(model, compute_dtype(cfg, self.device))
         else:

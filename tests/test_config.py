@@ -43,6 +43,8 @@ def test_round_trip_through_dict():
     (["--parallel.tp=5"], "not divisible by parallel.tp=5"),
     (["--parallel.zero=4"], "parallel.zero must be"),
     (["--parallel.reduce_dtype=fp16"], "reduce_dtype must be fp32 or bf16"),
+    (["--parallel.grad_dests=yes"], "grad_dests must be auto, on or off"),
+    (["--parallel.grad_dests=on", "--parallel.zero=3"], "DDP and ZeRO-2"),
     (["--parallel.reduce_dtype=bf16", "--parallel.zero=2"], "DDP .parallel.zero=0. only"),
     (["--parallel.zero=3", "--parallel.zero3_unit_blocks=0"], "zero3_unit_blocks must be >= 1, got 0"),
     (["--parallel.zero3_unit_blocks=2"], "applies to ZeRO-3 .parallel.zero=3. only"),

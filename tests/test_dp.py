@@ -268,6 +268,20 @@ def _worker(rank, n, ref, out_path):
     finally:
         zero_mod.PREFETCH = prefetch
 
+    # DDP with gradient destinations (parallel.grad_dests=on; off by default for DDP): the same training
+    cfg = make_cfg(zero=0)
+    cfg.parallel.grad_dests = "on"
+    for accum in (1, 2):
+        engine = build_engine(make_model(cfg), mesh, cfg)
+        assert engine._dest_params
+        losses, norms = run(engine, tokens, 0, STEPS, rows, accum)
+        errs[f"ddp grad_dests=on dp{n} accum{accum}"] = e = {
+            "loss": max(abs(a - b) for a, b in zip(losses, ref["losses"])),
+            "norm_rel": max(abs(a - b) / b for a, b in zip(norms, ref["norms"])),
+            "weight": _max_diff(engine.full_model_state_dict(), ref["weights"])}
+        assert e["loss"] < LOSS_ATOL and e["weight"] < WEIGHT_ATOL and e["norm_rel"] < NORM_RTOL, e
+        engine.close()
+
     # DDP with bf16 gradient reduction: every reduced gradient is a bf16 value (the sum did go through bf16), and
     # training stays within bf16 rounding of the fp32 run
     cfg = make_cfg(zero=0)
@@ -322,10 +336,12 @@ def _worker(rank, n, ref, out_path):
 
 
 def _expected_copies(engine, micro_steps: int) -> int:
-    """Gradient elements DDP / ZeRO-2 copy into their buffers when every Linear weight but the tied one gets a
-    destination: DDP once a step, ZeRO-2 every micro-step except a bucket of one unpadded parameter (sent as is)."""
+    """Gradient elements DDP / ZeRO-2 copy into their buffers: DDP once a step, ZeRO-2 every micro-step except a
+    bucket of one unpadded parameter (sent as is); with destinations on, not the Linear weights (but the tied one)."""
     tied = engine.model.transformer.wte.weight
     linear = {id(m.weight) for m in engine.model.modules() if isinstance(m, Linear)} - {id(tied)}
+    if not engine._dest_params:
+        linear = set()
     if isinstance(engine, DDP):
         return sum(p.numel() for p in engine.params if id(p) not in linear)
     return micro_steps * sum(p.numel() for f in engine.flats if not (len(f.params) == 1 and f.padded == f.numel)
@@ -333,11 +349,22 @@ def _expected_copies(engine, micro_steps: int) -> int:
 
 
 def _check_grad_destinations(mesh, mb):
-    """DDP and ZeRO-2 give the Linear weights (not the tied wte/lm_head) gradient destinations: their gradients
-    are made inside the bucket / send buffer, so only the other parameters are copied there (`engine.copied`);
-    a weight used twice in one forward still gets the sum of its two gradients."""
-    for zero in (0, 2):
+    """With gradient destinations (parallel.grad_dests: on for DDP, the default auto for ZeRO-2) the Linear weights
+    (not the tied wte/lm_head) get their gradients made inside the bucket / send buffer, so only the other
+    parameters are copied there (`engine.copied`); a weight used twice in one forward still gets the sum of its
+    two gradients. Without them (DDP's default auto, ZeRO-2 with off) every gradient is copied."""
+    for zero, dests in ((0, "auto"), (2, "off")):
         cfg = make_cfg(zero)
+        cfg.parallel.grad_dests = dests
+        engine = build_engine(make_model(cfg), mesh, cfg)
+        assert engine._dest_params == [] and not any(hasattr(p, "grad_into") for p in engine.params)
+        engine.backward(engine.model(mb[:, :-1], mb[:, 1:])[1])
+        engine._finish_grads()
+        assert engine.copied == _expected_copies(engine, 1) > sum(p.numel() for p in engine.params) // 2
+        engine.close()
+    for zero, dests in ((0, "on"), (2, "auto")):
+        cfg = make_cfg(zero)
+        cfg.parallel.grad_dests = dests
         model = make_model(cfg)
         engine = build_engine(model, mesh, cfg)
         tied = model.transformer.wte.weight
@@ -358,7 +385,9 @@ def _check_grad_destinations(mesh, mb):
         w, b, w1, _ = ref = [p.detach().clone().requires_grad_() for p in lin.parameters()]
         F = torch.nn.functional
         (F.linear(F.linear(x, w, b), w, b).sum() * w1.sum()).backward()  # lin[1]: a factor, one use
-        engine = build_engine(lin, mesh, make_cfg(zero))
+        cfg = make_cfg(zero)
+        cfg.parallel.grad_dests = dests
+        engine = build_engine(lin, mesh, cfg)
         engine.backward(lin[0](lin[0](x)).sum() * lin[1].weight.sum())
         engine._finish_grads()
         grads = {k: torch.zeros_like(r) if r.grad is None else r.grad for (k, _), r in zip(lin.named_parameters(), ref)}
@@ -563,10 +592,12 @@ def _gpu_worker(rank, n):
     tokens = torch.randint(0, 1000, (STEPS, BATCH, 129), generator=g)
     rows = slice(rank * BATCH // n, (rank + 1) * BATCH // n)
     curves = {}
-    for mode, kernels in [("ddp", "torch"), ("zero1", "torch"), ("zero2", "torch"), ("zero3", "torch"),
-                          ("zero3", "auto"), ("zero3:u3", "torch")]:  # u3: 4 blocks in units of 3 and 1
+    for mode, kernels in [("ddp", "torch"), ("ddp+dests", "torch"), ("zero1", "torch"), ("zero2", "torch"),
+                          ("zero3", "torch"), ("zero3", "auto"), ("zero3:u3", "torch")]:  # u3: units of 3 and 1 blocks
         cfg = Config(seed=0)
         cfg.model = ModelConfig(n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=1000, kernels=kernels)
+        mode, dests = mode.partition("+dests")[:2]  # "ddp+dests": parallel.grad_dests=on
+        cfg.parallel.grad_dests = "on" if dests else "auto"
         base, cfg.parallel.zero3_unit_blocks = split_mode(mode)
         cfg.train.lr, cfg.parallel.zero, cfg.parallel.bucket_mb = 1e-3, MODES.index(base), 0.25
         torch.manual_seed(0)
@@ -582,10 +613,11 @@ def _gpu_worker(rank, n):
             engine.backward(loss)
             engine.step(cfg.train.lr)
             losses.append(loss.item())
-            if s == 0 and mode in ("ddp", "zero2"):  # bf16 -> fp32 casts wrote the Linear weights' gradients
+            if s == 0 and mode in ("ddp", "zero2"):  # with destinations, bf16 -> fp32 casts wrote the Linear
+                assert bool(engine._dest_params) == (mode == "zero2" or bool(dests))  # weights' gradients
                 assert engine.copied == _expected_copies(engine, 1), (mode, engine.copied)
         _check_memory(engine, base, psi, n)
-        curves[f"{mode}/{kernels}"] = losses
+        curves[f"{mode}{dests}/{kernels}"] = losses
     ref = curves["ddp/torch"]
     # the engines compute the same bf16 matmuls on the same (autocast-rounded) weights and differ only in the order
     # of fp32 sums, which bf16 rounding of activations amplifies; the Triton kernels (auto) differ from torch's
