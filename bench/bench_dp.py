@@ -29,9 +29,9 @@
                SingleDevice engine on every rank: what the machine itself loses when all its GPUs work).
                step ms is the slowest rank's mean; "fast ms" the fastest rank's. med ms (GPU): the slowest rank's
                median step, start to start (CUDA events), robust to the host stalls of tens of ms that hit a few
-               steps of any process on these machines; med scal = the 1-GPU run's med ms / this med ms. host ms
-               (rank 0): CPU time to issue one forward + backward while the GPU is held busy (bench_dp.host_ms):
-               near the GPU's time for the same work, the step is bound by the host.
+               steps of any process on these machines; med scal = the same per-GPU tokens/s ratio as scaling, from
+               the median steps. host ms (rank 0): CPU time to issue one forward + backward while the GPU is held
+               busy (bench_dp.host_ms): near the GPU's time for the same work, the step is bound by the host.
 2. memory      a large preset (gpt2_1558m by default) with micro_batch 1 per ZeRO stage: the model states this
                rank holds (memory_bytes) next to the ZeRO paper's formula for fp32 params/grads + fp32 Adam m, v
                (16Ψ, 8Ψ+8Ψ/N, 4Ψ+12Ψ/N, 16Ψ/N; ours adds padding of < N elements per flat buffer), the step
@@ -467,14 +467,16 @@ def main():
         print(f"{'mode':>12} | {'tok/s':>10} {'vs torch':>8} {'scaling':>7} {'MFU':>6} {'step ms':>8} {'fast ms':>7} "
               f"{'tail ms':>7} {'host ms':>7} {'med ms':>7} {'med scal':>8} | {'peak GB':>8} {'states GB':>9} "
               f"{'base GB':>8} {'transient':>9}")
-        one = {}
+        one, accum1 = {}, args.accum
         if args.baseline:
             with open(args.baseline) as f:
-                one = {r["mode"]: r for r in json.load(f)["rows"]}
+                b = json.load(f)
+            one, accum1 = {r["mode"]: r for r in b["rows"]}, b.get("accum", 1)
         for r in rows:
             ref = one.get("torch_ddp" if r["mode"] == "torch_ddp" else "ddp")
             r["scaling"] = r["tok_s"] / (n * ref["tok_s"]) if ref else None
-            r["scaling_median"] = ref.get("step_ms_median", float("nan")) / r["step_ms_median"] if ref else None
+            r["scaling_median"] = (args.accum * ref.get("step_ms_median", float("nan"))  # per-GPU tokens a ms
+                                   / (accum1 * r["step_ms_median"]) if ref else None)
             msc = "-" if r["scaling_median"] is None else f"{100 * r['scaling_median']:.1f}%"
             rel = f"{r['tok_s'] / base:.3f}" if base else "-"
             st = f"{r['states_GB']:.2f}" if r["states_GB"] is not None else "-"
