@@ -131,3 +131,37 @@ def test_async_step_reads_the_norm_after_the_update(monkeypatch):
         out[async_step] = [p.detach().clone() for p in model.parameters()]
     for a, b in zip(out[False], out[True]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.gpu
+def test_gpu_step_clips_and_skips_like_the_cpu_step():
+    """On CUDA the engine step takes the async path (fused AdamW given the clip divisor and the skip flag as device
+    tensors, norm read last): its clipped update equals the CPU path's (norm first, for-loop AdamW), and a
+    non-finite norm leaves the weights and AdamW's step counters as they were. AdamW's eps is set large (1e-3,
+    above every clipped gradient element) so the first update is ~lr * g / eps, proportional to the clipped gradient:
+    with the default 1e-8 it is ~lr * sign(g) and would not show whether the clip was applied."""
+    x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(2))
+    out = {}
+    for dev, clip in (("cpu", 0.05), ("cpu", 0.0), ("cuda", 0.05)):
+        cfg = Config(device=dev)
+        cfg.model = ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=64, kernels="torch")
+        cfg.train.grad_clip, cfg.train.eps = clip, 1e-3
+        torch.manual_seed(0)
+        model = GPT(cfg.model).to(dev)
+        engine = build_engine(model, Mesh.build(device=dev), cfg)
+        assert engine.async_step == (dev == "cuda")
+        xd = x.to(dev)
+        engine.backward(model(xd, xd)[1])  # fp32: no autocast
+        out[dev, clip] = engine.step(1e-2), [p.detach().cpu().clone() for p in model.parameters()]
+    (norm_cpu, ref), (_, unclipped), (norm_gpu, after) = out["cpu", 0.05], out["cpu", 0.0], out["cuda", 0.05]
+    assert norm_gpu > 0.05 and math.isclose(norm_gpu, norm_cpu, rel_tol=1e-5)  # clipping is active
+
+    def diff(a, b):
+        return max((u - v).abs().max().item() for u, v in zip(a, b))
+    print(f"max |cpu - cuda| after one clipped step {diff(ref, after):.2e}; clipped vs unclipped "
+          f"{diff(ref, unclipped):.2e}")
+    assert diff(ref, after) < 1e-3 * diff(ref, unclipped), (diff(ref, after), diff(ref, unclipped))
+    engine.backward(model(xd, xd)[1] * float("inf"))
+    assert not math.isfinite(engine.step(1e-2))
+    assert all(torch.equal(a, p.detach().cpu()) for a, p in zip(after, model.parameters()))
+    assert all(int(st["step"]) == 1 for st in engine.optimizer.state.values())
