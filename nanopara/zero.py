@@ -16,10 +16,10 @@ ZeRO-1 (P_os): DDP's buckets, but parameters are views of flat buffers. A bucket
 ZeRO-2 (P_os+g): a bucket's full gradient exists only until its reduce-scatter ends (at most `max_inflight` = 2
   bucket copies at once: the older is drained before a third starts); the rank keeps its shard. The send buffer of
   a bucket is made when its first gradient comes: the Linear weights' gradient casts write into it (gradient
-  destinations, dp._Engine._set_grad_dests; none with parallel.grad_dests=off); the other parameters' gradients are copied in at launch, and a bucket
-  of one unpadded parameter (the tied wte) sends that gradient itself. The backward's
-  last reductions are not waited for at its end: under gradient accumulation they run beside the next micro-step's
-  forward (the tied wte/lm_head bucket, complete only after the embedding backward, is the largest).
+  destinations, dp._Engine._set_grad_dests; none with parallel.grad_dests=off); the other parameters' gradients
+  are copied in at launch, and a bucket of one unpadded parameter (the tied wte) sends that gradient itself. The
+  backward's last reductions are not waited for at its end: under gradient accumulation they run beside the next
+  micro-step's forward (the tied wte/lm_head bucket, complete only after the embedding backward, is the largest).
   ZeRO-2/3 reduce on every micro-step and accumulate shards (no_sync is a no-op for them: skipping the reduction
   would mean holding the full gradient, which is what they exist to avoid).
 ZeRO-3 (P_os+g+p): zero3.py (Zero3), on these flat buffers and this engine: parameters too are sharded, and each
