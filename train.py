@@ -262,9 +262,63 @@ def train(cfg: Config) -> dict:
         log(f"saved checkpoint {path}")
 
     fpt, peak = flops_per_token(cfg, n_params), peak_flops(device)
-    losses, bad_streak, step = [], 0, start
+    # A step's numbers (loss, norm, time) are read one step late unless something needs them sooner (fp16: the loss
+    # scale of the next step; validation, samples, checkpoints and the last step): the host reads step i while the
+    # GPU already runs step i+1, so the GPU never idles between steps waiting for the host, and a host stall
+    # shorter than a step costs nothing. A step's time on GPU is CUDA-event time from the previous step's end (from
+    # its own start after a pause: validation, a checkpoint), so host stalls count and the host's lead does not;
+    # the slowest / fastest rank's go over a gloo group, a collective between the hosts that never waits for a GPU.
+    defer = not scaler.enabled
+    host_group = dist.new_group(backend="gloo") if mesh.world > 1 and device.type == "cuda" else None
+    losses, bad_streak, step, last_end = [], 0, start, 0.0
+
+    def report(p: dict) -> None:
+        nonlocal bad_streak, last_end
+        if p["done"] is not None:
+            p["done"].synchronize()  # this step only (a tensor's .item() would wait for everything queued since)
+        loss_val, grad_norm = p["numbers"].tolist()
+        finite = math.isfinite(loss_val) and math.isfinite(grad_norm)
+        scaler.update(math.isfinite(grad_norm))
+        if not math.isfinite(loss_val):
+            bad_streak += 1
+            log(f"warning: step {p['step']}: loss is {loss_val}; update skipped ({bad_streak} in a row)")
+            if bad_streak >= t.max_bad_steps:
+                raise TrainingError(f"loss was non-finite for {bad_streak} steps in a row (step {p['step']}); "
+                                    f"stopping. Lower train.lr, check the data, or use train.dtype=bf16/fp32")
+        else:
+            bad_streak = 0
+        if p["done"] is not None:
+            dt = p["since"].elapsed_time(p["done"]) / 1e3
+        else:  # CPU: from the previous step's end, or this one's start
+            end = time.perf_counter()
+            dt, last_end = end - max(p["t0"], last_end), end
+        dts = [dt]
+        if mesh.world > 1:  # slowest / fastest rank: stragglers show up here
+            buf = torch.tensor([dt, -dt])
+            dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=host_group)
+            dts = [buf[0].item(), -buf[1].item()]
+        tok_s = tokens_per_step / max(dts[0], 1e-9)
+        tflops = fpt * tok_s / mesh.world / 1e12
+        mem = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+               else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 1e9
+        losses.append(loss_val)
+        rec = {"step": p["step"], "loss": loss_val, "lr": p["lr"], "grad_norm": grad_norm, "tokens_per_s": tok_s,
+               "tflops": tflops, "mfu": tflops * 1e12 / peak if peak else 0.0, "peak_mem_gb": mem,
+               "step_time_s": dts[0], "fastest_step_time_s": dts[-1], "skipped": not finite}
+        if p["step"] % t.log_every == 0 or p["step"] == t.steps - 1:
+            logger.log(rec, f"step {p['step']:5d} | loss {loss_val:.4f} | lr {p['lr']:.2e} | norm {grad_norm:.3f} | "
+                            f"{tok_s:,.0f} tok/s | {tflops:.1f} TFLOP/s | MFU {rec['mfu'] * 100:.1f}% | "
+                            f"mem {mem:.2f} GB | {dts[0] * 1e3:.0f} ms (fastest {dts[-1] * 1e3:.0f})")
+        else:
+            logger.log(rec)
+
+    pending = None
     for step in range(start, t.steps):
-        t0 = time.perf_counter()
+        t0, since = time.perf_counter(), None
+        if device.type == "cuda":  # the previous step's end, or (after a pause or at the start) now
+            since = pending["done"] if pending is not None else torch.cuda.Event(enable_timing=True)
+            if pending is None:
+                since.record()
         lr = lr_at(step, t)
         loss_sum = torch.zeros((), device=device)
         for micro in range(accum):
@@ -279,47 +333,29 @@ def train(cfg: Config) -> dict:
                     engine.backward(loss.float() * (scaler.scale / accum))
             loss_sum += loss.detach().float()
         loss_mean = all_reduce_mean(loss_sum / accum, mesh, mesh.groups.get("dp_cp"))
-        grad_norm = engine.step(lr, grad_scale=scaler.scale)  # a NaN loss gives a NaN norm: the engine skips
-        loss_val = loss_mean.item()  # read after the update is issued, so the GPU does not idle while it is
-        finite = math.isfinite(loss_val) and math.isfinite(grad_norm)
-        scaler.update(math.isfinite(grad_norm))
-        if not math.isfinite(loss_val):
-            bad_streak += 1
-            log(f"warning: step {step}: loss is {loss_val}; update skipped ({bad_streak} in a row)")
-            if bad_streak >= t.max_bad_steps:
-                raise TrainingError(f"loss was non-finite for {bad_streak} steps in a row (step {step}); stopping. "
-                                    f"Lower train.lr, check the data, or use train.dtype=bf16/fp32")
-        else:
-            bad_streak = 0
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        dt = time.perf_counter() - t0
-        dts = [dt]
-        if mesh.world > 1:  # slowest / fastest rank: stragglers show up here
-            buf = torch.tensor([dt, -dt], device=device)
-            dist.all_reduce(buf, op=dist.ReduceOp.MAX)
-            dts = [buf[0].item(), -buf[1].item()]
-        tok_s = tokens_per_step / max(dts[0], 1e-9)
-        tflops = fpt * tok_s / mesh.world / 1e12
-        mem = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-               else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 1e9
-        losses.append(loss_val)
-        rec = {"step": step, "loss": loss_val, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tok_s,
-               "tflops": tflops, "mfu": tflops * 1e12 / peak if peak else 0.0, "peak_mem_gb": mem,
-               "step_time_s": dts[0], "fastest_step_time_s": dts[-1], "skipped": not finite}
-        if step % t.log_every == 0 or step == t.steps - 1:
-            logger.log(rec, f"step {step:5d} | loss {loss_val:.4f} | lr {lr:.2e} | norm {grad_norm:.3f} | "
-                            f"{tok_s:,.0f} tok/s | {tflops:.1f} TFLOP/s | MFU {rec['mfu'] * 100:.1f}% | "
-                            f"mem {mem:.2f} GB | {dts[0] * 1e3:.0f} ms (fastest {dts[-1] * 1e3:.0f})")
-        else:
-            logger.log(rec)
+        norm = engine.step(lr, grad_scale=scaler.scale, sync=not defer)  # a NaN loss gives a NaN norm: skipped
+        numbers = torch.stack([loss_mean.float(), torch.as_tensor(norm, dtype=torch.float32, device=device)])
+        done = None
+        if device.type == "cuda":  # to pinned host memory behind the step's work, read once `done` has passed
+            numbers = torch.empty(2, pin_memory=True).copy_(numbers, non_blocking=True)
+            done = torch.cuda.Event(enable_timing=True)
+            done.record()
+        if pending is not None:
+            report(pending)  # the previous step, while this one runs on the GPU
+        pending = {"step": step, "lr": lr, "numbers": numbers, "done": done, "since": since, "t0": t0}
         last = step == t.steps - 1
-        if val_loader is not None and t.val_every > 0 and ((step + 1) % t.val_every == 0 or last):
+        do_val = val_loader is not None and t.val_every > 0 and ((step + 1) % t.val_every == 0 or last)
+        do_sample = t.sample_every > 0 and (step + 1) % t.sample_every == 0 and not last
+        do_save = (cfg.ckpt.every > 0 and (step + 1) % cfg.ckpt.every == 0) or (last and cfg.ckpt.final)
+        if not defer or last or do_val or do_sample or do_save:
+            report(pending)
+            pending = None
+        if do_val:
             vl = evaluate(engine, val_loader, t.val_steps, mesh, device, amp)
             logger.log({"step": step, "val_loss": vl}, f"step {step:5d} | val_loss {vl:.4f}")
-        if t.sample_every > 0 and (step + 1) % t.sample_every == 0 and not last:
+        if do_sample:
             log(f"sample: {sample(model, device, t.sample_tokens, cfg.seed, amp)!r}")
-        if (cfg.ckpt.every > 0 and (step + 1) % cfg.ckpt.every == 0) or (last and cfg.ckpt.final):
+        if do_save:
             save(step + 1)
 
     text = sample(model, device, t.sample_tokens, cfg.seed, amp) if t.sample_tokens > 0 and start < t.steps else ""

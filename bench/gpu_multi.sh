@@ -15,7 +15,7 @@
 #          DDP and ZeRO-2 at GPT-2's batch (32/N micro-steps), new, old, new, old in separate processes; then one
 #          micro-step of B=32 per GPU (our DDP's scaling against the one-GPU run of the same tree, no-comm control)
 #   train  train.py's own step time (metrics.jsonl, bench/step_times.py) at B=16, one micro-step, on 1 and N GPUs,
-#          this tree and OLD=<another commit's tree> alternating (new, old, new, old); needs data/shards/shakespeare
+#          this tree and OLD="<dir> ..." (other commits' trees) alternating, twice; needs data/shards/shakespeare
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 PY=${PY:-python3}
@@ -83,15 +83,16 @@ for s in "$@"; do
                  --baseline "$OUT/ab_one_${tree}_1.json" --out "$OUT/ab_one_${tree}_$N.json" | tail -5 | sed "s/^/$tree: /"
              done; cd "$here"
            } 2>&1 | grep -v Warning | tee "$OUT/ab.txt" ;;
-    train) { [ -d "${OLD:-}" ] || { echo "train: set OLD to another commit's tree"; exit 2; }
+    train) { for d in ${OLD:-}; do [ -d "$d" ] || { echo "train: OLD: no tree $d"; exit 2; }; done
+             [ -n "${OLD:-}" ] || { echo "train: set OLD to other commits' trees"; exit 2; }
              here=$PWD; args="--preset=gpt2_124m --device=cuda --model.kernels=torch --train.micro_batch=16
                --train.steps=60 --train.val_every=0 --train.sample_tokens=0 --train.log_every=1000
                --ckpt.final=false --data.data_dir=$here/data/shards"
-             for n in 1 $N; do for tree in new old new old; do
-               [ $tree = new ] && cd "$here" || cd "$OLD"
+             for n in 1 $N; do for pass in 1 2; do for tree in "$here" $OLD; do
+               cd "$tree"; name=$([ "$tree" = "$here" ] && echo new || basename "$tree")
                rm -rf /tmp/np_train; run $n train.py $args --out_dir=/tmp/np_train >/dev/null 2>&1
-               $PY "$here/bench/step_times.py" /tmp/np_train | sed "s|^/tmp/np_train|$n GPU $tree|"
-             done; done; cd "$here"
+               $PY "$here/bench/step_times.py" /tmp/np_train | sed "s|^/tmp/np_train|$n GPU $name|"
+             done; done; done; cd "$here"
            } 2>&1 | grep -v Warning | tee "$OUT/train.txt" ;;
     *) echo "unknown section $s"; exit 2 ;;
   esac

@@ -23,11 +23,12 @@ def main():
         if not recs:
             print(f"{run}: no timed steps")
             continue
+        last = recs[-1]["step_time_s"] * 1e3  # a step read before it finished would show here as ~0
         t = sorted(r["step_time_s"] * 1e3 for r in recs)
         tok = recs[0]["tokens_per_s"] * recs[0]["step_time_s"]  # tokens per step
         med, mean = t[len(t) // 2], sum(t) / len(t)
-        print(f"{run}: {len(t)} steps, step ms median {med:.2f} mean {mean:.2f} | tok/s at the median "
-              f"{tok / med * 1e3:,.0f}, at the mean {tok / mean * 1e3:,.0f}")
+        print(f"{run}: {len(t)} steps, step ms median {med:.2f} mean {mean:.2f} min {t[0]:.2f} last {last:.2f} | "
+              f"tok/s at the median {tok / med * 1e3:,.0f}, at the mean {tok / mean * 1e3:,.0f}")
 
 
 if __name__ == "__main__":

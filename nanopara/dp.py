@@ -8,6 +8,7 @@ An engine owns the optimizer and the gradient synchronisation of a model; train.
             _, loss = engine.model(x, y)
             engine.backward(loss * scale / accum)
     grad_norm = engine.step(lr, grad_scale=scale) # clip + update + zero grads; inf/nan norm => step skipped
+                                                  # (sync=False: a device tensor on GPU, read when needed)
 
 build_engine: SingleDevice for dp*cp == 1 (any tp), DDP for parallel.zero=0, else ZeRO-1/2 (zero.py) or ZeRO-3
 (zero3.py).
@@ -215,9 +216,11 @@ class _Engine:
         (loss / self.n if self.n > 1 else loss).backward()  # THE place where gradients are averaged over dp x cp
         self._after_backward()
 
-    def step(self, lr: float, grad_scale: float = 1.0) -> float:
+    def step(self, lr: float, grad_scale: float = 1.0, sync: bool = True):
         """Clip by the global norm, undo grad_scale, update, zero the grads; returns the norm (of the unscaled
         grads). A non-finite norm skips the update (and ZeRO's parameter all-gather has nothing new to send).
+        sync=False: on GPU the norm comes back as a 0-dim device tensor, unread, so nothing waits for the GPU
+        (train.py reads it one step later); a float otherwise.
 
         GPU (`async_step`): nothing waits for the norm before the update is issued. The fused AdamW kernel takes
         the unscale-and-clip divisor and the skip flag as device tensors (the `grad_scale` / `found_inf` it has
@@ -238,7 +241,7 @@ class _Engine:
                 self._update(lr)
             self._after_step()
             self._zero_grads()  # stream-ordered after the update; the host work is done before the one sync
-            return norm.item()
+            return norm.item() if sync else norm
         norm = math.sqrt(sq.item()) / grad_scale
         if math.isfinite(norm):
             coef = clip_coef(torch.tensor(norm), self.cfg.train.grad_clip).item() / grad_scale

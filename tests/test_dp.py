@@ -26,6 +26,7 @@ of near-zero gradients into larger relative ones, and 20 steps compound them. Sa
 import gc
 import io
 import json
+import math
 import time
 import warnings
 import weakref
@@ -632,3 +633,76 @@ def test_engines_on_nccl_bf16():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     spawn(_gpu_worker, 2)
+
+
+# A training step issued while a long sleep kernel holds the GPU: if the host gets back before the sleep ends,
+# nothing in the step waited for the GPU (train.py reads a step's numbers one step late, so the GPU never idles
+# between steps waiting for the host). This catches driver-level waits too (a pageable copy, cudaFree), which
+# torch.cuda.set_sync_debug_mode does not see; that mode runs alongside to name the op where it can.
+
+def host_waited(fn, dev) -> bool:
+    torch.cuda.synchronize(dev)
+    torch.cuda._sleep(1 << 31)  # ~1 s at H100 clocks: far longer than issuing a small model's step
+    busy = torch.cuda.Event()
+    busy.record()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    waited = busy.query()
+    torch.cuda.synchronize(dev)
+    return waited
+
+
+def _train_step(engine, xy, cfg, group=None):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        _, loss = engine.model(xy[:, :-1], xy[:, 1:])
+    engine.backward(loss)
+    loss = loss.detach().float()
+    if group is not None:  # train.py's loss mean over dp
+        dist.all_reduce(loss, group=group)
+    return loss, engine.step(cfg.train.lr, sync=False)
+
+
+def _no_wait_check(mesh, modes, n) -> dict:
+    dev, waited = mesh.device, {}
+    tokens = torch.randint(0, 1000, (4, 129), generator=torch.Generator().manual_seed(mesh.rank)).pin_memory()
+    for mode in modes:
+        cfg = Config(seed=0)
+        cfg.model = ModelConfig(n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=1000, kernels="torch")
+        base, cfg.parallel.zero3_unit_blocks = split_mode(mode)
+        cfg.train.lr, cfg.parallel.zero = 1e-3, MODES.index(base)
+        torch.manual_seed(0)
+        with torch.device(dev):
+            engine = build_engine(GPT(cfg.model), mesh, cfg)
+        group = mesh.dp_group if n > 1 else None
+        for _ in range(3):  # warm-up: allocations, the fused AdamW's state, NCCL's communicators
+            _train_step(engine, tokens.to(dev), cfg, group)
+        waited[mode] = host_waited(lambda: _train_step(engine, tokens.to(dev, non_blocking=True), cfg, group), dev)
+        assert host_waited(lambda: _train_step(engine, tokens.to(dev), cfg, group)[1].item(), dev)  # the probe works
+        loss, norm = _train_step(engine, tokens.to(dev), cfg, group)
+        assert torch.is_tensor(norm) and math.isfinite(norm.item()) and math.isfinite(loss.item())
+        engine.close()
+    return waited
+
+
+@pytest.mark.gpu
+def test_a_step_never_waits_for_the_gpu():
+    """One GPU: the SingleDevice step (on 2 x H100 neither it nor a 128 KB batch copy from pageable memory waited)."""
+    waited = _no_wait_check(Mesh.build(device="cuda"), ["ddp"], 1)  # dp=1: build_engine gives SingleDevice
+    assert not any(waited.values()), waited
+
+
+def _no_wait_worker(rank, n):
+    mesh = Mesh.build(dp=n, device="cuda")
+    waited = _no_wait_check(mesh, MODES + ["zero3:u2"], n)
+    print(rank, waited)
+    assert not any(waited.values()), waited
+
+
+@pytest.mark.gpu
+def test_a_step_never_waits_for_the_gpu_on_nccl():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    spawn(_no_wait_worker, 2)

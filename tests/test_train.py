@@ -76,6 +76,35 @@ def test_resume_is_bit_exact(shards, tmp_path, accum):
     assert steps == list(range(8))  # resumed log continues without duplicates
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_step_numbers_are_read_one_step_late(shards, tmp_path, monkeypatch, dtype):
+    """A step is logged after the next step is issued (so the GPU does not wait for the host between steps), except
+    where something needs its numbers first: every step under fp16 (the loss scale), the steps before validation
+    and checkpoints, and the last. The log holds every step once, in order, either way."""
+    from nanopara.dp import _Engine
+    issued, seen = [], {}
+    real_step, real_log = _Engine.step, train.Logger.log
+
+    def step(self, *a, **k):
+        issued.append(1)
+        return real_step(self, *a, **k)
+
+    def log(self, rec, line=None):
+        if "loss" in rec:
+            seen[rec["step"]] = len(issued)  # optimizer steps issued when this step was logged
+        return real_log(self, rec, line)
+    monkeypatch.setattr(_Engine, "step", step)
+    monkeypatch.setattr(train.Logger, "log", log)
+    train.main(argv(shards, tmp_path / "run", f"--train.dtype={dtype}", "--train.steps=8", "--train.val_every=4",
+                    "--ckpt.every=0"))
+    assert list(seen) == list(range(8))
+    late = {s: seen[s] - (s + 1) for s in seen}  # 1: logged after the next step was issued
+    if dtype == "fp16":
+        assert set(late.values()) == {0}
+    else:  # step 3 precedes a validation pass, step 7 is the last
+        assert late == {0: 1, 1: 1, 2: 1, 3: 0, 4: 1, 5: 1, 6: 1, 7: 0}, late
+
+
 def test_failed_save_keeps_previous_checkpoint(shards, tmp_path, monkeypatch):
     out = tmp_path / "run"
     train.main(argv(shards, out, "--train.steps=2"))
