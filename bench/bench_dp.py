@@ -186,6 +186,13 @@ class Phases:
 PHASE_KEYS = Phases.NAMES + ("sum", "mean", "median", "gc_ms", "gc0", "gc1", "gc2")
 
 
+def phase_line(label: str, rank: int, v: list[float]) -> str:
+    """One rank's Phases.summary() as a printed line."""
+    g = PHASE_KEYS.index("gc0")
+    return (f"phases {label:>12} rank {rank}: " + " ".join(f"{n} {t:6.2f}" for n, t in zip(PHASE_KEYS[:g], v))
+            + " | gc runs " + "/".join(f"{n:.0f}" for n in v[g:]))
+
+
 def engine_step_fn(model, mesh, cfg, phases, variant=""):
     if variant.startswith("p"):  # "zero3:p2": ZeRO-3 gathers 2 units ahead (zero3.PREFETCH, read at each hook)
         zero3.PREFETCH = int(variant[1:])
@@ -380,12 +387,12 @@ def run_mode(mode, cfg, mesh, warmup, steps, variant="", profile_dir="", phases=
     if per_rank and phases and mesh.is_main:
         label = mode + (f":{variant}" if variant else "")
         for r, v in enumerate(per_rank):
-            print(f"phases {label:>12} rank {r}: " + " ".join(f"{n} {t:6.2f}" for n, t in zip(PHASE_KEYS[:10], v))
-                  + f" | gc runs {v[10]:.0f}/{v[11]:.0f}/{v[12]:.0f}", flush=True)
+            print(phase_line(label, r, v), flush=True)
     return {"mode": mode + (f":{variant}" if variant else ""), "tok_s": mesh.world * B * T * ACCUM * steps / dt,
             "phases": None if per_rank is None else [dict(zip(PHASE_KEYS, v)) for v in per_rank],
             "phase_steps_rank0": steps_rank0,
-            "step_ms": dt / steps * 1e3, "step_ms_median": max(v[7] for v in per_rank) if per_rank else float("nan"),
+            "step_ms": dt / steps * 1e3, "step_ms_median": max(v[PHASE_KEYS.index("median")] for v in per_rank) if per_rank
+            else float("nan"),
             "host_ms": host, "fastest_rank_step_ms": -dt_fastest / steps * 1e3,
             "tail_ms": tail,
             "peak_GB": peak,

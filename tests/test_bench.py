@@ -1,0 +1,69 @@
+"""The benchmark scripts themselves: a broken benchmark wastes a GPU call (one did in session 13: a phases line
+indexed past Phases.summary()), so what can run on CPU runs here."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+
+class _FakeEvent:
+    """Stands in for a CUDA event: time t ms."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def elapsed_time(self, other):
+        return other.t - self.t
+
+
+def test_phases_summary_and_line_agree_with_their_keys():
+    from bench_dp import PHASE_KEYS, Phases, phase_line
+    ph = Phases()
+    for i, step in enumerate([60.0, 62.0, 70.0, 61.0]):  # start, fwd, bwd, grads, end at fixed offsets in a step
+        t = 100.0 * i
+        ph.steps.append({k: _FakeEvent(t + o) for k, o in
+                         zip(("start", "fwd", "bwd", "grads", "end"), (0, 20, 58, 58.5, step - 0.2))})
+    ph.gc_ms, ph.gc_n = 3.0, [2, 1, 0]
+    v = ph.summary()
+    assert len(v) == len(PHASE_KEYS)
+    got = dict(zip(PHASE_KEYS, v))
+    assert got["fwd"] == 20 and got["bwd"] == 38 and got["tail"] == 0.5  # medians of identical phases
+    assert got["median"] == 100.0 and got["mean"] == 100.0  # start to start, three steps that have a next one
+    assert (got["gc0"], got["gc1"], got["gc2"]) == (2, 1, 0) and got["gc_ms"] == 1.0  # per step
+    line = phase_line("ddp", 0, v)
+    assert "median 100.00" in line and line.endswith("gc runs 2/1/0"), line
+
+
+def test_bench_dp_runs_every_engine_on_cpu(tmp_path):
+    """bench_dp.py end to end on 2 gloo processes: every engine and torch DDP produce a row with a throughput."""
+    out = tmp_path / "dp.json"
+    modes = ["torch_ddp", "ddp", "zero1", "zero2", "zero3", "zero3:u2", "ddp:nocomm"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(ROOT, "bench", "bench_dp.py"), "--device", "cpu", "--modes", ",".join(modes), "--large", "",
+           "--steps", "2", "--warmup", "1", "--micro_batch", "1", "--seq_len", "32", "--out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["mode"] for row in rows] == modes
+    assert all(row["tok_s"] > 0 for row in rows)
+
+
+def test_step_times_summarises_metrics(tmp_path, capsys):
+    import step_times
+    run = tmp_path / "run"
+    run.mkdir()
+    recs = [{"step": i, "loss": 1.0, "step_time_s": t, "tokens_per_s": 1000 / t}
+            for i, t in enumerate([9.0, 0.05, 0.06, 0.04, 0.05, 0.07])]
+    recs.insert(3, {"step": 2, "val_loss": 1.0})  # validation lines carry no step time
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    sys.argv = ["step_times.py", "--skip", "1", str(run)]
+    step_times.main()
+    out = capsys.readouterr().out
+    assert "5 steps, step ms median 50.00 mean 54.00 min 40.00 last 70.00" in out, out
+    assert "at the median 20,000" in out, out
