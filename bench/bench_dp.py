@@ -18,7 +18,8 @@
                Modes: torch_ddp, ddp, zero1..3; "ddp@50" = 50 MB buckets; "ddp:bf16" = parallel.reduce_dtype=bf16;
                "ddp:nocomm" = a control with every all-reduce skipped (the engine's own cost, the upper bound of
                scaling; not a training mode); "zero3:p2" = ZeRO-3 gathering 2 units ahead (zero3.PREFETCH);
-               "zero3:u2" = ZeRO-3 units of 2 blocks (parallel.zero3_unit_blocks: fewer hooks per step);
+               "zero3:u2" = ZeRO-3 units of 2 blocks (parallel.zero3_unit_blocks: fewer hooks per step; plain
+               "zero3" takes the default, auto: 3 blocks of GPT-2 124M, zero3.UNIT_MIN_PARAMS);
                "zero2:i4" = ZeRO-2 with up to 4 full-size bucket reductions in flight (engine.max_inflight, 2);
                "ddp:normfirst" = the engine step that reads the
                grad norm on the host before issuing the update (dp._Engine.async_step off, as on CPU);

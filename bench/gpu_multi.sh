@@ -48,7 +48,7 @@ for s in "$@"; do
              cat "$OUT"/prof/*.txt > "$OUT/zero3_profiles.txt"; rm -r "$OUT/prof"; grep profile "$OUT/zero3_profiles.txt"
              run $N bench/bench_dp.py --modes ddp,zero3,ddp,zero3 --micro_batch 32 --large '' --out "$OUT/zero3_b32_$N.json"
            } 2>&1 | grep -v Warning | tee "$OUT/zero3.txt" ;;
-    zero3u) { u=zero3,zero3:u2,zero3:u3,zero3:u4
+    zero3u) { u=zero3:u1,zero3:u2,zero3:u3,zero3:u4
              run $N bench/bench_dp.py --modes ddp,$u,ddp,$u --large '' --out "$OUT/zero3u_$N.json"
              run $N bench/bench_dp.py --modes ddp,$u --large '' --steps 5 --profile "$OUT/prof" >/dev/null
              cat "$OUT"/prof/*.txt > "$OUT/zero3u_prof.txt"; rm -r "$OUT/prof"; grep profile "$OUT/zero3u_prof.txt"

@@ -59,8 +59,9 @@ class ParallelConfig:
     reduce_dtype: str = "fp32"   # DDP gradient all-reduce in fp32 | bf16 (half the bytes; grads stay fp32)
     grad_dests: str = "auto"     # Linear weight grads written straight into DDP/ZeRO-2 buffers (dp._set_grad_dests):
                                  # auto = ZeRO-2 only (it would copy every micro-step) | on (DDP too) | off
-    zero3_unit_blocks: int = 1   # ZeRO-3 gathers this many consecutive blocks as one unit: fewer hooks and
-                                 # collectives per step, as many times the gathered bytes (> n_layer: one unit)
+    zero3_unit_blocks: int = 0   # ZeRO-3 gathers this many consecutive blocks as one unit: fewer hooks and
+                                 # collectives per step, as many times the gathered bytes (> n_layer: one unit);
+                                 # 0 = auto: the fewest blocks that hold >= zero3.UNIT_MIN_PARAMS parameters
     timeout_s: int = 600         # collective timeout: a rank mismatch errors instead of hanging forever
 
 
@@ -147,9 +148,9 @@ class Config:
             raise ConfigError(f"parallel.grad_dests must be auto, on or off, got {p.grad_dests!r}")
         if p.grad_dests == "on" and p.zero not in (0, 2):
             raise ConfigError("parallel.grad_dests=on applies to DDP and ZeRO-2 (parallel.zero=0 or 2) only")
-        if p.zero3_unit_blocks < 1:
-            raise ConfigError(f"parallel.zero3_unit_blocks must be >= 1, got {p.zero3_unit_blocks}")
-        if p.zero3_unit_blocks != 1 and p.zero != 3:
+        if p.zero3_unit_blocks < 0:
+            raise ConfigError(f"parallel.zero3_unit_blocks must be >= 1 (or 0: auto), got {p.zero3_unit_blocks}")
+        if p.zero3_unit_blocks != 0 and p.zero != 3:
             raise ConfigError("parallel.zero3_unit_blocks applies to ZeRO-3 (parallel.zero=3) only")
         for name in ("tp", "pp", "cp", "ep"):
             if getattr(p, name) < 1:

@@ -3,15 +3,16 @@
 Zero3 is zero.py's engine (flat buffers, sharded AdamW, reduce-scattered gradient shards) with units instead of
 buckets: the root (every parameter outside the blocks: wte = lm_head, wpe, ln_f) and each run of K =
 parallel.zero3_unit_blocks consecutive transformer blocks (the last run may be shorter; K > n_layer: one unit of all
-blocks). A rank keeps 1/N of each unit in fp32. A unit's weights are all-gathered by a forward pre-hook on its first
-block (the next PREFETCH units' gathers started), freed by the forward hook of its last block, gathered again by a
-hook on the gradient of whichever output of its last block gets one first (the previous PREFETCH units prefetched),
-freed once their gradient is reduce-scattered (comm.zero_gathered, whose backward starts the reduce-scatter
-asynchronously; at most 2 units' fp32 gradients are in flight, older ones are drained inside backward). The root
-stays gathered from forward through backward: the tied wte is used at both ends, so there is nothing to free in
-between. Gather dtypes: a unit's matrices in the compute dtype (bf16 under autocast: exactly the values autocast
-would cast fp32 weights to, so the numerics are DDP's, at half the bytes), its vectors (LayerNorm, biases) and the
-root in fp32 (layer_norm and the embeddings, hence the residual stream, stay fp32).
+blocks; 0, the default: K from UNIT_MIN_PARAMS below). A rank keeps 1/N of each unit in fp32. A unit's weights are
+all-gathered by a forward pre-hook on its first block (the next PREFETCH units' gathers started), freed by the
+forward hook of its last block, gathered again by a hook on the gradient of whichever output of its last block gets
+one first (the previous PREFETCH units prefetched), freed once their gradient is reduce-scattered
+(comm.zero_gathered, whose backward starts the reduce-scatter asynchronously; at most 2 units' fp32 gradients are in
+flight, older ones are drained inside backward). The root stays gathered from forward through backward: the tied wte
+is used at both ends, so there is nothing to free in between. Gather dtypes: a unit's matrices in the compute dtype
+(bf16 under autocast: exactly the values autocast would cast fp32 weights to, so the numerics are DDP's, at half the
+bytes), its vectors (LayerNorm, biases) and the root in fp32 (layer_norm and the embeddings, hence the residual
+stream, stay fp32).
 
 K trades memory for host time: the hooks, gathers, zero_gathered nodes and reduce-scatters of a step scale with the
 number of units, and at small micro-batches their Python work per unit takes about as long as a block's GPU work
@@ -41,6 +42,18 @@ from nanopara.zero import Flat, Zero
 # faster than 1 (0.94x vs 0.93-0.97x DDP in one call); the compute stream's idle gaps at block starts come from the
 # host (which parallel.zero3_unit_blocks = K > 1 addresses: one unit's hook work per K blocks).
 PREFETCH = 1
+# parallel.zero3_unit_blocks=0 (auto) puts this many parameters or more in a unit: GPT-2 124M's blocks (7.1M each)
+# in units of 3, gpt2_350m / 774m's in 2, gpt2_1558m and larger one block a unit. A unit's host work (hooks,
+# gathers, reduce-scatters) is about constant while its GPU work grows with its parameters; with one 124M block a
+# unit the forward at B=16 is host-bound: ZeRO-3 0.85-0.93x our DDP against 0.95-1.01x with units of 3 blocks (2
+# and 4 x H200, results/dp_history.md), for 2 x 3 blocks of bf16 weights gathered (85 MB) instead of 2 x 1.
+UNIT_MIN_PARAMS = 20_000_000
+
+
+def auto_unit_blocks(blocks: list[nn.Module]) -> int:
+    """The fewest consecutive blocks holding >= UNIT_MIN_PARAMS parameters (all of them if the model is smaller)."""
+    per_block = max(sum(p.numel() for p in blocks[0].parameters()), 1) if blocks else 1
+    return max(1, min(len(blocks), -(-UNIT_MIN_PARAMS // per_block)))
 
 
 class Zero3(Zero):
@@ -71,7 +84,7 @@ class Zero3(Zero):
             for p in b.parameters():
                 if block_of.setdefault(id(p), i) != i:
                     raise ValueError("ZeRO-3: a parameter is shared by two transformer blocks")
-        k = self.cfg.parallel.zero3_unit_blocks
+        k = self.unit_blocks = self.cfg.parallel.zero3_unit_blocks or auto_unit_blocks(blocks)
         chunks = [blocks[a:a + k] for a in range(0, len(blocks), k)]  # [first, .., last] block of each unit
         specs = [[("root", [p for p in self.params if id(p) not in block_of], torch.float32)]]
         for u, chunk in enumerate(chunks):

@@ -46,7 +46,7 @@ def test_round_trip_through_dict():
     (["--parallel.grad_dests=yes"], "grad_dests must be auto, on or off"),
     (["--parallel.grad_dests=on", "--parallel.zero=3"], "DDP and ZeRO-2"),
     (["--parallel.reduce_dtype=bf16", "--parallel.zero=2"], "DDP .parallel.zero=0. only"),
-    (["--parallel.zero=3", "--parallel.zero3_unit_blocks=0"], "zero3_unit_blocks must be >= 1, got 0"),
+    (["--parallel.zero=3", "--parallel.zero3_unit_blocks=-1"], r"zero3_unit_blocks must be >= 1 \(or 0: auto\)"),
     (["--parallel.zero3_unit_blocks=2"], "applies to ZeRO-3 .parallel.zero=3. only"),
     (["--train.dtype=fp8"], "train.dtype"),
     (["--model.n_head=7"], "not divisible by model.n_head=7"),

@@ -63,6 +63,7 @@ def make_cfg(zero: int = 0) -> Config:
                             kernels="torch")
     cfg.train.lr, cfg.train.grad_clip, cfg.train.weight_decay = LR, 0.5, 0.1  # clip 0.5: active on most steps
     cfg.parallel.zero = zero
+    cfg.parallel.zero3_unit_blocks = 1 if zero == 3 else 0  # one block a unit (auto would make this model one unit)
     cfg.parallel.bucket_mb = 4000 * 4 / 2 ** 20  # ~4000 floats: several buckets, one parameter split-free
     return cfg
 
@@ -269,6 +270,13 @@ def _worker(rank, n, ref, out_path):
     finally:
         zero_mod.PREFETCH = prefetch
 
+    # the default parallel.zero3_unit_blocks=0 (auto): this model's 3 small blocks make one unit
+    cfg = make_cfg(zero=3)
+    cfg.parallel.zero3_unit_blocks = 0
+    engine = build_engine(make_model(cfg), mesh, cfg)
+    assert engine.unit_blocks == 3 and len(engine.units) == 2
+    engine.close()
+
     # DDP with gradient destinations (parallel.grad_dests=on; off by default for DDP): the same training
     cfg = make_cfg(zero=0)
     cfg.parallel.grad_dests = "on"
@@ -439,6 +447,22 @@ def test_dp_matches_single_process(reference, n, tmp_path):
     errs = json.loads(out.read_text())
     for k, v in errs.items():
         print(f"{k:28s} " + " ".join(f"{m}={x:.2e}" for m, x in v.items()))
+
+
+@pytest.mark.parametrize("preset, k", [("gpt2_124m", 3), ("gpt2_350m", 2), ("gpt2_774m", 2), ("gpt2_1558m", 1),
+                                       ("gpt_1b", 1), ("tiny", None)])
+def test_zero3_auto_unit_size_follows_the_block_size(preset, k):
+    """parallel.zero3_unit_blocks=0: the fewest blocks with >= UNIT_MIN_PARAMS parameters (a small model: all)."""
+    from nanopara.config import parse_args
+    from nanopara.zero3 import UNIT_MIN_PARAMS, auto_unit_blocks
+    cfg = parse_args([f"--preset={preset}"])
+    with torch.device("meta"):
+        blocks = list(GPT(cfg.model).transformer.h)
+    got = auto_unit_blocks(blocks)
+    per_block = sum(p.numel() for p in blocks[0].parameters())
+    assert got == (k or cfg.model.n_layer), (preset, got, per_block)
+    assert got * per_block >= UNIT_MIN_PARAMS or got == len(blocks)
+    assert got == 1 or (got - 1) * per_block < UNIT_MIN_PARAMS
 
 
 def test_bad_layout_and_formats_are_clear_errors(reference):
