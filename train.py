@@ -314,11 +314,11 @@ def train(cfg: Config) -> dict:
 
     pending = None
     for step in range(start, t.steps):
-        t0, since = time.perf_counter(), None
-        if device.type == "cuda":  # the previous step's end, or (after a pause or at the start) now
-            since = pending["done"] if pending is not None else torch.cuda.Event(enable_timing=True)
-            if pending is None:
-                since.record()
+        t0 = time.perf_counter()
+        since = pending["done"] if pending is not None else None  # GPU: the previous step's end, else (after a
+        if device.type == "cuda" and since is None:                # pause or at the start) now
+            since = torch.cuda.Event(enable_timing=True)
+            since.record()
         lr = lr_at(step, t)
         loss_sum = torch.zeros((), device=device)
         for micro in range(accum):
