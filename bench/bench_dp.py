@@ -1,4 +1,4 @@
-"""Data-parallel engines (nanopara.dp: DDP, ZeRO-1/2/3) against torch's DistributedDataParallel.
+"""Data-parallel engines (nanopara/dp.py, zero.py, zero3.py: DDP, ZeRO-1/2/3) against torch's DistributedDataParallel.
 
     torchrun --nproc_per_node=N bench/bench_dp.py [--quick] [--out FILE] [--micro_batch 16] [--large gpt2_1558m]
 
@@ -22,10 +22,10 @@
                "zero3" takes the default, auto: 3 blocks of GPT-2 124M, zero3.UNIT_MIN_PARAMS);
                "zero2:i4" = ZeRO-2 with up to 4 full-size bucket reductions in flight (engine.max_inflight, 2);
                "ddp:normfirst" = the engine step that reads the
-               grad norm on the host before issuing the update (dp._Engine.async_step off, as on CPU);
-               "zero2:nodest" = without gradient destinations (dp._Engine._set_grad_dests): the Linear weights'
-               gradients made in new tensors and copied into the buckets, as before session 11; "ddp:dest" =
-               DDP with them (parallel.grad_dests=on; off by default since session 12);
+               grad norm on the host before issuing the update (engine.Engine.async_step off, as on CPU);
+               "zero2:nodest" = without gradient destinations (engine.Engine._set_grad_dests): the Linear
+               weights' gradients made in new tensors and copied into the buckets; "ddp:dest" = DDP with them
+               (parallel.grad_dests=on; off by default for DDP);
                "ddp:single" = a control of N independent one-GPU runs at once (the
                SingleDevice engine on every rank: what the machine itself loses when all its GPUs work).
                step ms is the slowest rank's mean; "fast ms" the fastest rank's. med ms (GPU): the slowest rank's
@@ -58,10 +58,11 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanopara.config import PRESETS  # noqa: E402
-from nanopara.dp import SingleDevice, build_engine  # noqa: E402
+from nanopara.dp import SingleDevice  # noqa: E402
 from nanopara.mesh import Mesh  # noqa: E402
 from nanopara.model import GPT  # noqa: E402
 from nanopara.optim import build_adamw  # noqa: E402
+from nanopara.parallel import build_engine  # noqa: E402
 from nanopara import zero3  # noqa: E402
 
 PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s
@@ -392,8 +393,8 @@ def run_mode(mode, cfg, mesh, warmup, steps, variant="", profile_dir="", phases=
     return {"mode": mode + (f":{variant}" if variant else ""), "tok_s": mesh.world * B * T * ACCUM * steps / dt,
             "phases": None if per_rank is None else [dict(zip(PHASE_KEYS, v)) for v in per_rank],
             "phase_steps_rank0": steps_rank0,
-            "step_ms": dt / steps * 1e3, "step_ms_median": max(v[PHASE_KEYS.index("median")] for v in per_rank) if per_rank
-            else float("nan"),
+            "step_ms": dt / steps * 1e3,
+            "step_ms_median": max(v[PHASE_KEYS.index("median")] for v in per_rank) if per_rank else float("nan"),
             "host_ms": host, "fastest_rank_step_ms": -dt_fastest / steps * 1e3,
             "tail_ms": tail,
             "peak_GB": peak,

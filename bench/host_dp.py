@@ -6,8 +6,9 @@ GPT-2 124M's structure (12 blocks, 148 parameter tensors, 48 Linear weights with
 widths (n_embd 48, T 8, B 1), so a backward is nearly all per-op and per-hook Python/C++ overhead. Communication is
 switched off (each engine's `_launch` returns a finished stand-in), so the rows compare what the engine's own
 host work adds to a forward and a backward: SingleDevice (no hooks), DDP and ZeRO-2 with and without gradient
-destinations (`ddp:dest`, `zero2:nodest`). Medians of the timed forwards and backwards, rank 0. On a GPU these costs hide behind the kernels unless
-the step is host-bound (small micro-batches); see bench_dp.py's `host ms` for the GPU-side measure.
+destinations (`ddp:dest`, `zero2:nodest`). Medians of the timed forwards and backwards, rank 0. On a GPU these costs
+hide behind the kernels unless the step is host-bound (small micro-batches); see bench_dp.py's `host ms` for the
+GPU-side measure.
 """
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanopara.config import Config, ModelConfig  # noqa: E402
-from nanopara.dp import SingleDevice, build_engine  # noqa: E402
+from nanopara.dp import SingleDevice  # noqa: E402
 from nanopara.mesh import Mesh  # noqa: E402
 from nanopara.model import GPT  # noqa: E402
+from nanopara.parallel import build_engine  # noqa: E402
 
 
 class _Done:

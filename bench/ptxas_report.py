@@ -1,4 +1,4 @@
-"""Registers, spills and shared memory of the LayerNorm, attention, cross-entropy and MLP-GEMM tiles on sm_90a, no GPU.
+"""Registers, spills and shared memory of the LayerNorm, attention and cross-entropy tiles on sm_90a, no GPU.
 
     python bench/ptxas_report.py [--json]
 
@@ -31,12 +31,8 @@ _LN_BWD = dict(X="*bf16", DY="*bf16", DH="*fp32", DX="*bf16", W="*fp32", MEAN="*
                DW_PART="*fp32", DB_PART="*fp32", M="i32", C="i32", ROWS_PER_GROUP="i32", stride_x="i32",
                stride_dy="i32", stride_dh="i32", stride_dx="i32")
 _ATTN_PTRS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "LSE", "DELTA"}
-# the MLP GEMMs under bf16 autocast (every tensor bf16, the db_fc partials fp32); N = 4C and K = C divisible by 16
-_MLP_FWD = dict(X="*bf16", W="*bf16", B="*bf16", PRE="*bf16", H="*bf16", M="i32", N="i32", K="i32", M_BUCKET="i32")
 _CE_FWD = dict(Z="*bf16", DZ="*bf16", T="*i64", LOSS="*fp32", LSE="*fp32", SCALE="*fp32", stride_z="i32",
                stride_dz="i32", n_vocab="i32", n_cols_padded="i32", ignore_index="i32")
-_MLP_BWD = dict(DY="*bf16", W="*bf16", PRE="*bf16", DPRE="*bf16", PART="*fp32", M="i32", N="i32", K="i32",
-                PART_ROWS="i32", M_BUCKET="i32")
 
 # name: (kernel, constexprs, num_warps, num_stages, register bound, spill bound). Register bounds: measured with
 # triton 3.6 plus a few, or what keeps the intended programs resident (65536 registers per SM).
@@ -67,22 +63,13 @@ CASES = {
                                        4, 4, 255, 0),
     # fused cross-entropy (kernels/cross_entropy.py constants): both vocab walks pipelined (cp.async); 47 measured
     "ce fwd+grad 2048 w4 S3": ("ce_fwd", dict(WRITE_GRAD=True, BLOCK_V=2048, STAGES=3), 4, 3, 72, 0),
-    # MLP GEMMs (kernels/mlp.py), the main Hopper tile: 128 x 256 x 64, two consumer warpgroups, 3 stages, split
-    # epilogue. 177 / 255 registers measured (one 256-thread program per SM: shared memory holds it to one anyway);
-    # unsplit, the forward spilled 44 bytes
-    "mlp fc+gelu fwd 128x256x64 w8 s3": ("mlp_fwd", dict(HAS_BIAS=True, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
-                                                         EPI_SPLIT=2), 8, 3, 184, 0),
-    "mlp proj dgelu bwd 128x256x64 w8 s3": ("mlp_bwd", dict(PART_M=64, PREFETCH=True, BLOCK_M=128, BLOCK_N=256,
-                                                            BLOCK_K=64, EPI_SPLIT=2), 8, 3, 255, 0),
 }
 
 
-def pipelined_bytes(kind: str, consts: dict, num_stages: int = 0) -> int:
-    """LayerNorm: shared memory the loop's cp.async buffers need, STAGES - 1 tiles of each row stream (bf16 x /
-    dy, fp32 residual or dh); MLP GEMMs: num_stages TMA buffers of a bf16 A and B tile. A case compiled with less
-    means Triton did not pipeline the tile loads. 0 otherwise."""
-    if kind.startswith("mlp"):
-        return num_stages * (consts["BLOCK_M"] + consts["BLOCK_N"]) * consts["BLOCK_K"] * 2
+def pipelined_bytes(kind: str, consts: dict) -> int:
+    """Shared memory the loop's cp.async buffers need: LayerNorm, STAGES - 1 tiles of each row stream (bf16 x /
+    dy, fp32 residual or dh); cross-entropy, STAGES - 1 bf16 vocab chunks. A case compiled with less means Triton
+    did not pipeline the tile loads. 0 otherwise."""
     if kind == "ce_fwd":  # STAGES - 1 bf16 vocab chunks
         return (consts["STAGES"] - 1) * consts["BLOCK_V"] * 2
     if kind == "ln_fwd":
@@ -181,11 +168,9 @@ def report() -> list[dict]:
     from kernels import attention as at
     from kernels import cross_entropy as ce
     from kernels import layernorm as ln
-    from kernels import mlp
     kernels = {"ln_fwd": ln._layernorm_fwd_kernel.fn, "ln_bwd": ln._layernorm_bwd_kernel.fn,
                "attn_fwd": at._attn_fwd_kernel.fn, "attn_dq": at._attn_bwd_dq_kernel.fn,
-               "attn_dkdv": at._attn_bwd_dkdv_kernel.fn, "mlp_fwd": mlp._fc_gelu_fwd.fn,
-               "mlp_bwd": mlp._proj_dgelu_bwd.fn, "ce_fwd": ce._ce_fwd_kernel}
+               "attn_dkdv": at._attn_bwd_dkdv_kernel.fn, "ce_fwd": ce._ce_fwd_kernel}
     rows = []
     for name, (kind, consts, warps, stages, reg_bound, spill_bound) in CASES.items():
         fn = kernels[kind]
@@ -193,9 +178,6 @@ def report() -> list[dict]:
             sig, consts = (_LN_FWD if kind == "ln_fwd" else _LN_BWD), {"HAS_BIAS": True, **consts}
         elif kind == "ce_fwd":
             sig = _CE_FWD
-        elif kind.startswith("mlp"):  # H100/H200: 132 SMs
-            sig = _MLP_FWD if kind == "mlp_fwd" else _MLP_BWD
-            consts = {"GROUP_M": 8, "DOT_PRECISION": "tf32", "NUM_SMS": 132, **consts}
         else:
             consts = {"BLOCK_D": consts["HEAD_DIM"], "CAUSAL": True, "TMA": False, **consts}
             if kind == "attn_dq":
@@ -203,10 +185,10 @@ def report() -> list[dict]:
             sig, ones = _attention_signature(fn, consts)
             consts = {**consts, **ones}
         rows.append({"case": name, "reg_bound": reg_bound, "spill_bound": spill_bound,
-                     "pipelined_bytes": pipelined_bytes(kind, consts, stages), **usage(fn, sig, consts, warps, stages)})
+                     "pipelined_bytes": pipelined_bytes(kind, consts), **usage(fn, sig, consts, warps, stages)})
     # the Gluon forward (Hopper): every candidate config, no spills, and its K/V ring + Q slots within the 227 KB.
     # 128 x 128 S / P / O tiles at D128 spill 8-20 bytes: one or two scalars stored before an item's last P V and
-    # reloaded in its epilogue, outside the key-block loop (nvdisasm of the sm_90a cubin, session 9), so once per
+    # reloaded in its epilogue, outside the key-block loop (nvdisasm of the sm_90a cubin), so once per
     # 16 blocks at T4096; a spill inside the loop would need more than that
     from kernels import attention_hopper as ah
     for d, cands in ah.CONFIGS.items():

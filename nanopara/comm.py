@@ -143,7 +143,7 @@ def reduce_scatter_seq(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# --- ring collectives (owner: dp.py)
+# --- ring collectives (for reading and benchmarking: the engines use NCCL's)
 #
 # The bandwidth-optimal ring (Patarasuk & Yuan 2009; the algorithm NCCL's ring implements), written from
 # point-to-point messages so the 2(N-1)/N can be read off the loops. A flat tensor is cut into N chunks (sizes
@@ -265,7 +265,7 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group) -> torch.T
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# --- data parallel (owner: dp.py, zero.py, zero3.py): ZeRO-3's parameter gather with its autograd rule
+# --- data parallel (owner: zero3.py): ZeRO-3's parameter gather with its autograd rule
 #
 # ZeRO-3 (Rajbhandari et al. 2020, Sec. 5.3) keeps 1/N of a unit's flat parameter buffer on each rank. The full
 # buffer is all-gathered before the unit runs (launched one unit early: prefetch) and the gradient of the full

@@ -1,344 +1,41 @@
-"""Data parallelism: the training engine interface, the single-device engine and DDP (ZeRO: zero.py, zero3.py).
+"""The replicated engines: SingleDevice (one replica) and DDP (bucketed all-reduce overlapped with backward).
 
-An engine owns the optimizer and the gradient synchronisation of a model; train.py talks only to it:
+Both are engine.py's Engine (the interface, the step, clipping, checkpoints); parallel.build_engine picks
+SingleDevice for dp*cp == 1 (any tp) and DDP for parallel.zero=0 (ZeRO: zero.py, zero3.py).
 
-    engine = build_engine(model, mesh, cfg)       # after apply_tp and model.to(device)
-    for micro in range(accum):
-        with engine.no_sync(micro < accum - 1):   # no gradient communication on non-final micro-steps
-            _, loss = engine.model(x, y)
-            engine.backward(loss * scale / accum)
-    grad_norm = engine.step(lr, grad_scale=scale) # clip + update + zero grads; inf/nan norm => step skipped
-                                                  # (sync=False: a device tensor on GPU, read when needed)
+DDP protocol. Gradients live in flat fp32 buckets of ~parallel.bucket_mb, filled in reverse registration order
+(≈ backward order). A step starts with p.grad = None, so autograd keeps the gradient it made (no add into a
+zeroed buffer); the post-accumulate-grad hook copies it into the parameter's slice of its bucket, makes p.grad
+that view (later micro-steps accumulate into it in place) and counts the bucket's parameters. Once all of a
+bucket's parameters are in, its all-reduce starts (async_op=True) while backward goes on; buckets start in index
+order, so every rank issues the same collectives in the same order, and step() waits on the handles.
+no_sync micro-steps reduce nothing; a parameter without a gradient in a step reduces as zeros.
+parallel.grad_dests=on: the Linear weights skip the copy (their bf16 -> fp32 gradient casts write into their
+slots: Engine._set_grad_dests). Off by default for DDP: it saves one copy per optimizer step but adds a Python
+autograd node per Linear per micro-step, host time that slows steps whose forward is host-bound.
+parallel.reduce_dtype=bf16 sends a bf16 copy of each bucket (half the bytes; the sum is rounded to bf16 and copied
+back into the fp32 bucket, so the optimizer still sees fp32 gradients): torch's bf16_compress_hook trade.
+Memory: 16Ψ bytes of model states (Engine.memory_bytes) plus autocast's bf16 weight copies and activations.
 
-build_engine: SingleDevice for dp*cp == 1 (any tp), DDP for parallel.zero=0, else ZeRO-1/2 (zero.py) or ZeRO-3
-(zero3.py).
-N = dp*cp ranks hold replicas; gradients of replicated parameters reduce over mesh.groups["dp_cp"]. Averaging is
-done in exactly one place: `backward` scales the loss by 1/N, and every reduction is a SUM.
-
-Precision: the model's parameters are fp32 master weights, compute runs under autocast (bf16 on GPU, fp32 on
-CPU), gradients and AdamW's m, v are fp32. Bytes per rank (`memory_bytes()`, asserted by tests/test_dp.py) for Ψ
-parameters (the tied wte/lm_head counted once), ZeRO paper Fig. 1 with K = 8 (fp32 m, v) and 4-byte params/grads.
-Ψ' = Σ over flat buffers of their size rounded up to a multiple of N (Ψ' - Ψ < N per buffer):
-
-    engine    params   grads    optim    paper (Ψ' = Ψ)
-    DDP       4Ψ       4Ψ       8Ψ       16Ψ
-    ZeRO-1    4Ψ'      4Ψ'      8Ψ'/N    8Ψ + 8Ψ/N
-    ZeRO-2    4Ψ'      4Ψ'/N    8Ψ'/N    4Ψ + 12Ψ/N
-    ZeRO-3    4Ψ'/N    4Ψ'/N    8Ψ'/N    16Ψ/N
-plus the transients of a step (bf16 autocast on GPU; Ψ_b = one bucket or ZeRO-3 unit, A = activations):
-    all       A, autocast's bf16 weight copies 2Ψ (ZeRO-3: none, it gathers matrices in bf16), bf16 weight grads
-              of one layer at a time
-    ZeRO-1    nothing more: reduce-scatter into f.grad's own slice, all-gather of the params in place
-    ZeRO-2    fp32 p.grad of the buckets still filling + at most 2 full-bucket fp32 copies in flight (8Ψ_b)
-    ZeRO-3    gathered: root (fp32) + 1 + PREFETCH units of parallel.zero3_unit_blocks blocks (bf16 matrices);
-              backward: a unit's bf16 grad + its fp32 copy, at most 2 units in flight; optimizer and clipping work
-              on the shards in place
-Hooks hold the engine weakly (`_weak`), so `del engine` frees everything; `close()` also removes the hooks.
-
-DDP: gradients live in flat buckets of ~parallel.bucket_mb, filled in reverse registration order (≈ backward
-order). A step starts with p.grad = None, so autograd keeps the gradient it made (no add into a zeroed buffer);
-the post-accumulate-grad hook copies it into the parameter's slice of its bucket and makes p.grad that view
-(later micro-steps accumulate into it in place), and counts the bucket's parameters. With
-parallel.grad_dests=on the Linear weights skip the copy: the engine names their slots as gradient destinations
-(`_set_grad_dests`, model.matmul_weight), so their bf16 -> fp32 gradient casts write into the slots directly.
-Off by default for DDP: it saves one copy per optimizer step (~0.25 ms of an H100 at 124M) and costs a Python
-autograd node per Linear per micro-step (~1 ms of host time per forward), which showed as slower median steps
-where the forward is host-bound (2 x H100, B=16: 61.6 vs 61.8-62.3 ms, results/dp_s12.txt); ZeRO-2 copies every
-micro-step, so there they stay on (`auto`). Once all of a bucket's parameters are in, its
-all-reduce starts (async_op=True) while backward goes on. Buckets start in index order so every rank issues the
-same collectives in the same order; step() waits on the handles. parallel.reduce_dtype=bf16
-sends a bf16 copy of each bucket instead (half the bytes; the sum is rounded to bf16 and copied back into the
-fp32 bucket, so the optimizer still sees fp32 gradients) — the trade torch's bf16_compress_hook makes.
-
-Clipping uses the global norm: squares of the grads this rank holds, summed over dp x cp when they are shards
-(ZeRO), the part of parameters sharded over tp (`p.tp_dim`) summed over tp, tp-replicated ones counted once.
-Grads of `p.sp_partial` parameters are partial sums over tp: every engine (SingleDevice too) sums them first.
-
-Checkpoints: model_state_dict()/state_dict() return this rank's part, with which global slice it holds:
-  - replicated parameters (SingleDevice, DDP, ZeRO-1/2): {name: tensor}
-  - unsharded optimizer (SingleDevice, DDP): {"format": "full", "step", "state": {name: {"exp_avg", "exp_avg_sq"}}}
-  - ZeRO's sharded forms: {"format": "flat_shard", ...}, see zero.py; zero.unshard_model / unshard_optimizer turn
-    every rank's shards into the full forms above. Every engine loads the full forms (resharding) and its own
-    layout (bit-exact resume).
+Tested by tests/test_dp.py (against the single-process run, resume, memory); benchmarked against torch's
+DistributedDataParallel by bench/bench_dp.py.
 """
 from __future__ import annotations
-
-import contextlib
-import math
-import weakref
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from nanopara.config import Config
+from nanopara.engine import BucketHooks, Engine, check_fp32, param_kind, split_buckets, views
 from nanopara.mesh import Mesh
-from nanopara.optim import build_adamw, clip_coef
-
-REPLICATED, TP_SHARDED, SP_PARTIAL = 0, 1, 2
-
-
-def param_kind(p: torch.Tensor) -> int:
-    """How a parameter relates to tp (tp.py's contract): sharded (tp_dim), partial grads (sp_partial), replicated."""
-    if hasattr(p, "tp_dim"):
-        return TP_SHARDED
-    return SP_PARTIAL if getattr(p, "sp_partial", False) else REPLICATED
-
-
-def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
-    """The autocast dtype: bf16 on GPU and fp32 on CPU for train.dtype=auto."""
-    d = cfg.train.dtype if cfg.train.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[d]
-
-
-def _bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors` (views of one flat buffer count once)."""
-    sizes = {}
-    for t in tensors:
-        if t is not None:
-            s = t.untyped_storage()
-            sizes[s.data_ptr()] = s.nbytes()
-    return sum(sizes.values())
-
-
-def _sq(grads, device) -> torch.Tensor:
-    """Sum of squares of a list of tensors, fp32, 0-dim on `device`."""
-    if not grads:
-        return torch.zeros((), device=device)
-    return torch.stack(torch._foreach_norm([g.float() for g in grads])).pow(2).sum()
-
-
-def _sum_over(tensors, group) -> None:
-    """In-place SUM over `group` of a list of fp32 tensors in one collective."""
-    if group is None or not tensors:
-        return
-    flat = torch.cat([t.reshape(-1) for t in tensors])  # (Σ numel,): a few small tensors per layer
-    dist.all_reduce(flat, group=group)
-    for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
-        t.copy_(part.view_as(t))
-
-
-def _views(buf: torch.Tensor, sizes) -> list[torch.Tensor]:
-    """Consecutive 1-D slices of buf. Not buf.split(): these views are updated in place (gradient accumulation,
-    the optimizer), which autograd forbids on the outputs of a multi-output view op."""
-    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-    return [buf[o:o + s] for o, s in zip(offsets, sizes)]
-
-
-def _weak(obj, name: str):
-    """A callable that calls obj.<name> (looked up at call time, so a patched method is honoured) without keeping
-    `obj` alive (a no-op once it is gone).
-
-    Hooks on parameters and autograd nodes are held by C++ structures that Python's gc cannot traverse: a hook
-    holding the engine strongly (a bound method, a lambda over self) makes engine -> params -> hook -> engine an
-    uncollectable cycle, and the engine, the model and every buffer they own outlive `del engine` (they did: each
-    mode of bench/bench_dp.py added its whole model state to the next one's peak).
-    """
-    ref = weakref.ref(obj)
-
-    def call(*args, **kwargs):
-        o = ref()
-        return None if o is None else getattr(o, name)(*args, **kwargs)
-    return call
-
-
-def _check_fp32(params) -> None:
-    bad = [tuple(p.shape) for p in params if p.dtype != torch.float32]
-    if bad:
-        raise ValueError(f"data-parallel engines keep fp32 master weights; got {len(bad)} non-fp32 parameters "
-                         f"(e.g. shape {bad[0]}): build the model in fp32 and train under autocast")
+from nanopara.optim import build_adamw
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the shared engine: loss averaging, no_sync, clip-and-step, accounting
+# one replica
 
-class _Engine:
-    sharded_grads = False  # True: the grads this rank holds are 1/N shards (their squares sum over dp x cp)
-    label = "engine"       # for messages
-    keep_grad_buffers = False  # SingleDevice: zero .grad in place after a step instead of freeing (CUDA graphs)
-
-    def __init__(self, model: nn.Module, mesh: Mesh, cfg: Config):
-        self.model, self.mesh, self.cfg, self.device = model, mesh, cfg, mesh.device
-        self.group = mesh.groups.get("dp_cp")
-        self.n = mesh.dp * mesh.cp
-        self.r = mesh.ranks["dp_cp"].index(mesh.rank) if "dp_cp" in mesh.ranks else 0
-        self.tp_group = mesh.groups.get("tp") if mesh.tp > 1 else None
-        self.async_step = self.device.type == "cuda"  # step(): needs the fused AdamW that engines build on GPU
-        self._sync = True
-        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]  # tied weight once
-        self.names = {id(p): name for name, p in named}
-        self.params = [p for _, p in named]
-        self.optimizer = None
-        self._handles = []  # hook handles, removed by close()
-        self._dest_params, self._given = [], set()  # parameters with a gradient destination; ids given one this round
-        self.copied = 0  # gradient elements copied into communication buffers (what the destinations avoid)
-
-    def close(self) -> None:
-        """Wait for the gradient communication in flight (starts none) and remove this engine's hooks from the
-        model (idempotent). Not needed to free memory (hooks hold the engine weakly, so `del engine` frees it);
-        call it before handing the model to another engine, so the old hooks stop running."""
-        self._wait_inflight()
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-        self._set_grad_dests([])
-
-    def _set_grad_dests(self, params) -> None:
-        """Give `params` gradient destinations. Those that model.matmul_weight reads (the Linear weights) ask for
-        one in backward: each weight's fp32 gradient is then written by its bf16 -> fp32 cast straight into
-        `self._grad_dest(p)`, a view of the engine's buffer that autograd keeps as p.grad, instead of into a new
-        tensor the engine would copy there. Not for a parameter the model holds under two names (the tied
-        wte/lm_head): autograd sums its two gradients into a new tensor anyway. `_grad_dest` gives a parameter
-        at most one destination per round (`_given`), so a weight used twice in one forward gets its second
-        gradient in a new tensor, which autograd adds to the first (into a new tensor, which is then copied
-        like any other gradient)."""
-        for p in self._dest_params:  # the previous ones go (close(): all)
-            if hasattr(p, "grad_into"):
-                del p.grad_into
-        uses = {}
-        for _, p in self.model.named_parameters(remove_duplicate=False):
-            uses[id(p)] = uses.get(id(p), 0) + 1
-        dest = _weak(self, "_grad_dest")
-        self._dest_params = [p for p in params if uses.get(id(p)) == 1]
-        for p in self._dest_params:
-            p.grad_into = dest
-
-    @contextlib.contextmanager
-    def no_sync(self, skip: bool = True):
-        prev, self._sync = self._sync, not skip
-        try:
-            yield
-        finally:
-            self._sync = prev
-
-    def backward(self, loss: torch.Tensor) -> None:
-        self._before_backward()
-        (loss / self.n if self.n > 1 else loss).backward()  # THE place where gradients are averaged over dp x cp
-        self._after_backward()
-
-    def step(self, lr: float, grad_scale: float = 1.0, sync: bool = True):
-        """Clip by the global norm, undo grad_scale, update, zero the grads; returns the norm (of the unscaled
-        grads). A non-finite norm skips the update (and ZeRO's parameter all-gather has nothing new to send).
-        sync=False: on GPU the norm comes back as a 0-dim device tensor, unread, so nothing waits for the GPU
-        (train.py reads it one step later); a float otherwise.
-
-        GPU (`async_step`): nothing waits for the norm before the update is issued. The fused AdamW kernel takes
-        the unscale-and-clip divisor and the skip flag as device tensors (the `grad_scale` / `found_inf` it has
-        for AMP), so the step's one host sync, reading the norm, comes after the update and ZeRO's all-gather are
-        queued, as torch's clip_grad_norm_ + step + norm.item() does. Reading the norm first left the GPU idle
-        while the host issued the clip and the update: GPT-2 124M's clip + update took 2.37-2.56 ms of GPU time
-        that way, 2.08-2.14 ms now (2 x H100, B=16, bench_dp.py --phases, medians). CPU: the norm is read first
-        and the for-loop AdamW runs as before."""
-        self._finish_grads()
-        pieces = self._grad_pieces()  # [(grad, kind)]: every gradient (or shard) this rank holds
-        _sum_over([g for g, k in pieces if k == SP_PARTIAL], self.tp_group)
-        sq = self._global_sq(pieces)
-        if self.async_step:
-            norm = sq.sqrt() / grad_scale
-            if self.optimizer is not None:
-                self.optimizer.grad_scale = grad_scale / clip_coef(norm, self.cfg.train.grad_clip)  # the kernel
-                self.optimizer.found_inf = (~torch.isfinite(norm)).float()                          # divides
-                self._update(lr)
-            self._after_step()
-            self._zero_grads()  # stream-ordered after the update; the host work is done before the one sync
-            return norm.item() if sync else norm
-        norm = math.sqrt(sq.item()) / grad_scale
-        if math.isfinite(norm):
-            coef = clip_coef(torch.tensor(norm), self.cfg.train.grad_clip).item() / grad_scale
-            if coef != 1.0:
-                torch._foreach_mul_([g for g, _ in pieces], coef)
-            if self.optimizer is not None:
-                self._update(lr)
-            self._after_step()
-        self._zero_grads()
-        return norm
-
-    def _update(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-
-    def _global_sq(self, pieces) -> torch.Tensor:
-        """The squared global norm of the gradients: fp32, 0-dim, on the device (no host sync)."""
-        sq = torch.stack([_sq([g for g, k in pieces if k != TP_SHARDED], self.device),  # tp-replicated
-                          _sq([g for g, k in pieces if k == TP_SHARDED], self.device)])  # tp-sharded; (2,)
-        if self.sharded_grads and self.group is not None:
-            dist.all_reduce(sq, group=self.group)
-        if self.tp_group is not None:
-            tp_part = sq[1:].clone()
-            dist.all_reduce(tp_part, group=self.tp_group)
-            sq = torch.cat([sq[:1], tp_part])
-        return sq.sum()
-
-    def memory_bytes(self) -> dict:
-        """Bytes of parameters, gradients and optimizer state this rank holds (see the table in the docstring).
-
-        Optimizer state counts m and v; AdamW's per-tensor step counters (0-dim) are left out.
-        """
-        params = list(self.model.parameters())
-        return {"params": _bytes(params + self._extra_params()),
-                "grads": _bytes([p.grad for p in params] + self._extra_grads()), "optim": _bytes(self._optim_state())}
-
-    def _optim_state(self):
-        return [t for st in self.optimizer.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
-
-    def model_state_dict(self) -> dict:
-        return {name: p.detach() for name, p in self.model.named_parameters()}  # the tied lm_head.weight once
-
-    def load_model_state_dict(self, sd: dict) -> None:
-        if "format" in sd:
-            raise ValueError(f"a '{sd['format']}' model state does not fit {self.label}: "
-                             f"load zero.unshard_model(<every rank's shard>) instead")
-        missing = [name for name in self.names.values() if name not in sd]
-        unexpected = [k for k in sd if k not in dict(self.model.named_parameters(remove_duplicate=False))]
-        if missing or unexpected:
-            raise ValueError(f"checkpoint does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                p.copy_(sd[name])
-
-    def full_model_state_dict(self) -> dict:
-        """{name: full tensor} on every rank (collective for ZeRO-3); tp shards stay this tp rank's."""
-        return {name: t.clone() for name, t in self.model_state_dict().items()}
-
-    # hooks for the subclasses
-    def _before_backward(self): pass
-    def _after_backward(self): pass
-    def _finish_grads(self): pass
-    def _wait_inflight(self): pass
-    def _after_step(self): pass
-    def _extra_params(self): return []
-    def _extra_grads(self): return []
-
-
-def _named_optim_state(opt: torch.optim.Optimizer, names: dict) -> dict:
-    state, step = {}, 0
-    for group in opt.param_groups:
-        for p in group["params"]:
-            st = opt.state.get(p)
-            if st:
-                state[names[id(p)]] = {k: v for k, v in st.items() if k != "step"}
-                step = int(st["step"])
-    return {"format": "full", "step": step, "state": state}
-
-
-def _load_named_optim_state(opt: torch.optim.Optimizer, names: dict, sd: dict) -> None:
-    if sd.get("format") != "full":
-        raise ValueError(f"optimizer state of format {sd.get('format')!r} does not fit this engine: "
-                         f"load zero.unshard_optimizer(<every rank's shard>) instead")
-    state, groups, i = {}, [], 0
-    for group in opt.param_groups:
-        ids = []
-        for p in group["params"]:
-            if names[id(p)] in sd["state"]:
-                state[i] = {"step": torch.tensor(float(sd["step"])), **sd["state"][names[id(p)]]}
-            ids.append(i)
-            i += 1
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
-    opt.load_state_dict({"state": state, "param_groups": groups})  # casts/moves m, v to each parameter
-
-
-class SingleDevice(_Engine):
+class SingleDevice(Engine):
     """One replica (dp = cp = 1), no dp communication: AdamW with global-norm clipping; tp rules still apply."""
 
     label = "SingleDevice"
@@ -357,61 +54,9 @@ class SingleDevice(_Engine):
         """Zero every gradient in place (nanopara/graph.py: a captured backward accumulates into these buffers)."""
         torch._foreach_zero_([p.grad for p in self.params if p.grad is not None])
 
-    def state_dict(self) -> dict:
-        return _named_optim_state(self.optimizer, self.names)
-
-    def load_state_dict(self, sd: dict) -> None:
-        _load_named_optim_state(self.optimizer, self.names, sd)
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # DDP
-
-def _buckets(params, cap_elems: int) -> list[list]:
-    """Consecutive runs of `params` of at most cap_elems elements each (a larger parameter gets its own)."""
-    out, cur, size = [], [], 0
-    for p in params:
-        if cur and size + p.numel() > cap_elems:
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(p)
-        size += p.numel()
-    return out + ([cur] if cur else [])
-
-
-class _BucketHooks:
-    """Count gradients into buckets (post-accumulate-grad hooks) and launch each full bucket, in index order."""
-
-    def _install_hooks(self, buckets):
-        self._bucket_of = {id(p): i for i, b in enumerate(buckets) for p in b}
-        self._sizes = [len(b) for b in buckets]
-        self._ready, self._next, self._works = [0] * len(buckets), 0, []
-        for b in buckets:
-            for p in b:
-                self._handles.append(p.register_post_accumulate_grad_hook(_weak(self, "_on_grad")))
-
-    def _counts_now(self) -> bool:
-        return self._sync
-
-    def _on_grad(self, p):
-        if self._counts_now():
-            self._ready[self._bucket_of[id(p)]] += 1
-            self._launch_ready()
-
-    def _launch_ready(self, force: bool = False):
-        # force: after backward, buckets whose parameters got no gradient (unused) still reduce, in order
-        while self._next < len(self._sizes) and (force or self._ready[self._next] == self._sizes[self._next]):
-            self._works.append(self._launch(self._next))
-            self._next += 1
-
-    def _check_single_sync(self):
-        if self._sync and self._next:
-            raise RuntimeError("a second gradient-synchronising backward before step(): run the non-final "
-                               "micro-steps under engine.no_sync()")
-
-    def _reset_buckets(self):
-        self._ready, self._next = [0] * len(self._sizes), 0
-
 
 class _Widen:
     """A reduction of a low-precision copy of a bucket: wait() also copies the sum back into the fp32 bucket."""
@@ -425,23 +70,23 @@ class _Widen:
         self.low = None
 
 
-class DDP(_BucketHooks, _Engine):
+class DDP(BucketHooks, Engine):
     """Replicated AdamW; bucketed gradient all-reduce overlapped with backward."""
 
     label = "DDP"
 
     def __init__(self, model: nn.Module, mesh: Mesh, cfg: Config):
         super().__init__(model, mesh, cfg)
-        _check_fp32(self.params)
+        check_fp32(self.params)
         src = dist.get_global_rank(self.group, 0)
         for p in self.params:  # replicas start identical even if a caller forgot to seed alike
             dist.broadcast(p.data, src=src, group=self.group)
         self.optimizer = build_adamw(model.named_parameters(), cfg.train, mesh.device)
         self.reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.parallel.reduce_dtype]
-        self.buckets = _buckets(self.params[::-1], int(cfg.parallel.bucket_mb * 2 ** 20) // 4)
+        self.buckets = split_buckets(self.params[::-1], int(cfg.parallel.bucket_mb * 2 ** 20) // 4)
         self.bufs = [torch.zeros(sum(p.numel() for p in b), device=self.device) for b in self.buckets]
         self._slot = {id(p): g.view_as(p) for b, buf in zip(self.buckets, self.bufs)  # p's slice of its bucket
-                      for p, g in zip(b, _views(buf, [p.numel() for p in b]))}
+                      for p, g in zip(b, views(buf, [p.numel() for p in b]))}
         self._zero_grads()
         self._install_hooks(self.buckets)
         if cfg.parallel.grad_dests == "on":  # off by default for DDP: see the docstring
@@ -502,22 +147,3 @@ class DDP(_BucketHooks, _Engine):
 
     def _extra_grads(self):
         return self.bufs
-
-    def state_dict(self) -> dict:
-        return _named_optim_state(self.optimizer, self.names)
-
-    def load_state_dict(self, sd: dict) -> None:
-        _load_named_optim_state(self.optimizer, self.names, sd)
-
-
-def build_engine(model: nn.Module, mesh: Mesh, cfg: Config):
-    """SingleDevice for dp*cp == 1 (any tp), else DDP (parallel.zero=0), ZeRO-1/2 (zero.Zero), ZeRO-3 (zero3.Zero3)."""
-    if mesh.dp * mesh.cp == 1:
-        return SingleDevice(model, mesh, cfg)
-    if cfg.parallel.zero == 0:
-        return DDP(model, mesh, cfg)
-    if cfg.parallel.zero == 3:
-        from nanopara.zero3 import Zero3  # zero.py / zero3.py build on this file's engine
-        return Zero3(model, mesh, cfg)
-    from nanopara.zero import Zero
-    return Zero(model, mesh, cfg, stage=cfg.parallel.zero)

@@ -14,34 +14,16 @@ norm on the host). Before capturing, `warmup` eager micro-steps run on a side st
 and allocator warm-up), and their gradients are zeroed: the first replay starts from the same state an eager run
 would.
 
-Limits, checked in `check_graphable` before any work: a CUDA device; one replica (dp = cp = 1: DDP/ZeRO launch
-communication from Python hooks, which a replay would not run); tp = 1; fixed shapes (every micro-batch is
+Limits, checked by parallel.check_layout before any work: a CUDA device; one process (DDP/ZeRO/TP launch
+communication from Python hooks, which a replay would not run); fixed shapes (every micro-batch is
 micro_batch x seq_len, as the loader makes them); no fp16 dynamic loss scaling (its scale changes between steps).
 
-Tested by tests/test_graph.py (GPU: graphed and eager training give the same losses and weights; CPU: the config
+Tested by tests/test_graph.py (GPU: graphed and eager training give the same losses and weights; CPU: the layout
 errors); measured by bench/bench_gpt.py (`triton:graph=1`).
 """
 from __future__ import annotations
 
 import torch
-
-from nanopara.config import Config, ConfigError
-
-
-def check_graphable(cfg: Config, device: torch.device, world: int) -> None:
-    """One clear line for a run train.cuda_graph cannot handle, before any work."""
-    p = cfg.parallel
-    if device.type != "cuda":
-        raise ConfigError("train.cuda_graph=true needs a CUDA device")
-    if world > 1 or p.tp > 1:
-        raise ConfigError("train.cuda_graph=true supports one GPU only (dp = tp = 1): data/tensor parallel engines "
-                          "launch communication from Python hooks that a graph replay would skip")
-    if cfg.train.dtype == "fp16":
-        raise ConfigError("train.cuda_graph=true does not support train.dtype=fp16 (the loss scale changes between "
-                          "steps); use bf16")
-    if cfg.train.compile:
-        raise ConfigError("train.cuda_graph=true and train.compile=true: use one (torch.compile's own graphs are "
-                          "mode='reduce-overhead')")
 
 
 class GraphedMicroStep:

@@ -1,8 +1,9 @@
 """GPT-2, single device: learned positions, pre-LN blocks, GELU(tanh), tied wte/lm_head, padded vocab.
 
-This file never imports torch.distributed. Parallelism is applied from outside (tp.py replaces Linear layers and
-`loss_fn`, dp.py wraps the module). Hot ops go through `kernels/` when `model.kernels` resolves to "triton"
-(CUDA tensors); "torch" uses the strongest PyTorch ops (SDPA, F.layer_norm, F.cross_entropy) — the baseline.
+This file never imports torch.distributed. Parallelism is applied from outside by parallel.parallelize (tp.py
+replaces Linear layers and `loss_fn`; an engine of engine.py owns the optimizer and the gradient sync). Hot ops go
+through `kernels/` when `model.kernels` resolves to "triton" (CUDA tensors); "torch" uses the strongest PyTorch
+ops (SDPA, F.layer_norm, F.cross_entropy) — the baseline.
 
 Names follow GPT-2's own (`wte`, `wpe`, `h.N.ln_1`, `attn.c_attn`, `attn.c_proj`, `ln_2`, `mlp.c_fc`, `mlp.c_proj`,
 `ln_f`) so OpenAI/Hugging Face checkpoints map one to one (`from_hf_state_dict` / `to_hf_state_dict`).
@@ -67,12 +68,11 @@ class TritonOps:
     torch.compile a graph break at the loss) or "op" (custom ops: no graph break, one more pass over the logits).
     """
 
-    def __init__(self, interpret: bool = False, ce: str = "inplace", fused_mlp: bool = False):
-        from kernels import attention, cross_entropy, layernorm, mlp, ops
+    def __init__(self, interpret: bool = False, ce: str = "inplace"):
+        from kernels import attention, cross_entropy, layernorm, ops
         if ce not in ("inplace", "op"):
             raise ValueError(f"TritonOps: ce must be 'inplace' or 'op', got {ce!r}")
         self._k, self._interpret, self._ce_mode = ops, interpret, ce
-        self._mlp = mlp.mlp_triton if fused_mlp else None
         self._ref = attention.attention_qkv, layernorm.layernorm, layernorm.add_layernorm, cross_entropy.cross_entropy
         self._eager = attention.attention_qkv_triton, layernorm.layernorm_triton, layernorm.add_layernorm_triton
 
@@ -103,15 +103,8 @@ class TritonOps:
         ce = self._k.cross_entropy_inplace if self._ce_mode == "inplace" else self._k.cross_entropy
         return ce(logits, targets, n_vocab=n_vocab, ignore_index=-1)
 
-    def mlp(self, x, c_fc, c_proj):
-        """fused_mlp=True: kernels/mlp.py, GELU in the epilogues of the c_fc forward and the c_proj input-grad
-        GEMMs (plain Linears in eager mode; tp.py's parallel Linears and torch.compile take the PyTorch ops). Off
-        by default: its Triton GEMMs run at 0.70x / 0.55x of cuBLAS, which eats what the fusion saves (H200: MLP
-        fwd+bwd 1.800 vs 1.795 ms eager; 124M training 496k vs 502k tok/s, bench/notes_e2e.md)."""
-        plain = type(c_fc) in (nn.Linear, Linear) and type(c_proj) in (nn.Linear, Linear)
-        if self._mlp is None or not plain or not self._triton(x) or torch.compiler.is_compiling():
-            return TorchOps.mlp(x, c_fc, c_proj)
-        return self._mlp(x, c_fc.weight, c_fc.bias, c_proj.weight, c_proj.bias)
+    # cuBLAS GEMMs + GELU: GELU fused into Triton GEMM epilogues measured no faster (notes/e2e.md)
+    mlp = staticmethod(TorchOps.mlp)
 
 
 def make_ops(kind: str, device: torch.device | str):
@@ -141,10 +134,10 @@ class _WeightCast(torch.autograd.Function):
 
 def matmul_weight(w: torch.Tensor) -> torch.Tensor:
     """A Linear's weight as its matmul reads it. Where something set `w.grad_into` (a data-parallel engine,
-    nanopara/dp.py: a function of w returning a w-shaped view of its gradient bucket, or None), the fp32 gradient is
-    written straight into that view, so autograd keeps it as w.grad and the engine's bucket needs no copy of it.
-    Otherwise w itself, and F.linear casts it under autocast as usual: no destination set, a gradient already there
-    (the next micro-steps accumulate into it in place), no_grad, or torch.compile."""
+    engine.Engine._set_grad_dests: a function of w returning a w-shaped view of its gradient bucket, or None), the
+    fp32 gradient is written straight into that view, so autograd keeps it as w.grad and the engine's bucket needs
+    no copy of it. Otherwise w itself, and F.linear casts it under autocast as usual: no destination set, a gradient
+    already there (the next micro-steps accumulate into it in place), no_grad, or torch.compile."""
     if (getattr(w, "grad_into", None) is None or w.grad is not None or not torch.is_grad_enabled()
             or torch.compiler.is_compiling()):
         return w

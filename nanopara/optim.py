@@ -2,7 +2,7 @@
 
 - Weight decay applies to 2-D weights (matmuls, embeddings) only; biases and LayerNorm gains are not decayed.
 - Schedule: linear warm-up over `warmup_steps`, then cosine decay to `lr * min_lr_frac` at `steps`.
-- Clipping uses the global L2 norm; sharded optimizers (dp.py) compute the same norm from shards.
+- Clipping uses the global L2 norm (`clip_coef`); the engines (engine.py) compute it from what each rank holds.
 - fp16 training multiplies the loss by a dynamic scale; a step whose gradients overflow is skipped and the scale
   halves; after `growth_interval` clean steps it doubles (the usual dynamic loss scaling of mixed precision).
 """
@@ -42,14 +42,6 @@ def lr_at(step: int, t: TrainConfig) -> float:
     frac = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
     coeff = 0.5 * (1.0 + math.cos(math.pi * frac))  # 1 -> 0
     return t.lr * (t.min_lr_frac + (1.0 - t.min_lr_frac) * coeff)
-
-
-def grad_norm_sq(grads) -> torch.Tensor:
-    """Sum of squared L2 norms of a list of gradient tensors, in fp32 (0-dim tensor)."""
-    grads = [g for g in grads if g is not None]
-    if not grads:
-        return torch.zeros(())
-    return torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
 
 
 def clip_coef(norm: torch.Tensor, max_norm: float) -> torch.Tensor:

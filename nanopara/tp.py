@@ -1,44 +1,27 @@
 """Tensor parallelism (Megatron-LM) and sequence parallelism, applied to the single-device GPT from outside.
 
-    model = GPT(cfg)                          # same seed on every rank: identical full weights everywhere
-    model = apply_tp(model, mesh, sp=True)    # each rank keeps its slice of them; the rest is freed
+    model = apply_tp(GPT(cfg), mesh, sp=True)  # parallel.parallelize does this: each rank keeps its slices
     loss.backward()
-    sync_partial_grads(model, mesh)           # SP, once per step: only when driving the optimizer by hand
-                                              # (dp.py's engines sum `sp_partial` grads themselves: never both)
+    sync_partial_grads(model, mesh)            # SP, once per step, for hand-written loops only (engines do it)
 
 Math (Shoeybi et al. 2019). A linear Y = X W^T with W (out, in) split over tp ranks:
   column-parallel: W split by rows (outputs):   Y_r = X W_r^T           -> every rank holds out/tp outputs
   row-parallel:    W split by columns (inputs): Y = sum_r X_r W_r^T     -> one all-reduce (comm.g)
 Attention is c_attn column (rank r holds heads r*nh/tp .. (r+1)*nh/tp-1 of q, k and v) then c_proj row; the MLP
 is c_fc column then c_proj row: per block, two all-reduces forward (g) and two backward (f).
+Sequence parallel (Korthikanti et al. 2022): outside the TP regions activations are sharded along T (B, T/tp, C);
+f/g become an all-gather / reduce-scatter along T. Replicated parameters then see T/tp tokens each, so their
+gradients are partial sums over tp (`sp_partial`).
+Vocab parallel: the tied wte/lm_head (Vp', C) is split by vocab rows; the loss combines per-shard max, sum-exp
+and target logit, never the full logits, so `model(idx)` returns this rank's logit columns.
 
-Sequence parallel (Korthikanti et al. 2022): outside the TP regions activations (B, T, C) are sharded along T, so
-LayerNorms, residual adds and dropout work on (B, T/tp, C) and store 1/tp of their activations; f/g become an
-all-gather / reduce-scatter along T (together the same bytes as one all-reduce). Column-parallel layers save only
-their input's shard and gather it again in backward. Every replicated parameter then sees only T/tp tokens, so its
-gradient is a partial sum over tp (marked `sp_partial`).
-
-Vocab parallel: the tied wte/lm_head weight (Vp', C) is split by rows (vocab ids; Vp' = cfg.padded_vocab rounded
-up to a multiple of tp). The embedding looks up the ids in its range (zero elsewhere) and all-reduces; lm_head
-gives (B, T, Vp'/tp) logits and the loss combines per-shard max, sum-exp and target logit with two all-reduces of
-(N,) vectors, never the full (N, Vp') logits. With TP, `model(idx)` therefore returns this rank's logit columns;
-`model.generate` gathers them.
-
-Contract with dp.py / checkpoint.py (attributes on the Parameter objects):
+Contract with the engines (engine.py) and checkpoints, as attributes on the Parameter objects:
   p.tp_dim, p.tp_parts, p.tp_full_shape   sharded over tp (see `shard`); grad-norm contributions sum over tp.
                                           Parameters without tp_dim are replicated over tp (count them once).
   p.sp_partial = True                     grad is a partial sum over tp: SUM it over tp once per optimizer step,
-                                          after the last micro-step, before clipping (dp.py's engines do;
-                                          `sync_partial_grads` does it for hand-written loops).
-`shard_metadata` gives each shard's global slices for checkpoints; `gather_full_state_dict` the full layout.
-
-Dropout RNG. Without SP every dropout of this GPT acts on activations replicated over tp, so the tp ranks must
-draw the same masks: they do, because every rank seeds the default generator alike (train.py: seed) and makes the
-same calls. With SP every dropout acts on a sequence shard (and any inside TP regions on a head/hidden shard),
-so masks must differ per tp rank: apply_tp wraps the forward (only when dropout > 0) to run on a per-rank stream,
-seeded from torch.initial_seed() and the tp rank, and restores the shared stream afterwards.
-
-Tested by tests/test_tp.py (gloo, CPU); benchmarked by bench/bench_tp.py (torchrun, GPU).
+                                          after the last micro-step, before clipping (the engines do).
+`shard_metadata` gives each shard's global slices; `gather_full_state_dict` / `load_full_state_dict` convert to and
+from the single-device layout. Tested by tests/test_tp.py (gloo, CPU); benchmarked by bench/bench_tp.py.
 """
 from __future__ import annotations
 
@@ -51,7 +34,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanopara.comm import all_gather_along, all_reduce_sum, f, g, reduce_scatter_along, reduce_scatter_seq
-from nanopara.config import Config, ModelConfig, ParallelConfig
 from nanopara.model import GPT, matmul_weight
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -286,7 +268,13 @@ def _tp_generate(self, *args, **kwargs):
 
 
 class _PerRankDropoutRng:
-    """Forward hooks: run the model's forward on this tp rank's own RNG stream, then restore the shared one."""
+    """Forward hooks: run the model's forward on this tp rank's own RNG stream, then restore the shared one.
+
+    Without SP every dropout of this GPT acts on activations replicated over tp, so the tp ranks must draw the same
+    masks: they do, because every rank seeds the default generator alike and makes the same calls. With SP every
+    dropout acts on a sequence shard (and any inside TP regions on a head/hidden shard), so masks must differ per
+    tp rank: apply_tp installs these hooks (only when dropout > 0), seeded from torch.initial_seed() and the rank.
+    """
 
     def __init__(self, rank: int):
         self.rank, self.own, self.saved = rank, None, None
@@ -321,13 +309,6 @@ class _PerRankDropoutRng:
 # ----------------------------------------------------------------------------------------------------------------
 # apply
 
-def check_tp(cfg: ModelConfig, tp: int, sp: bool) -> None:
-    """The same checks the command line runs (Config.check), for callers that come without a Config."""
-    c = Config(model=cfg, parallel=ParallelConfig(tp=tp, sp=sp))
-    c.train.seq_len = min(tp, cfg.block_size)  # the real sequence length is checked per batch, in forward
-    c.check()
-
-
 def _plan_for(name: str):
     for pattern, style, parts in TP_PLAN:
         if fnmatch.fnmatchcase(name, pattern):
@@ -338,9 +319,12 @@ def _plan_for(name: str):
 def apply_tp(model: GPT, mesh, sp: bool = False) -> GPT:
     """Shard a GPT in place over mesh.tp_group (slicing its full weights, identical on every rank); returns it."""
     cfg = model.cfg
-    check_tp(cfg, mesh.tp, sp)
     if mesh.tp == 1:
         return model
+    if cfg.n_head % mesh.tp or (4 * cfg.n_embd) % mesh.tp:  # whole heads and MLP columns per rank (Config.check
+        # says the same for the command line; this guards direct callers, whom `shard` would silently truncate)
+        raise ValueError(f"apply_tp: model.n_head={cfg.n_head} and the MLP width 4*n_embd={4 * cfg.n_embd} must be "
+                         f"divisible by tp={mesh.tp}")
     if model.lm_head.weight is not model.transformer.wte.weight:
         raise ValueError("apply_tp expects GPT-2's tied wte/lm_head weight (the vocab shard is made once for both)")
     tp, rank = mesh.tp, mesh.tp_rank

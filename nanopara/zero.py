@@ -1,37 +1,26 @@
-"""ZeRO-1/2/3 (Rajbhandari et al. 2020): optimizer states, gradients and parameters sharded over dp x cp.
+"""ZeRO-1/2 (Rajbhandari et al. 2020): optimizer states, then gradients, sharded over the dp x cp group.
 
-Built by dp.build_engine for parallel.zero = 1/2 (zero3.py's Zero3 extends this engine for 3; same interface and
-precision as dp.py's engines; the bytes per rank are in dp.py's table). N = dp*cp ranks, r = this rank's index
-among them.
+Built by parallel.build_engine for parallel.zero = 1/2 (ZeRO-3: zero3.py's Zero3 extends this engine). Same
+interface and precision as every engine (engine.py); N = dp*cp ranks, r = this rank's index among them.
+Parameters live in flat fp32 buffers (engine.Flat), one per gradient bucket; rank r owns [lo, hi) of each and
+steps AdamW on views of that slice (m, v: flat (padded/N,) buffers per Flat).
 
-Flat buffers (`Flat`): a run of parameters laid end to end in one fp32 buffer of `padded` elements (a multiple
-of N, zero padding at the end); rank r holds [lo, hi) = [r*padded/N, (r+1)*padded/N). Inside a buffer the
-parameters are ordered decayed (2-D) first and then by tp kind, so a rank's slice meets each class in at most one
-contiguous piece: AdamW steps a few views of the slice, and Adam's m, v are flat (padded/N,) buffers per Flat.
-
-ZeRO-1 (P_os): DDP's buckets, but parameters are views of flat buffers. A bucket whose gradients are all in is
-  reduce-scattered (async, overlapping backward; each rank receives the sum of its 1/N), each rank updates its
-  slice, and the flat parameter buffers are all-gathered after the step. no_sync skips the reduction as in DDP.
-  Both collectives run in place (f.grad's / f.param's own [lo, hi) is the shard), so ZeRO-1 adds no buffers.
+ZeRO-1 (P_os): a bucket whose gradients are all in is reduce-scattered (async, overlapping backward; each rank
+  receives the sum of its 1/N), each rank updates its slice, and the flat parameter buffers are all-gathered after
+  the step. no_sync skips the reduction as in DDP. Both collectives run in place (f.grad's / f.param's own [lo, hi)
+  is the shard), so ZeRO-1 adds no buffers.
 ZeRO-2 (P_os+g): a bucket's full gradient exists only until its reduce-scatter ends (at most `max_inflight` = 2
-  bucket copies at once: the older is drained before a third starts); the rank keeps its shard. The send buffer of
-  a bucket is made when its first gradient comes: the Linear weights' gradient casts write into it (gradient
-  destinations, dp._Engine._set_grad_dests; none with parallel.grad_dests=off); the other parameters' gradients
-  are copied in at launch, and a bucket of one unpadded parameter (the tied wte) sends that gradient itself. The
-  backward's last reductions are not waited for at its end: under gradient accumulation they run beside the next
-  micro-step's forward (the tied wte/lm_head bucket, complete only after the embedding backward, is the largest).
-  ZeRO-2/3 reduce on every micro-step and accumulate shards (no_sync is a no-op for them: skipping the reduction
-  would mean holding the full gradient, which is what they exist to avoid).
-ZeRO-3 (P_os+g+p): zero3.py (Zero3), on these flat buffers and this engine: parameters too are sharded, and each
-  unit of blocks is all-gathered around its forward and its backward.
+  bucket copies at once); the rank keeps its shard. The Linear weights' gradient casts write into the bucket's send
+  buffer (gradient destinations, Engine._set_grad_dests; parallel.grad_dests=off: none), the other gradients are
+  copied in at launch. The backward's last reductions are left in flight: under gradient accumulation they run
+  beside the next micro-step's forward. ZeRO-2 reduces on every micro-step and accumulates shards (no_sync is a
+  no-op: skipping the reduction would mean holding the full gradient, which ZeRO-2 exists to avoid).
 
 Checkpoint form of anything sharded (ZeRO optimizer states; ZeRO-3 parameters):
     {"format": "flat_shard", "rank": r, "world": N, "step": int, "flats": [{"params": [[name, shape, offset], ...],
      "numel", "padded", "lo", "hi", <key>: (hi-lo,) tensor}]}     key: "param" or "exp_avg" / "exp_avg_sq"
-`unshard_model` / `unshard_optimizer` turn all ranks' shards into dp.py's full forms (to reshard).
-
-Tested by tests/test_dp.py (against the single-process run, resume, memory formulas); benchmarked against torch
-DDP by bench/bench_dp.py.
+`unshard_model` / `unshard_optimizer` turn all ranks' shards into engine.py's full forms (to reshard).
+Tested by tests/test_dp.py (against the single-process run, resume, memory); benchmarked by bench/bench_dp.py.
 """
 from __future__ import annotations
 
@@ -42,58 +31,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from nanopara.config import Config
-from nanopara.dp import _BucketHooks, _buckets, _check_fp32, _Engine, _views, compute_dtype, param_kind
+from nanopara.engine import BucketHooks, Engine, Flat, check_fp32, split_buckets, views
 from nanopara.mesh import Mesh
 
 # ----------------------------------------------------------------------------------------------------------------
-# flat buffers
-
-class Flat:
-    """Parameters laid end to end in one flat fp32 buffer, zero-padded to a multiple of N; rank r holds [lo, hi).
-
-    Within the buffer, parameters are ordered decayed first, then by tp kind, so each (decay, kind) class is one
-    contiguous range and a rank's slice meets every class in at most one piece (few optimizer tensors, one
-    norm term per class).
-    """
-
-    def __init__(self, name: str, params: list, names: list, n: int, r: int):
-        order = sorted(range(len(params)), key=lambda i: (params[i].dim() < 2, param_kind(params[i])))  # stable
-        self.name, self.params, self.names = name, [params[i] for i in order], [names[i] for i in order]
-        self.shapes = [tuple(p.shape) for p in self.params]
-        self.sizes = [p.numel() for p in self.params]
-        self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
-        self.numel = sum(self.sizes)
-        self.padded = -(-self.numel // n) * n
-        self.shard = self.padded // n
-        self.lo, self.hi = r * self.shard, (r + 1) * self.shard
-        self.classes = []  # [start, end, decay, kind]
-        for p, off, size in zip(self.params, self.offsets, self.sizes):
-            key = [p.dim() >= 2, param_kind(p)]
-            if self.classes and self.classes[-1][2:] == key:
-                self.classes[-1][1] = off + size
-            else:
-                self.classes.append([off, off + size, *key])
-
-    def owned(self):
-        """(start, end, decay, kind) of the pieces of [lo, hi) in each class, relative to lo."""
-        for a, b, decay, kind in self.classes:
-            x, y = max(a, self.lo), min(b, self.hi)
-            if x < y:
-                yield x - self.lo, y - self.lo, decay, kind
-
-    def meta(self) -> dict:
-        return {"params": [[n, list(s), o] for n, s, o in zip(self.names, self.shapes, self.offsets)],
-                "numel": self.numel, "padded": self.padded, "lo": self.lo, "hi": self.hi}
-
-    def slice_of(self, full: dict, device) -> torch.Tensor:
-        """This rank's [lo, hi) of the flat buffer built from {name: full tensor} (padding and missing names: 0)."""
-        out = torch.zeros(self.shard, device=device)
-        for name, off, size in zip(self.names, self.offsets, self.sizes):
-            a, b = max(off, self.lo), min(off + size, self.hi)
-            if a < b and name in full:
-                out[a - self.lo:b - self.lo] = full[name].reshape(-1)[a - off:b - off].to(device, torch.float32)
-        return out
-
+# checkpoints: every rank's shards -> full tensors
 
 def unshard(shards: list[dict], key: str) -> dict:
     """Every rank's "flat_shard" dict (one layout) -> {param name: full tensor} of `key` ("param", "exp_avg", ..)."""
@@ -122,51 +64,52 @@ def unshard_optimizer(shards: list[dict]) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# ZeRO-1/2/3
+# ZeRO-1/2
 
-class Zero(_BucketHooks, _Engine):
+class Zero(BucketHooks, Engine):
     """ZeRO stage 1 or 2 over the dp x cp group (see the module docstring); stage 3 is zero3.Zero3."""
 
     sharded_grads = True
+    # ZeRO-2 holds a full-size fp32 copy per reduction in flight: at most this many buckets, so the gradients
+    # alive at once stay O(bucket), never O(model)
+    max_inflight = 2
 
     def __init__(self, model: nn.Module, mesh: Mesh, cfg: Config, stage: int):
         super().__init__(model, mesh, cfg)
-        _check_fp32(self.params)
+        check_fp32(self.params)
         self.stage, self.label = stage, f"ZeRO-{stage}"
         self._src = dist.get_global_rank(self.group, 0)
         self._works = []  # (flat, work, reduced shard, sent): reduce-scatters in flight
-        # ZeRO-2/3 hold a full-size fp32 copy per reduction in flight: at most this many (2 buckets; ZeRO-3's 2
-        # units of 2 flats), so the gradients alive at once stay O(bucket/unit), never O(model)
-        self.max_inflight = 2 if stage < 3 else 4
-        if stage < 3:
-            groups = _buckets(self.params[::-1], int(cfg.parallel.bucket_mb * 2 ** 20) // 4)
-            self.flats = [Flat(f"bucket{i}", b, [self.names[id(p)] for p in b], self.n, self.r)
-                          for i, b in enumerate(groups)]
-            for f in self.flats:
-                f.param = self._flatten(f)
-                for p, view in zip(f.params, _views(f.param, f.sizes)):
-                    p.data = view.view(p.shape)  # the module's parameter now lives in the flat buffer
-                if stage == 1:
-                    f.grad = torch.zeros(f.padded, device=self.device)
-                    for p, view in zip(f.params, _views(f.grad, f.sizes)):
-                        p.grad = view.view(p.shape)
-                else:
-                    f.grad_shard = torch.zeros(f.shard, device=self.device)
-            self._install_hooks([f.params for f in self.flats])
-            if stage == 2:  # each bucket's send buffer, made when its first gradient comes (_grad_dest)
-                self._send = [None] * len(self.flats)
-                self._at = {id(p): (i, off) for i, f in enumerate(self.flats) for p, off in zip(f.params, f.offsets)}
-                if cfg.parallel.grad_dests != "off":
-                    self._set_grad_dests(self.params)
-        elif hasattr(self, "_make_units"):  # zero3.Zero3: parameter units instead of buckets
-            self._make_units(model, compute_dtype(cfg, self.device))
-        else:
-            raise ValueError("ZeRO-3 is zero3.Zero3 (dp.build_engine picks it for parallel.zero=3)")
+        self._make_flats()
         self._make_optimizer()
+
+    def _make_flats(self):
+        """One Flat per gradient bucket; the module's parameters become views of the flat parameter buffers."""
+        if self.stage not in (1, 2):
+            raise ValueError("ZeRO-3 is zero3.Zero3 (parallel.build_engine picks it for parallel.zero=3)")
+        groups = split_buckets(self.params[::-1], int(self.cfg.parallel.bucket_mb * 2 ** 20) // 4)
+        self.flats = [Flat(f"bucket{i}", b, [self.names[id(p)] for p in b], self.n, self.r)
+                      for i, b in enumerate(groups)]
+        for f in self.flats:
+            f.param = self._flatten(f)
+            for p, view in zip(f.params, views(f.param, f.sizes)):
+                p.data = view.view(p.shape)  # the module's parameter now lives in the flat buffer
+            if self.stage == 1:
+                f.grad = torch.zeros(f.padded, device=self.device)
+                for p, view in zip(f.params, views(f.grad, f.sizes)):
+                    p.grad = view.view(p.shape)
+            else:
+                f.grad_shard = torch.zeros(f.shard, device=self.device)
+        self._install_hooks([f.params for f in self.flats])
+        if self.stage == 2:  # each bucket's send buffer, made when its first gradient comes (_grad_dest)
+            self._send = [None] * len(self.flats)
+            self._at = {id(p): (i, off) for i, f in enumerate(self.flats) for p, off in zip(f.params, f.offsets)}
+            if self.cfg.parallel.grad_dests != "off":
+                self._set_grad_dests(self.params)
 
     def _flatten(self, f: Flat) -> torch.Tensor:
         buf = torch.zeros(f.padded, device=self.device)
-        for p, view in zip(f.params, _views(buf, f.sizes)):
+        for p, view in zip(f.params, views(buf, f.sizes)):
             view.copy_(p.detach().reshape(-1))
         dist.broadcast(buf, src=self._src, group=self.group)  # replicas start identical
         return buf
@@ -176,7 +119,7 @@ class Zero(_BucketHooks, _Engine):
         t, fused = self.cfg.train, self.device.type == "cuda"
         by_decay = {True: [], False: []}
         for f in self.flats:
-            p_shard = f.master if self.stage == 3 else f.param[f.lo:f.hi]
+            p_shard = self._param_shard(f)
             g_shard = f.grad[f.lo:f.hi] if self.stage == 1 else f.grad_shard
             f.exp_avg, f.exp_avg_sq = torch.zeros(f.shard, device=self.device), torch.zeros(f.shard, device=self.device)
             f.pieces = []
@@ -197,7 +140,11 @@ class Zero(_BucketHooks, _Engine):
                 self.optimizer.state[piece] = {"step": step, "exp_avg": f.exp_avg[x:y],
                                                "exp_avg_sq": f.exp_avg_sq[x:y]}
 
-    # ---- gradients of ZeRO-1/2: one reduce-scatter per bucket
+    def _param_shard(self, f: Flat) -> torch.Tensor:
+        """The fp32 parameters this rank updates: its slice of the flat buffer (ZeRO-3: its master shard)."""
+        return f.param[f.lo:f.hi]
+
+    # ---- gradients: one reduce-scatter per bucket
     def _counts_now(self) -> bool:
         return self._sync or self.stage == 2
 
@@ -254,8 +201,6 @@ class Zero(_BucketHooks, _Engine):
             # overlap the next micro-step's forward (its first launch, or the step, drains them)
             self._launch_ready(force=True)
             self._reset_buckets()
-        elif self.stage == 3:
-            self._drain()
 
     def _drain(self, keep: int = 0):
         """Wait for all but the newest `keep` reduce-scatters in flight; ZeRO-2/3 accumulate each into its
@@ -271,8 +216,7 @@ class Zero(_BucketHooks, _Engine):
 
     def _wait_inflight(self):
         self._drain()
-        if self.stage < 3:
-            self._reset_buckets()
+        self._reset_buckets()
         if self.stage == 2:  # a backward that did not finish may have left send buffers and destinations given
             self._send, self._given = [None] * len(self.flats), set()
 

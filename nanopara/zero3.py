@@ -1,28 +1,26 @@
 """ZeRO-3 (P_os+g+p, Rajbhandari et al. 2020): parameters sharded too, gathered unit by unit around their use.
 
-Zero3 is zero.py's engine (flat buffers, sharded AdamW, reduce-scattered gradient shards) with units instead of
-buckets: the root (every parameter outside the blocks: wte = lm_head, wpe, ln_f) and each run of K =
-parallel.zero3_unit_blocks consecutive transformer blocks (the last run may be shorter; K > n_layer: one unit of all
-blocks; 0, the default: K from UNIT_MIN_PARAMS below). A rank keeps 1/N of each unit in fp32. A unit's weights are
-all-gathered by a forward pre-hook on its first block (the next PREFETCH units' gathers started), freed by the
-forward hook of its last block, gathered again by a hook on the gradient of whichever output of its last block gets
-one first (the previous PREFETCH units prefetched), freed once their gradient is reduce-scattered
-(comm.zero_gathered, whose backward starts the reduce-scatter asynchronously; at most 2 units' fp32 gradients are in
-flight, older ones are drained inside backward). The root stays gathered from forward through backward: the tied wte
-is used at both ends, so there is nothing to free in between. Gather dtypes: a unit's matrices in the compute dtype
-(bf16 under autocast: exactly the values autocast would cast fp32 weights to, so the numerics are DDP's, at half the
-bytes), its vectors (LayerNorm, biases) and the root in fp32 (layer_norm and the embeddings, hence the residual
-stream, stay fp32).
+Zero3 is zero.py's engine (flat buffers, sharded AdamW, reduce-scattered gradient shards, checkpoints) with units
+instead of buckets: the root (every parameter outside the blocks: wte = lm_head, wpe, ln_f) and each run of K =
+parallel.zero3_unit_blocks consecutive transformer blocks (the last run may be shorter; K > n_layer: one unit of
+all blocks; 0, the default: K from UNIT_MIN_PARAMS). A rank keeps 1/N of each unit in fp32.
+Protocol per unit: all-gathered by a forward pre-hook on its first block (the next PREFETCH units' gathers
+started), freed by the forward hook of its last block; gathered again by a hook on the gradient of whichever
+output of its last block gets one first (the previous PREFETCH units prefetched); freed once its gradient is
+reduce-scattered (comm.zero_gathered, whose backward starts the reduce-scatter asynchronously; at most 2 units'
+fp32 gradients in flight, older ones drained inside backward). The root stays gathered from forward through
+backward: the tied wte is used at both ends. Gather dtypes: a unit's matrices in the compute dtype (bf16 under
+autocast: exactly the values autocast would cast fp32 weights to, so the numerics are DDP's, at half the bytes),
+its vectors (LayerNorm, biases) and the root in fp32 (the residual stream stays fp32).
 
-K trades memory for host time: the hooks, gathers, zero_gathered nodes and reduce-scatters of a step scale with the
-number of units, and at small micro-batches their Python work per unit takes about as long as a block's GPU work
-(the forward is host-bound); but 1 + PREFETCH units of K blocks each are gathered at once, and a backward unit's
-bf16 gradient and fp32 copy are K blocks too. Checkpoints hold one flat per unit and dtype, so a "flat_shard"
-resumes only with the same K (and N); another K is a clear error: reshard through unshard_*.
+K trades memory for host time: the hooks, gathers and reduce-scatters of a step scale with the number of units
+(at small micro-batches a unit's Python work takes about as long as a block's GPU work), while 1 + PREFETCH units
+of K blocks are gathered at once. Checkpoints hold one flat per unit and dtype, so a "flat_shard" resumes only
+with the same K (and N); another K is a clear error: reshard through zero.unshard_*.
 
-Checkpoints: model_state_dict() is this rank's fp32 master shards in zero.py's "flat_shard" form;
-full_model_state_dict() gathers every parameter (collective). Tested by tests/test_dp.py (with the other engines)
-and tests/test_comm.py (comm.zero_gathered, the autograd node a unit's views come from).
+model_state_dict() is this rank's fp32 master shards in zero.py's "flat_shard" form; full_model_state_dict()
+gathers every parameter (collective). Tested by tests/test_dp.py (with the other engines) and tests/test_comm.py
+(comm.zero_gathered, the autograd node a unit's views come from).
 """
 from __future__ import annotations
 
@@ -33,20 +31,17 @@ import torch.nn as nn
 
 from nanopara.comm import all_gather_flat, flat_views, zero_gathered
 from nanopara.config import Config
-from nanopara.dp import _weak
+from nanopara.engine import Flat, compute_dtype, weak_method
 from nanopara.mesh import Mesh
-from nanopara.zero import Flat, Zero
+from nanopara.zero import Zero
 
 # ZeRO-3 gathers this many units ahead of the one running (forward: the next units; backward: the previous ones).
-# Each costs one more unit (K blocks) of bf16 weights. Measured on 4 x H200 (results/dp4_zero3_host.txt): 2 is no
-# faster than 1 (0.94x vs 0.93-0.97x DDP in one call); the compute stream's idle gaps at block starts come from the
-# host (which parallel.zero3_unit_blocks = K > 1 addresses: one unit's hook work per K blocks).
+# Each costs one more unit (K blocks) of bf16 weights; 2 measured no faster than 1 (4 x H200, GPT-2 124M).
 PREFETCH = 1
 # parallel.zero3_unit_blocks=0 (auto) puts this many parameters or more in a unit: GPT-2 124M's blocks (7.1M each)
-# in units of 3, gpt2_350m / 774m's in 2, gpt2_1558m and larger one block a unit. A unit's host work (hooks,
-# gathers, reduce-scatters) is about constant while its GPU work grows with its parameters; with one 124M block a
-# unit the forward at B=16 is host-bound: ZeRO-3 0.85-0.93x our DDP against 0.95-1.01x with units of 3 blocks (2
-# and 4 x H200, results/dp_history.md), for 2 x 3 blocks of bf16 weights gathered (85 MB) instead of 2 x 1.
+# in units of 3, gpt2_350m / 774m's in 2, gpt2_1558m and larger one block a unit. A unit's host work is about
+# constant while its GPU work grows with its parameters: one 124M block a unit leaves the forward host-bound at
+# B=16 (0.85-0.93x our DDP against 0.95-1.01x with units of 3 blocks, 2 and 4 x H200).
 UNIT_MIN_PARAMS = 20_000_000
 
 
@@ -59,8 +54,22 @@ def auto_unit_blocks(blocks: list[nn.Module]) -> int:
 class Zero3(Zero):
     """ZeRO-3 over the dp x cp group: units of blocks gathered by hooks around their forward and backward."""
 
+    max_inflight = 4  # reduce-scatters in flight: 2 units of 2 flats (matrices, vectors)
+
     def __init__(self, model: nn.Module, mesh: Mesh, cfg: Config):
-        super().__init__(model, mesh, cfg, stage=3)  # builds the units (_make_units) and the sharded optimizer
+        super().__init__(model, mesh, cfg, stage=3)  # builds the units (_make_flats) and the sharded optimizer
+
+    def _make_flats(self):
+        self._make_units(self.model, compute_dtype(self.cfg, self.device))
+
+    def _param_shard(self, f: Flat) -> torch.Tensor:
+        return f.master
+
+    def _after_backward(self):
+        self._drain()
+
+    def _wait_inflight(self):
+        self._drain()
 
     def _after_step(self):
         pass  # the master shards were updated in place; the next forward gathers them
@@ -116,8 +125,10 @@ class Zero3(Zero):
             self.flats += unit
             self.units.append(unit)
         self.params = []
-        pre, post = _weak(self, "_pre_forward"), _weak(self, "_post_forward")  # hooks must not keep the engine alive
-        self._pre_backward_weak, self._on_unit_grad_weak = _weak(self, "_pre_backward"), _weak(self, "_on_unit_grad")
+        # hooks must not keep the engine alive
+        pre, post = weak_method(self, "_pre_forward"), weak_method(self, "_post_forward")
+        self._pre_backward_weak = weak_method(self, "_pre_backward")
+        self._on_unit_grad_weak = weak_method(self, "_on_unit_grad")
         for i, (first, last) in enumerate([(model, model)] + [(c[0], c[-1]) for c in chunks]):  # unit i's ends
             self._handles += [first.register_forward_pre_hook(lambda m, args, i=i: pre(i)),
                               last.register_forward_hook(lambda m, args, out, i=i: post(i, out))]

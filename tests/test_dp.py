@@ -36,9 +36,11 @@ import torch
 import torch.distributed as dist
 
 from nanopara.config import Config, ModelConfig
-from nanopara.dp import DDP, SingleDevice, build_engine, param_kind
+from nanopara.dp import DDP, SingleDevice
+from nanopara.engine import param_kind
 from nanopara.mesh import Mesh
 from nanopara.model import GPT, Linear
+from nanopara.parallel import build_engine
 from nanopara.zero import Zero, unshard_model, unshard_optimizer
 from nanopara.zero3 import PREFETCH
 from tests.distributed import spawn as spawn_gloo
@@ -143,7 +145,7 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 def _check_memory(engine, mode: str, psi: int, n: int):
-    """ZeRO paper's bytes per rank for fp32 params/grads and fp32 Adam m, v (dp.py's docstring table)."""
+    """ZeRO paper's bytes per rank for fp32 params/grads and fp32 Adam m, v (the table of Engine.memory_bytes)."""
     mem = engine.memory_bytes()
     if mode == "ddp":
         assert mem == {"params": 4 * psi, "grads": 4 * psi, "optim": 8 * psi}, mem

@@ -4,25 +4,32 @@ import torch
 
 import train
 from nanopara.config import PRESETS, ConfigError
-from nanopara.dp import build_engine
-from nanopara.graph import GraphedMicroStep, check_graphable
+from nanopara.graph import GraphedMicroStep
 from nanopara.mesh import Mesh
 from nanopara.model import GPT
+from nanopara.parallel import build_engine, check_layout
 
 
 def test_unsupported_runs_fail_before_any_work(tmp_path):
     cfg = PRESETS["tiny"]()
+    cfg.train.cuda_graph = True
+    assert check_layout(cfg, 1, "cuda") == 1
     with pytest.raises(ConfigError, match="needs a CUDA device"):
-        check_graphable(cfg, torch.device("cpu"), 1)
-    cuda = torch.device("cuda")
+        check_layout(cfg, 1, "cpu")
     with pytest.raises(ConfigError, match="one GPU only"):
-        check_graphable(cfg, cuda, 2)
-    cfg.train.dtype = "fp16"
+        check_layout(cfg, 2, "cuda")
+    cfg.parallel.tp = 2
+    with pytest.raises(ConfigError, match="one GPU only"):
+        check_layout(cfg, 2, "cuda")
+    cfg.parallel.tp = 1
+    cfg.train.dtype = "fp16"  # the limits that need no world size: Config.check
     with pytest.raises(ConfigError, match="fp16"):
-        check_graphable(cfg, cuda, 1)
+        cfg.check()
     cfg.train.dtype, cfg.train.compile = "bf16", True
     with pytest.raises(ConfigError, match="use one"):
-        check_graphable(cfg, cuda, 1)
+        cfg.check()
+    cfg.train.cuda_graph = False
+    assert check_layout(cfg, 2, "cpu") == 1  # the same layout without a graph runs anywhere
     with pytest.raises(ConfigError, match="needs a CUDA device"):  # from the CLI: before data or model work
         train.main(["--preset=tiny", "--device=cpu", f"--out_dir={tmp_path}", "--data.dataset=/nonexistent/*.bin",
                     "--train.cuda_graph=true"])

@@ -1,6 +1,6 @@
 """Optimizer pieces: decay groups, LR schedule, clipping, fp16 loss scaling and skipped steps.
 
-The engine's step has two paths (dp._Engine.step): CPU reads the norm first; GPU (`async_step`) hands the clip
+The engine's step has two paths (engine.Engine.step): CPU reads the norm first; GPU (`async_step`) hands the clip
 divisor and the skip flag to the fused AdamW kernel as tensors and reads the norm last. The clipping, skipping and
 grad-scale tests run both, the GPU path here on CPU with torch's fused CPU AdamW (same grad_scale / found_inf).
 """
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nanopara.config import Config, ModelConfig, TrainConfig
-from nanopara.dp import build_engine
+from nanopara.parallel import build_engine
 from nanopara.mesh import Mesh
 from nanopara.model import GPT
 from nanopara.optim import LossScaler, lr_at, param_groups

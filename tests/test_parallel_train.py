@@ -16,7 +16,10 @@ import torch
 
 import train
 from nanopara import checkpoint
+from nanopara.config import ConfigError, parse_args
 from nanopara.data import write_shard
+from nanopara.mesh import MeshError
+from nanopara.parallel import check_layout
 from tests.distributed import spawn
 
 STEPS = 20
@@ -135,3 +138,20 @@ def test_dp2_tp2_sp_zero1_matches_single_process(shards, reference, tmp_path):
 def test_bad_layout_is_one_clear_error(shards, tmp_path):
     with pytest.raises(Exception, match=r"dp\*pp\*cp\*tp = 3\*1\*1\*1 = 3 does not match the world size 2"):
         spawn(_worker, 2, argv(shards, tmp_path / "run", 2, "--parallel.dp=3"), str(tmp_path / "x.json"))
+
+
+def test_check_layout_needs_only_the_world_size():
+    """parallel.check_layout, run before any process group: degrees against the world size (dp = -1 inferred) and
+    the global batch against dp, giving the micro-steps per optimizer step."""
+    cfg = parse_args(["--preset=tiny", "--parallel.tp=2", "--train.micro_batch=4", "--train.seq_len=64",
+                      "--train.tokens_per_step=2048"])
+    assert check_layout(cfg, 2, "cpu") == 8  # dp 1: 2048 / (4 * 64 * 1)
+    assert check_layout(cfg, 8, "cpu") == 2  # dp 4
+    with pytest.raises(MeshError, match=r"world size 3 is not divisible by pp\*cp\*tp = 1\*1\*2 = 2"):
+        check_layout(cfg, 3, "cpu")
+    with pytest.raises(ConfigError, match=r"tokens_per_step=2048 is not a multiple of micro_batch\*seq_len\*dp = "
+                                          r"4\*64\*16 = 4096"):
+        check_layout(cfg, 32, "cpu")  # dp 16
+    cfg.parallel.dp = 3
+    with pytest.raises(MeshError, match=r"dp\*pp\*cp\*tp = 3\*1\*1\*2 = 6 does not match the world size 8"):
+        check_layout(cfg, 8, "cpu")

@@ -32,9 +32,11 @@ import torch.nn.functional as F
 
 from nanopara import tp as tpmod
 from nanopara.comm import all_gather_seq, reduce_scatter_seq
-from nanopara.config import ConfigError, ModelConfig
+from nanopara.config import Config, ModelConfig
+from nanopara.dp import DDP
 from nanopara.mesh import Mesh
 from nanopara.model import GPT
+from nanopara.parallel import parallelize
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -334,6 +336,25 @@ def _worker_4():
     tpmod.load_full_state_dict(other, mesh, full)
     for (name, p), q in zip(model.named_parameters(), other.parameters()):
         assert torch.equal(p, q), name
+    _parallelize(mesh)
+
+
+def _parallelize(mesh):
+    """parallel.parallelize on dp 2 x tp 2 + SP: the engine wraps the tp-sharded model (TP before DP: its buffers
+    hold shards), and engine.tp_shards is the checkpoint metadata of those shards."""
+    cfg = Config(device="cpu", seed=0)
+    cfg.model = _cfg()
+    cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.sp = 2, 2, True
+    torch.manual_seed(0)
+    full = sum(p.numel() for p in GPT(cfg.model).parameters())
+    torch.manual_seed(0)
+    engine = parallelize(GPT(cfg.model), mesh, cfg)
+    assert isinstance(engine, DDP) and engine.n == 2
+    assert isinstance(engine.model.transformer.h[0].mlp.c_fc, tpmod.ColumnParallelLinear)
+    assert engine.tp_shards == tpmod.shard_metadata(engine.model, mesh) and "lm_head.weight" in engine.tp_shards
+    assert sum(b.numel() for b in engine.bufs) == sum(p.numel() for p in engine.params) < full
+    assert all(getattr(p, "sp_partial", False) != hasattr(p, "tp_dim") for p in engine.params)
+    engine.close()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -370,10 +391,8 @@ def _fake_mesh(tp: int) -> Mesh:
 
 
 def test_clear_errors():
-    with pytest.raises(ConfigError, match="n_head=4 is not divisible by parallel.tp=3"):
+    with pytest.raises(ValueError, match=r"n_head=4 and the MLP width 4\*n_embd=128 must be divisible by tp=3"):
         tpmod.apply_tp(GPT(_cfg()), _fake_mesh(3))
-    with pytest.raises(ConfigError, match="sp=true needs parallel.tp > 1"):
-        tpmod.apply_tp(GPT(_cfg()), _fake_mesh(1), sp=True)
     model = tpmod.apply_tp(GPT(_cfg()), _fake_mesh(2), sp=True)
     with pytest.raises(ValueError, match="sequence length 5 to be divisible by parallel.tp=2"):
         model(torch.zeros(1, 5, dtype=torch.long))

@@ -1,0 +1,418 @@
+"""What every data-parallel engine shares: the Engine base (the step), flat buffers, gradient buckets, clipping.
+
+An engine owns a model's optimizer and gradient synchronisation; train.py talks only to it:
+
+    engine = parallelize(model, mesh, cfg)        # parallel.py: SingleDevice, DDP (dp.py), ZeRO (zero.py, zero3.py)
+    for micro in range(accum):
+        with engine.no_sync(micro < accum - 1):   # no gradient communication on non-final micro-steps
+            _, loss = engine.model(x, y)
+            engine.backward(loss * scale / accum)
+    grad_norm = engine.step(lr, grad_scale=scale) # clip + update + zero grads; inf/nan norm => step skipped
+
+N = dp*cp ranks hold replicas; gradients of replicated parameters reduce over mesh.groups["dp_cp"]. Averaging is
+done in exactly one place: `backward` scales the loss by 1/N, and every reduction is a SUM.
+Precision: parameters are fp32 master weights, compute runs under autocast (bf16 on GPU, fp32 on CPU), gradients
+and AdamW's m, v are fp32. Bytes per rank: `Engine.memory_bytes` (ZeRO paper Fig. 1).
+Clipping uses the global norm: squares of the grads this rank holds, summed over dp x cp when they are shards
+(ZeRO), the part of parameters sharded over tp (`p.tp_dim`) summed over tp, tp-replicated ones counted once.
+Grads of `p.sp_partial` parameters are partial sums over tp (tp.py): every engine sums them first.
+Checkpoints: model_state_dict()/state_dict() return this rank's part. Replicated parameters: {name: tensor};
+an unsharded optimizer: {"format": "full", "step", "state": {name: {"exp_avg", "exp_avg_sq"}}}; ZeRO's sharded
+"flat_shard" form: zero.py. Every engine loads the full forms (resharding) and its own layout (bit-exact resume).
+Hooks hold the engine weakly (`weak_method`), so `del engine` frees everything; `close()` also removes them.
+
+Used by dp.py, zero.py and zero3.py; tested through them by tests/test_dp.py.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from nanopara.config import Config
+from nanopara.mesh import Mesh
+from nanopara.optim import clip_coef
+
+REPLICATED, TP_SHARDED, SP_PARTIAL = 0, 1, 2
+
+
+def param_kind(p: torch.Tensor) -> int:
+    """How a parameter relates to tp (tp.py's contract): sharded (tp_dim), partial grads (sp_partial), replicated."""
+    if hasattr(p, "tp_dim"):
+        return TP_SHARDED
+    return SP_PARTIAL if getattr(p, "sp_partial", False) else REPLICATED
+
+
+def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
+    """The autocast dtype: bf16 on GPU and fp32 on CPU for train.dtype=auto."""
+    d = cfg.train.dtype if cfg.train.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[d]
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one flat buffer count once)."""
+    sizes = {}
+    for t in tensors:
+        if t is not None:
+            s = t.untyped_storage()
+            sizes[s.data_ptr()] = s.nbytes()
+    return sum(sizes.values())
+
+
+def sum_sq(grads, device) -> torch.Tensor:
+    """Sum of squares of a list of tensors, fp32, 0-dim on `device`."""
+    if not grads:
+        return torch.zeros((), device=device)
+    return torch.stack(torch._foreach_norm([g.float() for g in grads])).pow(2).sum()
+
+
+def sum_over(tensors, group) -> None:
+    """In-place SUM over `group` of a list of fp32 tensors in one collective."""
+    if group is None or not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])  # (Σ numel,): a few small tensors per layer
+    dist.all_reduce(flat, group=group)
+    for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(part.view_as(t))
+
+
+def views(buf: torch.Tensor, sizes) -> list[torch.Tensor]:
+    """Consecutive 1-D slices of buf. Not buf.split(): these views are updated in place (gradient accumulation,
+    the optimizer), which autograd forbids on the outputs of a multi-output view op."""
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [buf[o:o + s] for o, s in zip(offsets, sizes)]
+
+
+def weak_method(obj, name: str):
+    """A callable that calls obj.<name> (looked up at call time, so a patched method is honoured) without keeping
+    `obj` alive (a no-op once it is gone).
+
+    Hooks on parameters and autograd nodes are held by C++ structures that Python's gc cannot traverse: a hook
+    holding the engine strongly (a bound method, a lambda over self) would make engine -> params -> hook -> engine
+    an uncollectable cycle, and the engine, its model and every buffer they own would outlive `del engine`.
+    """
+    ref = weakref.ref(obj)
+
+    def call(*args, **kwargs):
+        o = ref()
+        return None if o is None else getattr(o, name)(*args, **kwargs)
+    return call
+
+
+def check_fp32(params) -> None:
+    bad = [tuple(p.shape) for p in params if p.dtype != torch.float32]
+    if bad:
+        raise ValueError(f"data-parallel engines keep fp32 master weights; got {len(bad)} non-fp32 parameters "
+                         f"(e.g. shape {bad[0]}): build the model in fp32 and train under autocast")
+
+
+def named_optim_state(opt: torch.optim.Optimizer, names: dict) -> dict:
+    """An unsharded optimizer's state in the "full" format, keyed by parameter name (names: id(p) -> name)."""
+    state, step = {}, 0
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state.get(p)
+            if st:
+                state[names[id(p)]] = {k: v for k, v in st.items() if k != "step"}
+                step = int(st["step"])
+    return {"format": "full", "step": step, "state": state}
+
+
+def load_named_optim_state(opt: torch.optim.Optimizer, names: dict, sd: dict) -> None:
+    """Inverse of `named_optim_state`."""
+    if sd.get("format") != "full":
+        raise ValueError(f"optimizer state of format {sd.get('format')!r} does not fit this engine: "
+                         f"load zero.unshard_optimizer(<every rank's shard>) instead")
+    state, groups, i = {}, [], 0
+    for group in opt.param_groups:
+        ids = []
+        for p in group["params"]:
+            if names[id(p)] in sd["state"]:
+                state[i] = {"step": torch.tensor(float(sd["step"])), **sd["state"][names[id(p)]]}
+            ids.append(i)
+            i += 1
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+    opt.load_state_dict({"state": state, "param_groups": groups})  # casts/moves m, v to each parameter
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the engine base: loss averaging, no_sync, clip-and-step, accounting, checkpoints of replicated engines
+
+class Engine:
+    sharded_grads = False  # True: the grads this rank holds are 1/N shards (their squares sum over dp x cp)
+    label = "engine"       # for messages
+    keep_grad_buffers = False  # SingleDevice: zero .grad in place after a step instead of freeing (CUDA graphs)
+
+    def __init__(self, model: nn.Module, mesh: Mesh, cfg: Config):
+        self.model, self.mesh, self.cfg, self.device = model, mesh, cfg, mesh.device
+        self.group = mesh.groups.get("dp_cp")
+        self.n = mesh.dp * mesh.cp
+        self.r = mesh.ranks["dp_cp"].index(mesh.rank) if "dp_cp" in mesh.ranks else 0
+        self.tp_group = mesh.groups.get("tp") if mesh.tp > 1 else None
+        self.tp_shards = {}  # name -> this rank's global slices of tp-sharded tensors (parallelize sets it)
+        self.async_step = self.device.type == "cuda"  # step(): needs the fused AdamW that engines build on GPU
+        self._sync = True
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]  # tied weight once
+        self.names = {id(p): name for name, p in named}
+        self.params = [p for _, p in named]
+        self.optimizer = None
+        self._handles = []  # hook handles, removed by close()
+        self._dest_params, self._given = [], set()  # parameters with a gradient destination; ids given one this round
+        self.copied = 0  # gradient elements copied into communication buffers (what the destinations avoid)
+
+    def close(self) -> None:
+        """Wait for the gradient communication in flight (starts none) and remove this engine's hooks from the
+        model (idempotent). Not needed to free memory (hooks hold the engine weakly, so `del engine` frees it);
+        call it before handing the model to another engine, so the old hooks stop running."""
+        self._wait_inflight()
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._set_grad_dests([])
+
+    def _set_grad_dests(self, params) -> None:
+        """Give `params` gradient destinations. Those that model.matmul_weight reads (the Linear weights) ask for
+        one in backward: each weight's fp32 gradient is then written by its bf16 -> fp32 cast straight into
+        `self._grad_dest(p)`, a view of the engine's buffer that autograd keeps as p.grad, instead of into a new
+        tensor the engine would copy there. Not for a parameter the model holds under two names (the tied
+        wte/lm_head): autograd sums its two gradients into a new tensor anyway. `_grad_dest` gives a parameter
+        at most one destination per round (`_given`), so a weight used twice in one forward gets its second
+        gradient in a new tensor, which autograd adds to the first (into a new tensor, which is then copied
+        like any other gradient)."""
+        for p in self._dest_params:  # the previous ones go (close(): all)
+            if hasattr(p, "grad_into"):
+                del p.grad_into
+        uses = {}
+        for _, p in self.model.named_parameters(remove_duplicate=False):
+            uses[id(p)] = uses.get(id(p), 0) + 1
+        dest = weak_method(self, "_grad_dest")
+        self._dest_params = [p for p in params if uses.get(id(p)) == 1]
+        for p in self._dest_params:
+            p.grad_into = dest
+
+    @contextlib.contextmanager
+    def no_sync(self, skip: bool = True):
+        prev, self._sync = self._sync, not skip
+        try:
+            yield
+        finally:
+            self._sync = prev
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self._before_backward()
+        (loss / self.n if self.n > 1 else loss).backward()  # THE place where gradients are averaged over dp x cp
+        self._after_backward()
+
+    def step(self, lr: float, grad_scale: float = 1.0, sync: bool = True):
+        """Clip by the global norm, undo grad_scale, update, zero the grads; returns the norm (of the unscaled
+        grads). A non-finite norm skips the update (and ZeRO's parameter all-gather has nothing new to send).
+        sync=False: on GPU the norm comes back as a 0-dim device tensor, unread, so nothing waits for the GPU
+        (train.py reads it one step later); a float otherwise.
+
+        GPU (`async_step`): nothing waits for the norm before the update is issued. The fused AdamW kernel takes
+        the unscale-and-clip divisor and the skip flag as device tensors (the `grad_scale` / `found_inf` it has
+        for AMP), so the step's one host sync, reading the norm, comes after the update and ZeRO's all-gather are
+        queued, as torch's clip_grad_norm_ + step + norm.item() does; reading the norm first left the GPU idle
+        while the host issued the clip and the update (124M's clip + update: 2.4-2.6 ms of GPU time that way,
+        2.1 ms now; 2 x H100, B=16). CPU: the norm is read first and the for-loop AdamW runs as before."""
+        self._finish_grads()
+        pieces = self._grad_pieces()  # [(grad, kind)]: every gradient (or shard) this rank holds
+        sum_over([g for g, k in pieces if k == SP_PARTIAL], self.tp_group)
+        sq = self._global_sq(pieces)
+        if self.async_step:
+            norm = sq.sqrt() / grad_scale
+            if self.optimizer is not None:
+                self.optimizer.grad_scale = grad_scale / clip_coef(norm, self.cfg.train.grad_clip)  # the kernel
+                self.optimizer.found_inf = (~torch.isfinite(norm)).float()                          # divides
+                self._update(lr)
+            self._after_step()
+            self._zero_grads()  # stream-ordered after the update; the host work is done before the one sync
+            return norm.item() if sync else norm
+        norm = math.sqrt(sq.item()) / grad_scale
+        if math.isfinite(norm):
+            coef = clip_coef(torch.tensor(norm), self.cfg.train.grad_clip).item() / grad_scale
+            if coef != 1.0:
+                torch._foreach_mul_([g for g, _ in pieces], coef)
+            if self.optimizer is not None:
+                self._update(lr)
+            self._after_step()
+        self._zero_grads()
+        return norm
+
+    def _update(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+
+    def _global_sq(self, pieces) -> torch.Tensor:
+        """The squared global norm of the gradients: fp32, 0-dim, on the device (no host sync)."""
+        sq = torch.stack([sum_sq([g for g, k in pieces if k != TP_SHARDED], self.device),  # tp-replicated
+                          sum_sq([g for g, k in pieces if k == TP_SHARDED], self.device)])  # tp-sharded; (2,)
+        if self.sharded_grads and self.group is not None:
+            dist.all_reduce(sq, group=self.group)
+        if self.tp_group is not None:
+            tp_part = sq[1:].clone()
+            dist.all_reduce(tp_part, group=self.tp_group)
+            sq = torch.cat([sq[:1], tp_part])
+        return sq.sum()
+
+    def memory_bytes(self) -> dict:
+        """Bytes of parameters, gradients and optimizer state (m and v; not AdamW's 0-dim step counters) this rank
+        holds, asserted by tests/test_dp.py. For Ψ parameters (the tied wte/lm_head counted once), 4-byte
+        params/grads and K = 8 (fp32 m, v), ZeRO paper Fig. 1; Ψ' = Σ over flat buffers of their size rounded up
+        to a multiple of N (Ψ' - Ψ < N per buffer):
+
+            engine    params   grads    optim    paper (Ψ' = Ψ)
+            DDP       4Ψ       4Ψ       8Ψ       16Ψ
+            ZeRO-1    4Ψ'      4Ψ'      8Ψ'/N    8Ψ + 8Ψ/N
+            ZeRO-2    4Ψ'      4Ψ'/N    8Ψ'/N    4Ψ + 12Ψ/N
+            ZeRO-3    4Ψ'/N    4Ψ'/N    8Ψ'/N    16Ψ/N
+
+        Transients of a step come on top (activations; autocast's bf16 weight copies, none under ZeRO-3; one
+        bucket or unit of gradients in flight per engine: see each engine's docstring)."""
+        params = list(self.model.parameters())
+        return {"params": storage_bytes(params + self._extra_params()),
+                "grads": storage_bytes([p.grad for p in params] + self._extra_grads()),
+                "optim": storage_bytes(self._optim_state())}
+
+    def _optim_state(self):
+        return [t for st in self.optimizer.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
+
+    def model_state_dict(self) -> dict:
+        return {name: p.detach() for name, p in self.model.named_parameters()}  # the tied lm_head.weight once
+
+    def load_model_state_dict(self, sd: dict) -> None:
+        if "format" in sd:
+            raise ValueError(f"a '{sd['format']}' model state does not fit {self.label}: "
+                             f"load zero.unshard_model(<every rank's shard>) instead")
+        missing = [name for name in self.names.values() if name not in sd]
+        unexpected = [k for k in sd if k not in dict(self.model.named_parameters(remove_duplicate=False))]
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(sd[name])
+
+    def full_model_state_dict(self) -> dict:
+        """{name: full tensor} on every rank (collective for ZeRO-3); tp shards stay this tp rank's."""
+        return {name: t.clone() for name, t in self.model_state_dict().items()}
+
+    def state_dict(self) -> dict:
+        return named_optim_state(self.optimizer, self.names)
+
+    def load_state_dict(self, sd: dict) -> None:
+        load_named_optim_state(self.optimizer, self.names, sd)
+
+    # hooks for the subclasses
+    def _before_backward(self): pass
+    def _after_backward(self): pass
+    def _finish_grads(self): pass
+    def _wait_inflight(self): pass
+    def _after_step(self): pass
+    def _extra_params(self): return []
+    def _extra_grads(self): return []
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# gradient buckets (DDP, ZeRO-1/2)
+
+def split_buckets(params, cap_elems: int) -> list[list]:
+    """Consecutive runs of `params` of at most cap_elems elements each (a larger parameter gets its own)."""
+    out, cur, size = [], [], 0
+    for p in params:
+        if cur and size + p.numel() > cap_elems:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(p)
+        size += p.numel()
+    return out + ([cur] if cur else [])
+
+
+class BucketHooks:
+    """Count gradients into buckets (post-accumulate-grad hooks) and launch each full bucket, in index order, so
+    every rank issues the same collectives in the same order. The engine defines `_launch(i) -> work`."""
+
+    def _install_hooks(self, buckets):
+        self._bucket_of = {id(p): i for i, b in enumerate(buckets) for p in b}
+        self._sizes = [len(b) for b in buckets]
+        self._ready, self._next, self._works = [0] * len(buckets), 0, []
+        for b in buckets:
+            for p in b:
+                self._handles.append(p.register_post_accumulate_grad_hook(weak_method(self, "_on_grad")))
+
+    def _counts_now(self) -> bool:
+        return self._sync
+
+    def _on_grad(self, p):
+        if self._counts_now():
+            self._ready[self._bucket_of[id(p)]] += 1
+            self._launch_ready()
+
+    def _launch_ready(self, force: bool = False):
+        # force: after backward, buckets whose parameters got no gradient (unused) still reduce, in order
+        while self._next < len(self._sizes) and (force or self._ready[self._next] == self._sizes[self._next]):
+            self._works.append(self._launch(self._next))
+            self._next += 1
+
+    def _check_single_sync(self):
+        if self._sync and self._next:
+            raise RuntimeError("a second gradient-synchronising backward before step(): run the non-final "
+                               "micro-steps under engine.no_sync()")
+
+    def _reset_buckets(self):
+        self._ready, self._next = [0] * len(self._sizes), 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# flat buffers (ZeRO)
+
+class Flat:
+    """Parameters laid end to end in one flat fp32 buffer, zero-padded to a multiple of N; rank r holds
+    [lo, hi) = [r*padded/N, (r+1)*padded/N).
+
+    Within the buffer, parameters are ordered decayed (2-D) first, then by tp kind, so each (decay, kind) class is
+    one contiguous range and a rank's slice meets every class in at most one piece (few optimizer tensors, one
+    norm term per class).
+    """
+
+    def __init__(self, name: str, params: list, names: list, n: int, r: int):
+        order = sorted(range(len(params)), key=lambda i: (params[i].dim() < 2, param_kind(params[i])))  # stable
+        self.name, self.params, self.names = name, [params[i] for i in order], [names[i] for i in order]
+        self.shapes = [tuple(p.shape) for p in self.params]
+        self.sizes = [p.numel() for p in self.params]
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        self.numel = sum(self.sizes)
+        self.padded = -(-self.numel // n) * n
+        self.shard = self.padded // n
+        self.lo, self.hi = r * self.shard, (r + 1) * self.shard
+        self.classes = []  # [start, end, decay, kind]
+        for p, off, size in zip(self.params, self.offsets, self.sizes):
+            key = [p.dim() >= 2, param_kind(p)]
+            if self.classes and self.classes[-1][2:] == key:
+                self.classes[-1][1] = off + size
+            else:
+                self.classes.append([off, off + size, *key])
+
+    def owned(self):
+        """(start, end, decay, kind) of the pieces of [lo, hi) in each class, relative to lo."""
+        for a, b, decay, kind in self.classes:
+            x, y = max(a, self.lo), min(b, self.hi)
+            if x < y:
+                yield x - self.lo, y - self.lo, decay, kind
+
+    def meta(self) -> dict:
+        return {"params": [[n, list(s), o] for n, s, o in zip(self.names, self.shapes, self.offsets)],
+                "numel": self.numel, "padded": self.padded, "lo": self.lo, "hi": self.hi}
+
+    def slice_of(self, full: dict, device) -> torch.Tensor:
+        """This rank's [lo, hi) of the flat buffer built from {name: full tensor} (padding and missing names: 0)."""
+        out = torch.zeros(self.shard, device=device)
+        for name, off, size in zip(self.names, self.offsets, self.sizes):
+            a, b = max(off, self.lo), min(off + size, self.hi)
+            if a < b and name in full:
+                out[a - self.lo:b - self.lo] = full[name].reshape(-1)[a - off:b - off].to(device, torch.float32)
+        return out
