@@ -9,10 +9,10 @@ forward, kernels/attention_hopper.py's attention_fwd; --op bwd the backward, ker
 attention_block_bwd (dq + dK/dV; the old module's Triton kernels, and on Hopper the current Gluon dK/dV kernel).
 For each shape and layout (the model's packed qkv views, and (B, H, T, D) memory) both modules tune as in training
 (first call), then their GPU time (CUDA-graph replay) is taken in three interleaved rounds and each keeps its best:
-the same D128 forward drifts 6-10% within seconds on an H100 (results/attention_h100_s8.txt), so one timing each
-would compare moments, not kernels. --dq-groups times this checkout's backward with each head-group size of the dq
-kernel's program order (kernels/attention.py DQ_HEAD_GROUP) instead; --dkdv-configs times it at head dim 128 with
-each (query block, ring stages) of the Gluon dK/dV kernel (kernels/attention_hopper.py BWD_CONFIGS).
+the same D128 forward drifts 6-10% within seconds on an H100, so one timing each would compare moments, not
+kernels. --dq-groups times this checkout's backward with each head-group size of the dq kernel's program order
+(kernels/attention.py DQ_HEAD_GROUP) instead; --dkdv-configs times it at head dim 128 with each (query block, ring
+stages) of the Gluon dK/dV kernel (kernels/attention_hopper.py BWD_CONFIGS).
 """
 import argparse
 import importlib.util
@@ -96,8 +96,10 @@ def main():
                 q, k, v = A.split_qkv(torch.randn(B, T, 3 * H * D, device="cuda", dtype=torch.bfloat16), H)
             else:
                 q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-            if args.op == "fwd":
-                calls = {name: (lambda m=m: m.attention_fwd(q, k, v, True)) for name, m in (("old", old), ("new", new))}
+            if args.op == "fwd":  # ours gets the Triton forward as its tuning candidate, as attention.py passes it
+                kw = {"old": {}, "new": {"fallback": A.attention_block_fwd_triton}}
+                calls = {name: (lambda m=m, name=name: m.attention_fwd(q, k, v, True, **kw[name]))
+                         for name, m in (("old", old), ("new", new))}
             else:
                 out, lse = A.attention_block_fwd(q, k, v, True)
                 do = torch.randn_like(out)

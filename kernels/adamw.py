@@ -16,7 +16,7 @@ Per element the kernel reads 16-17 bytes and writes 12; it is purely memory boun
 GB/s against the D2D copy bandwidth. Division and sqrt use round-to-nearest (tl.div_rn / tl.sqrt_rn) like
 PyTorch's kernels, not the approximate fast-math versions, so GPU results also track torch to fp32 rounding.
 
-Callers: nanopara/optim.py (and dp.py's ZeRO shards). `adamw_step_` takes the Triton path on CUDA and
+Callers: nanopara/optim.py (a rank's parameters, or its ZeRO shard). `adamw_step_` takes the Triton path on CUDA and
 `adamw_ref` elsewhere; `adamw_step_triton_` forces the kernel (CPU tests under TRITON_INTERPRET=1).
 Run: `python -m kernels.adamw [--quick] [--out FILE]`: parity vs torch.optim.AdamW, then ms/step and GB/s for
 GPT-2 124M against torch.optim.AdamW(fused=True) and (foreach=True).

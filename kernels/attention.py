@@ -1,40 +1,26 @@
-"""Flash attention (causal and non-causal), forward and backward, in Triton.
+"""Flash attention (causal and non-causal), forward and backward, in Triton; the op the model calls.
 
 Math (per batch b and head h; q: (Tq, D), k, v: (Tk, D), scale = sm_scale, default 1/sqrt(D)):
-
     S   = scale * q @ k^T                      (Tq, Tk)   causal: S[i, j] = -inf for j > i  (needs Tq == Tk)
     lse = logsumexp(S, dim=-1)                 (Tq,)      natural log, fp32
     P   = exp(S - lse[:, None]);  out = P @ v  (Tq, D)
-
-Backward, given out, lse and dout (FlashAttention-2, Dao 2023, Alg. 2):
-
-    delta = rowsum(dout * out);  dP = dout @ v^T;  dS = P * (dP - delta[:, None])
-    dq = scale * dS @ k;  dk = scale * dS^T @ q;  dv = P^T @ dout
-
-The forward is the FlashAttention-2 online softmax (running max m, running sum l, rescale by exp(m_old - m_new)),
-done in base 2: log2(e) is folded into the scale so the inner loop calls exp2. A causal query block visits the key
-blocks left of its diagonal without any mask and applies the mask only on the diagonal blocks; blocks right of
-the diagonal are never loaded. The backward uses no atomics: one kernel owns a query block and loops over keys
-(dq, and delta = rowsum(dout * out) for its rows, stored for the next kernel); a second owns a key block and loops
-over queries (dk, dv). P is recomputed from the stored lse, so the backward uses exactly the lse and out it is given.
-
-Shapes: q (B, H, Tq, D), k and v (B, H, Tk, D), any strides (views of a fused qkv projection are read in place).
-bf16/fp16 in (fp32 too: on the GPU its dots run in tf32), fp32 accumulation, out in the input dtype, lse (B, H, Tq)
-fp32. Head dims that are not powers of 2 (e.g. 80, 96) are padded to the next power of 2 inside the kernel with
-masked loads. Any sequence length: tails are masked. The out and the grads are (B, H, T, D) views of (B, T, H, D)
-memory, so merging heads afterwards (`y.transpose(1, 2).reshape(B, T, H * D)`) is free. Tiles load through
-pointers at head dims up to 64 and through TMA descriptors from 128 (`TMA_MIN_BLOCK_D`, measured there).
-On Hopper GPUs the forward and the dK/dV kernel of the backward are kernels/attention_hopper.py's warp-specialized
-Gluon kernels wherever it supports the call (head dim 64 / 128, bf16/fp16, TMA-readable layouts); the dq kernel
-(with delta) stays this file's. HOPPER_FWD / HOPPER_BWD = False (NANOPARA_ATTN_HOPPER=0) keep Triton everywhere.
-
-Callers: `nanopara/model.py` uses `attention_qkv()` over its packed (B, T, 3*H*D) projection (Triton on CUDA
-tensors, SDPA on CPU tensors): the backward writes dq, dk, dv into one d(qkv) buffer, so no stack copy follows;
-`nanopara/cp.py` (ring attention) calls `attention_block_fwd` per key/value block, merges the partial results by
-lse, and calls `attention_block_bwd` with the merged out and lse.
-
-Run: `python -m kernels.attention [--quick] [--out FILE]` (GPU: parity line, then a TFLOP/s table against SDPA's
-cuDNN and flash backends); tests: `python -m pytest tests/test_attention.py -q` (CPU through TRITON_INTERPRET=1).
+Backward (FlashAttention-2, Dao 2023, Alg. 2): delta = rowsum(dout * out); dP = dout @ v^T;
+    dS = P * (dP - delta[:, None]);  dq = scale * dS @ k;  dk = scale * dS^T @ q;  dv = P^T @ dout
+Forward: the online softmax in base 2 (log2(e) folded into the scale); a causal query block visits the key blocks
+left of its diagonal unmasked, masks only the diagonal ones, never loads those right of it. Backward without
+atomics: a dq kernel per query block (it also stores delta), then a dk/dv kernel per key block; P is recomputed
+from the given lse, so merged (ring attention) out and lse work. Tiles load through pointers up to head dim 64 and
+through TMA descriptors from 128 (`TMA_MIN_BLOCK_D`: faster there, slower at 64).
+Shapes: q (B, H, Tq, D), k, v (B, H, Tk, D), any strides (views of a packed qkv are read in place); bf16/fp16
+(fp32: tf32 dots), fp32 accumulation; out and grads are (B, H, T, D) views of (B, T, H, D) memory, so merging heads
+is a free view; lse (B, H, Tq) fp32. Any length (masked tails); head dims not a power of 2 are padded in-kernel.
+Backend choice: on Hopper the forward and the dK/dV kernel are kernels/attention_hopper.py's Gluon kernels where
+it supports the call (the forward's first call per shape also times this file's forward, passed in as `fallback`,
+and keeps the faster); the dq kernel is always this file's. NANOPARA_ATTN_HOPPER=0 keeps Triton everywhere.
+Callers: nanopara/model.py's `attention_qkv()` over the packed (B, T, 3*H*D) projection (Triton on CUDA, SDPA on
+CPU; the backward writes one d(qkv) buffer); `attention_block_fwd` / `_bwd` serve one key block (ring attention).
+Run: `python -m kernels.attention [--quick] [--out FILE]` (GPU: parity, then GPU time and TFLOP/s against cuDNN
+and flash SDPA; on Hopper also Gluon vs Triton); tests: tests/test_attention.py (CPU, TRITON_INTERPRET=1).
 """
 import math
 import os
@@ -485,11 +471,8 @@ def _launch_args(q, k, causal, sm_scale):
 
 
 # Tile loads through TMA (device-side descriptors, one per tensor per program) from this padded head dim up, where
-# the layout allows (_use_tma); pointer loads below it and elsewhere. H200, causal, GPU time in one process: at
-# B4 H16 T4096 D128 TMA cuts the forward 0.663 -> 0.600 ms and fwd+bwd 2.738 -> 2.633 ms (the pointer tiles need
-# more registers: the D128 dk/dv tile spilled 28 B, with TMA 243 registers and none); at B16 H12 T1024 D64 it
-# costs 0.102 -> 0.107 ms forward and 0.390 -> 0.425 ms fwd+bwd: there a program lives ~17 us and building its
-# descriptors (a global write and a proxy fence each) is not amortised.
+# the layout allows (_use_tma): at D128 the forward 1.10x and fwd+bwd 1.04x faster (the dk/dv tile stops spilling),
+# at D64 0.95x / 0.92x (a program lives ~17 us, too short to amortise building its descriptors). H200, GPU time.
 TMA_MIN_BLOCK_D = 128
 
 
@@ -521,7 +504,7 @@ def attention_block_fwd(q, k, v, causal, sm_scale=None):
         from kernels import attention_hopper
         if q.shape[-1] in attention_hopper.PREFERRED_HEAD_DIMS and attention_hopper.supported(q, k, v, causal,
                                                                                              sm_scale):
-            return attention_hopper.attention_fwd(q, k, v, causal, sm_scale)
+            return attention_hopper.attention_fwd(q, k, v, causal, sm_scale, fallback=attention_block_fwd_triton)
     return attention_block_fwd_triton(q, k, v, causal, sm_scale)
 
 
@@ -545,10 +528,8 @@ def attention_block_fwd_triton(q, k, v, causal, sm_scale=None):
     return out, lse
 
 
-# heads the dq kernel's programs are grouped by (_grouped_order), for head dims <= 64 / above. Session 9
-# (bench/ab_attention.py, results/attention_bwd_s9.txt), groups of 8 against one head after another, backward GPU
-# time at D128 B4 H16 T4096: 1.02x (H200 A/B), 1.873 -> 1.830 ms (H200), 1.881 -> 1.797 and 1.938 -> 1.906 (H100);
-# at B8 H16 T2048 and at D64 within the machines' noise either way (0.95-1.05x), so D64 keeps one head at a time
+# heads the dq kernel's programs are grouped by (_grouped_order), for head dims <= 64 / above: groups of 8 made the
+# backward 1.02-1.05x faster at D128 B4 H16 T4096 (H200, H100); at D64 they are within noise, so one head at a time
 DQ_HEAD_GROUP = {False: 1, True: 8}
 
 
@@ -758,7 +739,7 @@ def _bench(argv=None):
         for mode, flops in (("fwd", flops_fwd), ("fwd+bwd", 3.5 * flops_fwd), ("fwd-graph", flops_fwd),
                             ("graph", 3.5 * flops_fwd)):
             # each impl's best of `rounds` interleaved timings: the same kernel drifts 6-10% within seconds on an
-            # H100 (results/attention_h100_s8.txt), so one timing each would compare moments, not kernels
+            # H100, so one timing each would compare moments, not kernels
             times = dict.fromkeys(impls, float("inf"))
             for _ in range(args.rounds):
                 for name, fn in impls.items():
@@ -794,11 +775,51 @@ def _bench(argv=None):
         print("#   tuned tiles: " + "; ".join(hop + [
             f"{n} {c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']} w{c.num_warps} s{c.num_stages}"
             for n, cs in tiles.items() for c in cs]))
+    if torch.cuda.get_device_capability()[0] == 9:
+        rows += _hopper_rows(shapes=[(16, 12, 1024, 64), (4, 16, 4096, 128), (8, 16, 2048, 64),
+                                     (8, 16, 2048, 128)][:2 if args.quick else 4], rounds=args.rounds, rep=rep)
     print("ratios are speed-ups (baseline time / our time): > 1 means ours is faster")
     if args.out:
         with open(args.out, "w") as f:
             for row in rows:
                 f.write(json.dumps({k: None if x != x else x for k, x in row.items()}) + "\n")  # NaN -> null
+
+
+def _hopper_rows(shapes, rounds, rep):
+    """On Hopper: the dispatched forward and backward (kernels/attention_hopper.py's Gluon kernels where they are
+    used) against this file's Triton kernels alone, causal, packed qkv views, GPU time, each side's best of rounds."""
+    global HOPPER_BWD
+    from kernels import attention_hopper
+    saved, rows = HOPPER_BWD, []
+    print("# Hopper, GPU time (ms): dispatched (Gluon where used) vs the Triton kernels alone, packed qkv, causal")
+    for B, H, T, D in shapes:
+        q, k, v = split_qkv(torch.randn(B, T, 3 * H * D, device="cuda", dtype=torch.bfloat16), H)
+        out, lse = attention_block_fwd(q, k, v, True)  # tunes this shape outside the graph capture
+        do = torch.randn_like(out)
+
+        def bwd():
+            attention_block_bwd(do, q, k, v, out, lse, True)
+        cases = {("fwd", "ours"): (saved, lambda: attention_block_fwd(q, k, v, True)),
+                 ("fwd", "triton"): (saved, lambda: attention_block_fwd_triton(q, k, v, True)),
+                 ("bwd", "ours"): (saved, bwd), ("bwd", "triton"): (False, bwd)}
+        ms = dict.fromkeys(cases, float("inf"))
+        try:
+            for _ in range(rounds):
+                for case, (gluon_bwd, fn) in cases.items():
+                    HOPPER_BWD = gluon_bwd  # read while the graph is captured
+                    ms[case] = min(ms[case], triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
+        finally:
+            HOPPER_BWD = saved
+        key = (D, True, triton.next_power_of_2(T), min(triton.next_power_of_2(B * H), 1024))
+        cfg = attention_hopper._TUNED.get(key, "triton")
+        for op in ("fwd", "bwd"):
+            row = dict(B=B, H=H, T=T, D=D, causal=True, mode=f"hopper-{op}", gpu=torch.cuda.get_device_name(),
+                       ours_ms=ms[op, "ours"], triton_ms=ms[op, "triton"],
+                       ours_vs_triton=ms[op, "triton"] / ms[op, "ours"], fwd_config=str(cfg))
+            rows.append(row)
+            print(f"# B{B} H{H} T{T} D{D} {op}: ours {row['ours_ms']:.3f} triton {row['triton_ms']:.3f} = "
+                  f"{row['ours_vs_triton']:.2f}x" + (f" (forward tuned: {cfg})" if op == "fwd" else ""))
+    return rows
 
 
 if __name__ == "__main__":

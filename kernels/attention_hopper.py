@@ -1,70 +1,28 @@
-"""Flash attention for Hopper (sm_90) in Gluon: a forward and a dK/dV kernel, warp-specialized, persistent.
+"""Flash attention for Hopper (sm_90) in Gluon: a forward and a dK/dV kernel, warp-specialized and persistent.
 
-Same math and contracts as kernels/attention.py (its docstring has the formulas). attention.py calls these on Hopper
-GPUs where `supported()` says yes and the head dim is in PREFERRED_HEAD_DIMS / PREFERRED_BWD_HEAD_DIMS (64, 128):
-  * `attention_fwd`: out (B, H, Tq, D) view of (B, T, H, D) memory and natural-log lse (B, H, Tq) fp32, causal or
-    not, any length (= attention_block_fwd);
-  * `attention_bwd_dkdv`: dK, dV given lse and delta = rowsum(dO * O) (attention.py's Triton dq kernel computes dQ
-    and delta first, as before; needs Tq % 4 == 0, the lse / delta rows being read through TMA).
-Everywhere else (CPU interpreter, other GPUs, other head dims, layouts TMA cannot read) the Triton kernels run.
-
-Why: Triton 3.6 does not warp-specialize on Hopper, so each warp runs its softmax and its tensor-core work one after
-the other; at head dim 64 the online softmax (exp2, max, sum: ~1000 clocks of MUFU and ALU work per 128 x 128 block
-on an SM) is as long as the block's two matmuls. Gluon (`triton.experimental.gluon`) exposes the pieces
-FlashAttention-3 (Shah et al., 2024) builds on, and both kernels use them:
-
-  * persistent: one CTA per SM walks work items (forward: 128-row query tile x (b, h), longest first under the
-    causal mask; dK/dV: 128-key tile x (b, h), the earliest keys first), dealt to the CTAs in a zigzag (round k:
-    CTAs 0..G-1, then G-1..0) so every CTA's sum of work is even;
-  * three partitions (`gl.warp_specialize`): a 1-warp loader issuing TMA copies into rings of shared-memory stages
-    and two 4-warp consumer warpgroups, each owning 64 rows of the item (forward: query rows; dK/dV: key rows).
-    setmaxnreg gives the loader 24 registers and each consumer 240. mbarriers pair every stage: ready (TMA
-    transaction count) and empty (both consumers arrive);
-  * forward consumer: S = Q K^T by wgmma from shared memory, the online softmax in registers, O += P V with P fed
-    to wgmma from registers. Each step issues S_next = Q K_next^T with O += P V and runs S_next's softmax while
-    P V is on the tensor cores (FA3's intra-warpgroup overlap). That holds K of one block and V of the block before,
-    so the V ring is one stage deeper than the K ring and a step releases (K_j, V_{j-1}): with 128 x 128 tiles at
-    D128, 2 K + 3 V stages fit in shared memory and still load a block ahead (a shared K/V ring of 2 stages could
-    not: 0.81 vs 0.63 ms at 64-key blocks, session 7). An item's last P V goes out with the next item's first S,
-    so the epilogue runs under a wgmma. PINGPONG (a config option): the consumers take turns issuing (FA3's
-    inter-warpgroup schedule);
-  * dK/dV consumer (everything transposed, rows are keys; K and V stay in shared memory, not registers, which is
-    what limited the Triton kernel's tiles): per query block S^T = K Q^T and dP^T = V dO^T are issued together,
-    P^T = exp2(S^T * scale - lse) runs while dP^T is on the tensor cores, then dV += P^T dO and, from
-    dS^T = P^T (dP^T - delta), dK += dS^T Q, with P^T and dS^T from registers. lse and delta come through the ring
-    with Q and dO: loaded per step by the consumers, they stalled each block on a global load (0.83-0.96x the
-    Triton kernel); from shared memory, 1.06-1.13x.
-
-Configs: the forward's per-shape choice among CONFIGS (ring depth, ping-pong, or the Triton forward itself) is timed
-on its first call (`_config`, GPU time by CUDA-graph replay), as triton.autotune would. Measured on H200s (session
-7, `python -m kernels.attention_hopper [--sweep]`, results/attention_hopper_s7.txt): D64 B16 H12 T1024 forward
-0.090-0.096 ms (Triton 0.100-0.101, cuDNN 0.082-0.083), backward (dq + dK/dV) 0.243-0.246 ms (Triton 0.272-0.275);
-D128 B4 H16 T4096 forward 0.54-0.63 (Triton 0.58-0.61, machine-dependent), backward 1.88-1.91 (Triton 2.03-2.07).
-Tried and dropped: a polynomial exp2 on the FMA pipe for 1 in 4 scores (FA4's trick: 0.104 vs 0.093 ms, the ALU is
-as busy as the MUFU), two 1-consumer CTAs per SM (0.101-0.107), three consumers of 64 rows (0.110, spills), 2-stage
-rings (0.118); in the dK/dV kernel, lse / delta prefetched a block ahead in registers and the next block's S^T issued
-before dK landed (spills; 0.46-0.49x: results/attention_hopper_dkdv_experiment_s7.diff), a ping-pong (worse on an
-H100); a Gluon dQ kernel (no gain: results/attention_hopper_dq_experiment_s7.diff). Session 9: K and V rings with
-barriers of their own (K released as soon as S is in): 0.95-0.98x the one-barrier-per-step ring, as each extra
-arrive is a warpgroup-wide bar.sync; in the dK/dV kernel, lse / delta read from shared memory where used (64-query
-blocks then spill 64 B instead of 196) made the 32-query kernel slower (1.02x the Triton backward instead of 1.09x)
-and 64-query blocks no faster (1.01-1.04x).
-
-Masking: blocks away from the diagonal take no mask; the diagonal blocks and the tails compare indices. Rows past
-the length are computed on whatever the TMA box holds (zeros at the tensor's end, the next head's or batch's rows
-inside it) and never stored; masked scores become -inf (forward) or P^T = 0 (backward), so those rows contribute
-exact zeros.
-
-Layouts TMA reads as 2-D row blocks (`_rows`): (B, H, T, D) memory (rows (b*H + h)*T + t) and (B, T, H, D)-like
-memory such as the model's packed qkv projection (rows b*T + t, column h*stride_h); unit stride along D, 16-byte
-aligned base and strides. Host cost: 50-150 us a forward call (host descriptors, the launcher encoding them)
-against the Triton forward's ~40; a training step at B=32 is GPU-bound and does not see it, but `do_bench` rows of
-small shapes do.
-
-Run: `python -m kernels.attention_hopper [--sweep]` (Hopper GPU: parity against the Triton forward and the fp32
-reference, host time per call, GPU time of the forward against the Triton forward and cuDNN SDPA, and of the
-backward with either dK/dV kernel). Tests: tests/test_attention_hopper.py (GPU) and the offline sm_90a compile of
-every config in tests/test_registers.py (CPU: no spills, shared memory within 227 KB).
+Same math and contracts as kernels/attention.py (its docstring has the formulas), which calls this file on Hopper
+GPUs where `supported()` says yes (bf16/fp16, head dim 64 or 128, layouts TMA reads as row blocks):
+  * `attention_fwd(q, k, v, causal, sm_scale, fallback=)`: out (B, H, Tq, D), a view of (B, Tq, H, D) memory, and
+    natural-log lse (B, H, Tq) fp32, any lengths. `fallback` (attention.py passes its Triton forward) is one more
+    candidate that the first call of a shape times, and runs where it wins; this file never imports attention.py;
+  * `attention_bwd_dkdv`: dK, dV given lse and delta = rowsum(dO * O), which attention.py's Triton dq kernel
+    computes first (Tq % 4 == 0: the lse / delta rows are read through TMA).
+Why Gluon: Triton 3.6 does not warp-specialize on Hopper, and at head dim 64 a block's online softmax (exp2, max,
+sum) takes as long as its two matmuls. Both kernels use FlashAttention-3's pieces (Shah et al., 2024):
+  * persistent: one CTA per SM walks work items (128 query rows, or 128 keys, of one (b, h)), longest first under
+    the causal mask, dealt in a zigzag (round k: CTAs 0..G-1, then G-1..0) so every CTA's sum of work is even;
+  * `gl.warp_specialize`: a 1-warp TMA loader (24 registers, setmaxnreg) fills rings of shared-memory stages for two
+    4-warp consumer warpgroups (240 registers) of 64 rows each; each stage has a ready and an empty mbarrier;
+  * forward: S = Q K^T and O += P V by wgmma, P from registers. S_next is issued with P V and its softmax runs
+    while P V is on the tensor cores (intra-warpgroup overlap), so the V ring is one stage deeper than the K ring
+    and a step frees (K_j, V_{j-1}); an item's last P V goes out with the next item's first S (the epilogue runs
+    under a wgmma). PINGPONG (a config): the two consumers take turns issuing;
+  * dK/dV (transposed: rows are keys): K and V stay in shared memory; per query block S^T = K Q^T and dP^T = V dO^T
+    go out together, then dV += P^T dO and dK += dS^T Q; lse and delta come through the ring with Q and dO.
+Masking: only diagonal blocks and tails compare indices; rows past the length are computed and never stored.
+Host cost: 50-150 us a forward call (host TMA descriptors), ~40 for Triton: a training step does not see it.
+Run: `python -m kernels.attention_hopper [--sweep]` (Hopper GPU). Tests: tests/test_attention_hopper.py (GPU);
+tests/test_registers.py compiles every config for sm_90a on CPU (no spills, shared memory within 227 KB).
 """
 
 import torch
@@ -74,6 +32,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from kernels import tuning
 from kernels.launch import fast
 
 LOG2E = 1.4426950408889634
@@ -81,22 +40,15 @@ ROWS = 64  # query rows per consumer warpgroup (one wgmma M tile); a work item i
 SUB_M = gl.constexpr(ROWS)  # the same, for the kernels
 CONSUMER_REGS = gl.constexpr(240)  # registers per thread of the consumer warpgroups (setmaxnreg); the loader: 24
 # head dim -> candidate (BLOCK_N keys per block, NUM_BUF K stages (V: NUM_BUF + 1), PINGPONG), the first the default;
-# with more than one, the first call of a shape times them (_config). H200 session 7 (--sweep): at D64 ping-pong
-# 0.093 vs 0.097 ms (B16 H12 T1024). Session 9 (H200s, bench/ab_attention.py, results/attention_fwd_s9.txt):
-# 128-key blocks at D128 (the V ring one deeper makes 2 K stages enough) against session 8's best of 64-key blocks
-# in 5 shared stages (which no longer fit): 1.04-1.16x at B4 H16 T4096; at B8 H16 T2048 1.06-1.19x on one machine
-# (the old tuner had taken the Triton forward) and 0.93-0.98x on another; D64 0.99-1.06x. Ping-pong or not at D128
-# varies by machine and shape, so both are timed.
-TRITON = "triton"  # a candidate too: kernels/attention.py's Triton forward, where it is the faster one
+# with more than one, the first call of a shape times them (_config). Ping-pong or not, and at D128 Gluon or Triton
+# (the same Gluon forward took 0.535-0.626 ms at B4 H16 T4096 on six H200s, the Triton one 0.583-0.605), vary by
+# machine and shape, so all are timed. 128-key blocks at D128 fit because V's ring is the deeper one: 2 K + 3 V stages.
+TRITON = "triton"  # the candidate that stands for the caller's fallback (kernels/attention.py's Triton forward)
 CONFIGS = {64: [(128, 4, True), (128, 4, False), TRITON], 128: [(128, 2, True), (128, 2, False), (64, 4, True), TRITON]}
-# Head dims where kernels/attention.py's forward dispatches here. H200, session 7, B16 H12 T1024 and B8 H16 T2048
-# over six machines: D64 1.05-1.11x the Triton forward; D128 0.89-1.10x (the same kernel took 0.535-0.626 ms at
-# B4 H16 T4096 on different machines, the Triton one 0.583-0.605), which is why TRITON is one of the candidates the
-# first call of a shape times.
+# head dims where kernels/attention.py's forward dispatches here (D64: 1.05-1.11x its Triton forward, H200)
 PREFERRED_HEAD_DIMS = (64, 128)
-# the dK/dV kernel, backward (dq + dK/dV) against the Triton one, session 7 (results/attention_hopper_s7.txt): H200
-# 1.11-1.13x at D64 B16 H12 T1024 (0.243-0.246 vs 0.272-0.275 ms), 1.08-1.09x at D128 B4 H16 T4096 (1.876-1.907 vs
-# 2.025-2.071); H100s: 1.00-1.10x at D64 (0.247-0.272 vs 0.273; 0.99-1.10x at T2048), 1.09-1.12x at D128.
+# head dims where its backward takes this dK/dV kernel: backward (dq + dK/dV) 1.11-1.13x the Triton one at D64,
+# 1.08-1.09x at D128 (H200); 1.00-1.10x and 1.09-1.12x (H100)
 PREFERRED_BWD_HEAD_DIMS = (64, 128)
 
 
@@ -564,62 +516,82 @@ def _num_sms(device) -> int:
 
 _fwd_ws = fast(_attn_fwd_ws_kernel)  # the compiled binary launched directly after the first call
 _TUNED = {}  # (head dim, causal, Tk bucket, B*H bucket) -> the fastest CONFIGS candidate, timed on first use
+_FWD_TUNER = tuning.Tuner(f"{__name__}:_FWD_TUNER", _attn_fwd_ws_kernel, CONFIGS)  # _TUNED's entries on disk
 
 
-def _launch(q, k, v, out, lse, causal, scale, cfg):
+def _launch_args(q, k, v, out, lse, causal, scale, cfg):
+    """(grid, args, constexprs) of the forward kernel for one CONFIGS candidate."""
     B, H, Tq, D = q.shape
     BLOCK_N, NUM_BUF, PINGPONG = cfg
     q_desc, qr = _desc(q, ROWS)
     k_desc, kr = _desc(k, BLOCK_N)
     v_desc, vr = _desc(v, BLOCK_N)
     grid = (min(triton.cdiv(Tq, 2 * ROWS) * B * H, _num_sms(q.device)), )
-    _fwd_ws[grid](q_desc, k_desc, v_desc, out, lse, *out.stride()[:3], scale * LOG2E, H, Tq, k.shape[2], B * H,
-                  *qr, *kr, *vr, BLOCK_N=BLOCK_N, NUM_BUF=NUM_BUF, CAUSAL=bool(causal), PINGPONG=PINGPONG,
-                  num_warps=4)
+    return grid, (q_desc, k_desc, v_desc, out, lse, *out.stride()[:3], scale * LOG2E, H, Tq, k.shape[2], B * H,
+                  *qr, *kr, *vr), dict(BLOCK_N=BLOCK_N, NUM_BUF=NUM_BUF, CAUSAL=bool(causal), PINGPONG=PINGPONG,
+                                       num_warps=4)
 
 
-def _config(q, k, v, out, lse, causal, scale):
-    """The CONFIGS candidate for this shape: the first while a CUDA graph is being captured or where there is one,
-    else the fastest of them, timed once per (head dim, causal, Tk and B*H power-of-2 buckets) as triton.autotune
-    would (its key), with a graph-capture guard."""
-    from kernels.attention import attention_block_fwd_triton
+def _launch(q, k, v, out, lse, causal, scale, cfg):
+    grid, args, meta = _launch_args(q, k, v, out, lse, causal, scale, cfg)
+    _fwd_ws[grid](*args, **meta)
+
+
+def _config(q, k, v, out, lse, causal, scale, fallback):
+    """The CONFIGS candidate for this shape (TRITON only where a fallback is given): the first while a CUDA graph is
+    being captured or where there is one, else the fastest, timed once per (head dim, causal, Tk and B*H power-of-2
+    buckets) as triton.autotune would (its key), with a graph-capture guard. The choice is stored on disk
+    (kernels/tuning.py): a later process on the same GPU skips the timing and compiles only the chosen kernel."""
     B, H, _, D = q.shape
-    cands = CONFIGS[D]
+    cands = [c for c in CONFIGS[D] if c != TRITON or fallback is not None]
     key = (D, bool(causal), triton.next_power_of_2(k.shape[2]), min(triton.next_power_of_2(B * H), 1024))
+    if key not in _TUNED and len(cands) > 1:
+        stored = _FWD_TUNER.get(key)  # a JSON list, or TRITON
+        stored = tuple(stored) if isinstance(stored, list) else stored
+        if stored in CONFIGS[D]:  # (a TRITON choice without a fallback: attention_fwd runs CONFIGS[D][0])
+            _TUNED[key] = stored
     if key not in _TUNED:
         if len(cands) == 1 or torch.cuda.is_current_stream_capturing():
             return cands[0]
         # GPU time by CUDA-graph replay, as a training step sees it when the host runs ahead: do_bench would count
-        # each call's launch cost, larger for the Gluon kernels (host descriptors), and picked Triton at D64 on
+        # each call's launch cost, larger for the Gluon kernels (host descriptors), and so picks Triton at D64 on
         # an H100 where the Gluon forward is 7% faster on the GPU
         def run(c):
             if c == TRITON:
-                return lambda: attention_block_fwd_triton(q, k, v, causal, scale)
+                return lambda: fallback(q, k, v, causal, scale)
             return lambda: _launch(q, k, v, out, lse, causal, scale, c)
-        # interleaved rounds, the best of each candidate: D128 forward times drift 6-10% within seconds on an H100
-        # (results/attention_h100_s8.txt), which one timing per candidate turned into whichever ran in a fast moment
+        # interleaved rounds, the best of each candidate: D128 forward times drift 6-10% within seconds on an H100,
+        # so one timing per candidate would pick whichever ran in a fast moment
         ms = [float("inf")] * len(cands)
-        for _ in range(3):
-            for i, c in enumerate(cands):
-                ms[i] = min(ms[i], triton.testing.do_bench_cudagraph(run(c), rep=10))
-        _TUNED[key] = cands[ms.index(min(ms))]
+        with _FWD_TUNER.tuning(f"attention forward for D={D}, causal={bool(causal)}, T<={key[2]}, B*H<={key[3]} "
+                               f"({len(cands)} candidates)"):
+            tuning.compile_parallel(_attn_fwd_ws_kernel, [_launch_args(q, k, v, out, lse, causal, scale, c)
+                                                          for c in cands if c != TRITON])
+            for _ in range(3):
+                for i, c in enumerate(cands):
+                    ms[i] = min(ms[i], triton.testing.do_bench_cudagraph(run(c), rep=10))
+            _TUNED[key] = cands[ms.index(min(ms))]
+            _FWD_TUNER.put(key, _TUNED[key])
     return _TUNED[key]
 
 
-def attention_fwd(q, k, v, causal, sm_scale=None, config=None):
+def attention_fwd(q, k, v, causal, sm_scale=None, config=None, fallback=None):
     """Forward of q (B, H, Tq, D) against k, v (B, H, Tk, D), where supported(). Returns (out, lse) exactly as
     kernels.attention.attention_block_fwd: out a (B, H, Tq, D) view of (B, Tq, H, D) memory, lse fp32 (B, H, Tq).
-    config: a CONFIGS entry to use instead of the tuned one (the benchmark's sweep)."""
+    config: a CONFIGS entry to use instead of the tuned one (the benchmark's sweep). fallback: another forward with
+    this signature (kernels/attention.py's Triton one), timed as the TRITON candidate and called where it won;
+    without it only the Gluon candidates run."""
     B, H, Tq, D = q.shape
     scale = sm_scale if sm_scale is not None else D ** -0.5
     out = torch.empty(B, Tq, H, D, dtype=q.dtype, device=q.device).transpose(1, 2)
     lse = torch.empty(B, H, Tq, dtype=torch.float32, device=q.device)
     if out.numel() == 0 or k.shape[2] == 0:
         return out, lse
-    cfg = config or _config(q, k, v, out, lse, causal, scale)
+    cfg = config or _config(q, k, v, out, lse, causal, scale, fallback)
     if cfg == TRITON:
-        from kernels.attention import attention_block_fwd_triton
-        return attention_block_fwd_triton(q, k, v, causal, scale)
+        if fallback is not None:
+            return fallback(q, k, v, causal, scale)
+        cfg = CONFIGS[D][0]  # tuned by a call that had a fallback; this one has none
     _launch(q, k, v, out, lse, causal, scale, cfg)
     return out, lse
 
@@ -677,68 +649,77 @@ def _graph_ms(fn, reps=20):
     return sorted(times)[2]
 
 
+def _ref(q, k, v, causal):
+    """fp32 attention in plain PyTorch (kernels/attention.py's attention_ref, which this file does not import)."""
+    s = q.float() @ k.float().transpose(-2, -1) * q.shape[-1] ** -0.5  # (B, H, Tq, Tk)
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # (B, H, Tq)
+    return torch.exp(s - lse[..., None]) @ v.float(), lse
+
+
+def _packed(B, H, T, D):
+    """q, k, v as (B, H, T, D) views of the model's packed (B, T, 3*H*D) projection."""
+    qkv = torch.randn(B, T, 3, H, D, device="cuda", dtype=torch.bfloat16)
+    return tuple(qkv[:, :, i].transpose(1, 2) for i in range(3))
+
+
 def _bench(sweep=False):
-    """Parity lines, then forward GPU time per shape against the Triton forward and cuDNN SDPA (sweep: every
-    CONFIGS candidate, else the tuned one)."""
+    """Parity lines, host time per call, then GPU time of the forward (the tuned Gluon candidate, or each one with
+    sweep) against cuDNN SDPA, and of the dK/dV kernel. Gluon against the Triton kernels, forward and backward:
+    `python -m kernels.attention` on a Hopper GPU."""
+    import time
+
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from kernels import attention as A
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     for B, H, T, D, causal in [(2, 3, 777, 64, True), (1, 2, 129, 128, False), (2, 2, 1000, 128, True)]:
         q, k, v = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
         out, lse = attention_fwd(q, k, v, causal)
-        ref, ref_lse = A.attention_ref(q.float(), k.float(), v.float(), causal)
-        tri, tri_lse = A.attention_block_fwd_triton(q, k, v, causal)
+        ref, ref_lse = _ref(q, k, v, causal)
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            cud = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         print(f"parity B{B} H{H} T{T} D{D} causal={causal}: out err {(out.float() - ref).abs().max().item():.2e} "
-              f"(triton {(tri.float() - ref).abs().max().item():.2e}), lse err "
+              f"(cudnn {(cud.float() - ref).abs().max().item():.2e}), lse err "
               f"{(lse - ref_lse).abs().max().item():.2e}")
-    import time
-    q, k, v = A.split_qkv(torch.randn(1, 128, 3 * 2 * 64, device="cuda", dtype=torch.bfloat16), 2)
-    for name, fn in [("gluon", lambda: attention_fwd(q, k, v, True)),
-                     ("triton", lambda: A.attention_block_fwd_triton(q, k, v, True))]:
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(300):
-            fn()
-        host = (time.perf_counter() - t0) / 300 * 1e6
-        torch.cuda.synchronize()
-        print(f"host time per forward call (B1 H2 T128, launch + Python): {name} {host:.1f} us")
-    print(f"{'shape':>22} {'config':>10} {'ours ms':>8} {'triton ms':>9} {'cudnn ms':>8} {'TFLOP/s':>8} "
-          f"{'vs triton':>9} {'vs cudnn':>8}")
-    for B, H, T, D in [(16, 12, 1024, 64), (4, 16, 4096, 128), (8, 16, 2048, 64), (8, 16, 2048, 128)]:
-        q, k, v = A.split_qkv(torch.randn(B, T, 3 * H * D, device="cuda", dtype=torch.bfloat16), H)
-        tri = _graph_ms(lambda: A.attention_block_fwd_triton(q, k, v, True))
+    q, k, v = _packed(1, 2, 128, 64)
+    for _ in range(20):
+        attention_fwd(q, k, v, True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(300):
+        attention_fwd(q, k, v, True)
+    host = (time.perf_counter() - t0) / 300 * 1e6
+    torch.cuda.synchronize()
+    print(f"host time per forward call (B1 H2 T128, launch + Python): {host:.1f} us")
+    print(f"{'shape':>22} {'config':>10} {'ours ms':>8} {'cudnn ms':>8} {'TFLOP/s':>8} {'vs cudnn':>8}")
+    shapes = [(16, 12, 1024, 64), (4, 16, 4096, 128), (8, 16, 2048, 64), (8, 16, 2048, 128)]
+    for B, H, T, D in shapes:
+        q, k, v = _packed(B, H, T, D)
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             cud = _graph_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
         flops = 4 * B * H * T * T * D / 2
         attention_fwd(q, k, v, True)  # tunes this shape outside the graph capture
         key = _TUNED[(D, True, triton.next_power_of_2(T), min(triton.next_power_of_2(B * H), 1024))]
-        for cfg in (CONFIGS[D] if sweep else [None]):
+        for cfg in ([c for c in CONFIGS[D] if c != TRITON] if sweep else [None]):
             ours = _graph_ms(lambda: attention_fwd(q, k, v, True, config=cfg))
-            name = "tuned " if cfg is None else ""
             c = cfg or key
-            name += c if c == TRITON else f"{c[0]}x{c[1]}" + ("pp" if c[2] else "")
-            print(f"{f'B{B} H{H} T{T} D{D}':>22} {name:>10} {ours:8.3f} {tri:9.3f} {cud:8.3f} "
-                  f"{flops / ours / 1e9:8.1f} {tri / ours:8.2f}x {cud / ours:7.2f}x")
-    print(f"backward (dq kernel + dK/dV kernel, GPU time): {'shape':>18} {'config':>7} {'gluon dkdv':>10} "
-          f"{'triton dkdv':>11} {'speed-up':>8}")
-    for B, H, T, D in [(16, 12, 1024, 64), (4, 16, 4096, 128), (8, 16, 2048, 64), (8, 16, 2048, 128)]:
-        q, k, v = A.split_qkv(torch.randn(B, T, 3 * H * D, device="cuda", dtype=torch.bfloat16), H)
-        out, lse = A.attention_block_fwd(q, k, v, True)
+            name = ("tuned " if cfg is None else "") + f"{c[0]}x{c[1]}" + ("pp" if c[2] else "")
+            print(f"{f'B{B} H{H} T{T} D{D}':>22} {name:>10} {ours:8.3f} {cud:8.3f} {flops / ours / 1e9:8.1f} "
+                  f"{cud / ours:7.2f}x")
+    print(f"dK/dV kernel alone (GPU time): {'shape':>18} {'config':>7} {'ms':>7} {'TFLOP/s':>8}")
+    for B, H, T, D in shapes:
+        q, k, v = _packed(B, H, T, D)
+        out, lse = attention_fwd(q, k, v, True)
         do = torch.randn_like(out)
-        A.HOPPER_BWD = False
-        tri = _graph_ms(lambda: A.attention_block_bwd(do, q, k, v, out, lse, True))
-        A.HOPPER_BWD = True
-        default = BWD_CONFIGS[D]
-        for cfg in (default if sweep else default[:1]):
-            BWD_CONFIGS[D] = [cfg]
-            ours = _graph_ms(lambda: A.attention_block_bwd(do, q, k, v, out, lse, True))
-            print(f"{'':>47}{f'B{B} H{H} T{T} D{D}':>18} {f'{cfg[0]}x{cfg[1]}':>7} {ours:10.3f} {tri:11.3f} "
-                  f"{tri / ours:7.2f}x")
-        BWD_CONFIGS[D] = default
+        delta = (do.float() * out.float()).sum(-1).contiguous()  # (B, H, T): what the Triton dq kernel stores
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        for cfg in (BWD_CONFIGS[D] if sweep else BWD_CONFIGS[D][:1]):
+            ms = _graph_ms(lambda: attention_bwd_dkdv(q, k, v, do, lse, delta, dk, dv, True, config=cfg))
+            flops = 8 * B * H * T * T * D / 2  # 4 matmuls (S^T, dP^T, dV, dK): twice the forward's
+            print(f"{'':>31}{f'B{B} H{H} T{T} D{D}':>18} {f'{cfg[0]}x{cfg[1]}':>7} {ms:7.3f} "
+                  f"{flops / ms / 1e9:8.1f}")
 
 
 if __name__ == "__main__":

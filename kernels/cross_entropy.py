@@ -1,38 +1,28 @@
 """Cross-entropy over a padded vocabulary, forward and backward fused in one Triton pass.
 
 Math, per row of logits z (N, Vp), target t, real vocab V = n_vocab <= Vp (GPT-2: 50257 padded to 50304):
-    lse = log(sum_{j < V} exp(z_j)),   loss = lse - z_t,   dz_j = (softmax(z)_j - [j == t]) * scale  (j < V)
-    dz_j = 0 for padding columns j >= V (they never touch the loss or receive gradient).
-    Rows with t == ignore_index have loss 0 and grad 0; "mean" divides by the number of other rows (loss 0,
-    not NaN, when every row is ignored), "sum" does not. Other targets outside [0, V) are not checked (that
-    would cost a host sync): the kernel reads nothing out of bounds for them but their loss is meaningless.
+    lse = log(sum_{j < V} exp(z_j)),  loss = lse - z_t,  dz_j = (softmax(z)_j - [j == t]) * scale (j < V), 0 for j >= V.
+Rows with t == ignore_index have loss 0 and grad 0; "mean" divides by the other rows (0, not NaN, if all are
+ignored), "sum" does not. Other targets outside [0, V) are not checked (a host sync): no out-of-bounds read, but
+their loss is meaningless.
 
-How (online softmax, Milakov & Gimelshein 2018): one program per row walks the vocab in BLOCK_V chunks keeping
-a running max m and sum s of exp(z - m); then, if grad is needed, a second walk over the same row (mostly from
-L2) writes dz. The forward therefore already holds d(loss)/d(logits) up to the incoming grad scalar, and the
-backward only multiplies by it: a pass over the logits that is skipped, without a host sync, when the scalar is
-1. So a trainer that accumulates gradients passes `loss_scale=1/accum_steps` (the returned loss is scaled, and
-dz with it) rather than calling backward on `loss / accum_steps`.
+How (online softmax, Milakov & Gimelshein 2018): one program per row walks the vocab in chunks keeping a running max
+and sum of exp(z - m); if grad is needed, a second walk over the row (mostly from L2) writes dz. So the forward
+already holds d(loss)/d(logits) up to the incoming grad scalar; the backward multiplies by it, and skips that pass
+(no host sync) when it is 1: a trainer that accumulates passes `loss_scale=1/accum_steps` instead of dividing.
+Memory: dz is written IN PLACE into the logits when they are a non-leaf activation (the lm_head output, which no
+other op saves): peak extra memory O(N). The buffer's version is bumped, so an op that did save the logits makes
+autograd raise. After backward the logits hold their gradient (read them before, or pass `inplace=False`); a leaf
+logits tensor is never overwritten.
 
-Memory trade-off: by default dz is written IN PLACE into the logits buffer when logits is a non-leaf activation
-(the lm_head output, which nothing else needs after the loss: the matmul's backward saved its inputs, not its
-output). Peak extra memory is then O(N): no fp32 copy, no softmax, no one-hot. The buffer's autograd version is
-bumped, so if some other op did save the logits (e.g. a tanh soft-cap), autograd raises instead of silently
-using gradients as logits. After backward the logits hold their gradient: read them before (accuracy,
-sampling) or pass `inplace=False`. A leaf logits tensor (user data) is never overwritten; it, like
-`inplace=False`, gets one new logits-sized buffer in the logits' dtype.
-
-Tensor/vocab parallel pieces (Triton on CUDA, reference elsewhere; `*_triton` force the kernels):
-    ce_shard_stats(z_shard, t, vocab_start, n_valid_in_shard) -> (row_max, sumexp at row_max, target logit)
-    ce_shard_grad(z_shard, t, vocab_start, n_valid_in_shard, lse, grad_scale) -> dz_shard
-  Recipe across the TP group: M = all_reduce_max(row_max); S = all_reduce_sum(sumexp * exp(row_max - M));
-  zt = all_reduce_sum(target_logit); lse = M + log(S); loss = lse - zt (0 where ignored); then each rank calls
-  ce_shard_grad with the global lse and grad_scale = 1/n_valid (mean) -- no rank ever gathers full logits.
-
+Vocab-parallel pieces (Triton on CUDA, reference elsewhere), used by nanopara/tp.py without gathering logits:
+    ce_shard_stats(z_shard, t, vocab_start, n_valid) -> (row_max, sumexp at row_max, target logit)
+    ce_shard_grad(z_shard, t, vocab_start, n_valid, lse, grad_scale) -> dz_shard
+  M = all_reduce_max(row_max); S = all_reduce_sum(sumexp * exp(row_max - M)); zt = all_reduce_sum(target logit);
+  lse = M + log(S); loss = lse - zt; then ce_shard_grad with the global lse and grad_scale = 1/n_valid (mean).
 Callers: nanopara/model.py (loss), nanopara/tp.py (vocab-parallel loss).
-Run: `python -m kernels.cross_entropy [--quick] [--sweep] [--out FILE]`: parity, then fwd+bwd time, GB/s vs the
-measured D2D copy bandwidth and peak extra memory, against eager F.cross_entropy (bf16 and fp32-upcast, as under
-autocast) and torch.compile.
+Run: `python -m kernels.cross_entropy [--quick] [--sweep] [--out FILE]`: parity, then fwd+bwd time, GB/s against the
+copy bandwidth and peak extra memory, vs eager F.cross_entropy (bf16 and fp32) and torch.compile.
 """
 import argparse
 import json
@@ -179,12 +169,8 @@ def _ce_shard_grad_kernel(Z, DZ, T, LSE, SCALE, stride_z, stride_dz, vocab_start
 
 # Vocab chunk per loop step, warps per row (16 elements, two 16-byte bf16 loads, per thread) and chunks in flight
 # per walk (STAGES: `tl.range` pipelining, cp.async into shared memory while a chunk reduces; needs the padded
-# width 16-divisible, as GPT-2's 50304 is). `python -m kernels.cross_entropy --sweep` times the alternatives in
-# place, GPU time (H200, 2026-11-26, results/ce_sweep_s5.txt): 2048 x 4 warps, STAGES=3 1.194 ms at 16384 x 50304
-# (65% of copy bandwidth for one read + one write) and 2.352 ms at 32768, against 1.400 / 2.710 ms unpipelined;
-# 4096 x 8 the same; 8192 x 16 slower. A persistent grid (1-8 programs per SM walking rows, so that the second
-# walk finds its row in L2) was no faster: 1.22-1.30 ms. A one-read variant holding the whole padded row in
-# registers (65536 lanes, 8-32 warps) took 2.4-3.6 ms: the row does not fit without spilling.
+# width 16-divisible, as GPT-2's 50304 is). 2048 x 4 warps, STAGES=3: the fastest of `--sweep` (H200: 1.19 ms at
+# 16384 x 50304, 65% of copy bandwidth for one read + one write; 1.40 unpipelined; 4096 x 8 the same, 8192 x 16 slower).
 BLOCK_V, NUM_WARPS, STAGES = 2048, 4, 3
 
 

@@ -13,16 +13,21 @@ How: `fast(kernel)` wraps a `@triton.jit` function or a `@triton.autotune`d one 
     ints          == 1, divisible by 16, fits in int32            (bools and None by value, floats by type)
     constexprs    by value; the autotuner's key arguments also by value (so a new T bucket is tuned anew)
     device        the current CUDA device (the JIT keeps one cache per device)
-On a miss the kernel runs the normal way (tuning and compiling if needed) and the CompiledKernel it returns is
-kept with the chosen config; on a hit the binary is launched directly: `compiled[grid](*args, *constexprs)`.
-The key is conservative: it may hold more entries than the JIT's cache, never fewer, so a binary is only reused
-where the JIT would have picked the same one. Non-constexpr arguments must be passed positionally.
-Under TRITON_INTERPRET=1 (CPU tests) every call goes the normal way.
+On a miss the kernel runs the normal way and the CompiledKernel it returns is kept with the chosen config; on a hit
+the binary is launched directly: `compiled[grid](*args, *constexprs)`. The key is conservative: it may hold more
+entries than the JIT's cache, never fewer, so a binary is only reused where the JIT would have picked the same one.
+Non-constexpr arguments must be passed positionally.
+Tuning (kernels/tuning.py): an autotuned kernel's first call per tuning key takes the stored choice if there is
+one (only that config compiles), else announces the tuning, compiles the candidates on threads, lets the autotuner
+time them and stores its pick. Under TRITON_INTERPRET=1 (CPU tests) no binary is kept: every call is a `launch`.
 """
 import os
 
 import torch
 from triton.runtime.autotuner import Autotuner
+from triton.runtime.jit import JITFunction
+
+from kernels import tuning
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _I32 = 2 ** 31
@@ -57,6 +62,7 @@ class FastKernel:
         jit = kernel.fn if isinstance(kernel, Autotuner) else kernel
         self.names = jit.arg_names
         self.tuned_on = [self.names.index(k) for k in getattr(kernel, "keys", [])]  # autotune key positions
+        self.tuner = tuning.Tuner.of(kernel) if isinstance(kernel, Autotuner) and len(kernel.configs) > 1 else None
         self.cache = {}
 
     def __getitem__(self, grid):
@@ -64,12 +70,12 @@ class FastKernel:
 
     def run(self, grid, args, constexprs):
         if _INTERPRET:
-            return self.kernel[grid](*args, **constexprs)
+            return self.launch(grid, args, constexprs)
         key = (torch.cuda.current_device(), _spec(args), tuple(args[i] for i in self.tuned_on if i < len(args)),
                tuple(constexprs.items()))  # binaries are per device, as in the JIT's own cache
         hit = self.cache.get(key)
         if hit is None:  # tune / compile / launch the normal way, then keep the binary and its config
-            compiled = self.kernel[grid](*args, **constexprs)
+            compiled = self.launch(grid, args, constexprs)
             cfg = getattr(self.kernel, "best_config", None)
             meta = {**constexprs, **(cfg.kwargs if cfg is not None else {})}
             missing = [n for n in self.names[len(args):] if n not in meta]
@@ -81,6 +87,45 @@ class FastKernel:
         g = grid(meta) if callable(grid) else grid
         compiled[(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1)](*args, *tail)
         return compiled
+
+    def launch(self, grid, args, constexprs):
+        """The normal launch. For an autotuned kernel at a tuning key its autotuner has not seen, the stored choice
+        goes into the autotuner's own cache, which then launches it as one it picked (the config's kwargs, num_warps,
+        num_stages, num_ctas, maxnreg and pre_hook; no timing, so no reset_to_zero / restore_value); without one the
+        tuning runs here and its pick is stored."""
+        k = self.kernel
+        if self.tuner is None:
+            return k[grid](*args, **constexprs)
+        key = autotune_key(k, args, constexprs)
+        if key in k.cache:
+            return k[grid](*args, **constexprs)
+        stored = self.tuner.get(key)
+        cfg = next((c for c in k.configs if tuning.config_record(c) == stored), None) if stored else None
+        if cfg is not None:
+            k.cache[key] = cfg
+            return k[grid](*args, **constexprs)
+        k.nargs = dict(zip(k.arg_names, args))
+        try:
+            candidates = k.prune_configs(constexprs)  # what the autotuner will time
+        finally:
+            k.nargs = None
+        name = k.base_fn.__name__.strip("_").removesuffix("_kernel")
+        shown = ", ".join(f"{n}={v}" for n, v in zip(k.keys, key))
+        with self.tuner.tuning(f"{name} for {shown} ({len(candidates)} candidates)"):
+            if not _INTERPRET and isinstance(k.fn, JITFunction):
+                tuning.compile_parallel(k.fn, [(grid, args, {**constexprs, **c.all_kwargs()}) for c in candidates])
+            compiled = k[grid](*args, **constexprs)
+            self.tuner.put(key, tuning.config_record(k.cache[key]))
+        return compiled
+
+
+def autotune_key(autotuner, args, kwargs) -> tuple:
+    """The key under which triton 3.6's Autotuner.run caches its pick: the values of its `key` arguments, then the
+    dtype of every tensor argument (tests/test_launch.py checks this against a real tuning)."""
+    named = {**dict(zip(autotuner.arg_names, args)), **kwargs}
+    named = {n: v for n, v in named.items() if n in autotuner.arg_names}
+    return tuple([named[n] for n in autotuner.keys if n in named] +
+                 [str(v.dtype) for v in named.values() if hasattr(v, "dtype")])
 
 
 def fast(kernel) -> FastKernel:

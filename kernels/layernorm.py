@@ -1,35 +1,28 @@
 """LayerNorm (and residual-add + LayerNorm) as fused Triton kernels.
 
 Math, per row x of width C (statistics always in fp32):
-    mean = sum(x) / C,   rstd = 1 / sqrt(sum((x - mean)^2) / C + eps),   xhat = (x - mean) * rstd
-    y = xhat * w + b
-Backward, with g = dy * w:
-    dx = rstd * (g - mean(g) - xhat * mean(g * xhat))       (means over the row)
-    dw = sum_rows(dy * xhat),   db = sum_rows(dy)
-`add_layernorm(x, residual, w, b)` returns (y, h) with h = x + residual (the new residual stream, in the dtype
-`x + residual` has in PyTorch: bf16 + bf16 -> bf16, bf16 + fp32 -> fp32, so an fp32 stream is never truncated)
-and y = LN(h) in h's dtype; its backward adds the grad flowing into h to dx, and x and residual get that same
-gradient, each in its own dtype.
+    mean = sum(x) / C,   rstd = 1 / sqrt(sum((x - mean)^2) / C + eps),   xhat = (x - mean) * rstd,   y = xhat * w + b
+Backward, with g = dy * w:   dx = rstd * (g - mean(g) - xhat * mean(g * xhat)),   dw = sum_rows(dy * xhat),
+    db = sum_rows(dy)
+`add_layernorm(x, residual, w, b)` returns (y, h), h = x + residual in the dtype PyTorch's add gives (bf16 + fp32 ->
+fp32: an fp32 stream is never truncated) and y = LN(h); its backward adds the grad flowing into h to dx, and x and
+residual get that gradient, each in its own dtype.
 
-Shapes: x (..., C) with any leading dims (flattened to M rows), weight (C,), bias (C,) or None. Output in x's dtype;
-weight/bias may have another dtype (fp32 params under bf16 autocast) and get their grads in that dtype.
+Shapes: x (..., C), any leading dims (M rows), weight (C,), bias (C,) or None; y in x's dtype (or `out_dtype`);
+weight/bias may have another dtype (fp32 params under bf16 autocast) and get their grads in it.
 
-Kernels:
-  forward  programs walk tiles of BLOCK_M rows x BLOCK_C columns (whole row in registers, C <= 16384): one program
-           per tile, or persistent (a few per SM, grid stride, weight/bias loaded once, the next tiles' loads in
-           flight through cp.async while this one reduces); stores y (and h) plus fp32 mean/rstd (M,).
-  backward one program per group of rows, its tiles pipelined the same way: dx in one pass over its rows, while
-           dw/db accumulate in registers; each group writes one row of a (n_groups, C) fp32 partial buffer, and a
-           second small kernel sums it into dw/db in the weight's dtype. Tiles are autotuned per width (timed by
-           CUDA-graph replay, results cached on disk by Triton). No second pass over all M rows for dw/db (eager
-           PyTorch runs a separate dgamma/dbeta kernel).
+Kernels (memory bound: what counts is bytes in flight per SM):
+  forward  walks tiles of BLOCK_M rows (whole rows in registers, C <= 16384) in a `tl.range(num_stages=)` loop, so
+           the next tiles load by cp.async while this one reduces; one program per tile, or persistent (a few per
+           SM, weight/bias loaded once); stores y (and h) and fp32 mean/rstd (M,).
+  backward one program per group of rows, pipelined the same way: dx in one pass, dw/db summed in registers into a
+           (n_groups, C) fp32 partial row per group, which a second small kernel reduces into dw/db. No second pass
+           over the M rows for dw/db. Tiles are autotuned per width by CUDA-graph replay (kept: kernels/tuning.py).
 
-Callers: nanopara/model.py (ln_1, ln_2 via add_layernorm, ln_f). Public ops take the Triton path when x is on
-CUDA and the reference on CPU; `layernorm_triton` / `add_layernorm_triton` force the Triton path (tests run it
-on CPU under TRITON_INTERPRET=1).
-
-Run: `python -m kernels.layernorm [--quick] [--out FILE]` prints parity, then a benchmark table
-(ms, GB/s, % of measured D2D copy bandwidth, speed-up vs eager F.layer_norm and torch.compile).
+Callers: nanopara/model.py (ln_1, ln_2 through add_layernorm, ln_f). Public ops take the Triton path on CUDA and
+the reference on CPU; `layernorm_triton` / `add_layernorm_triton` force Triton (tests: TRITON_INTERPRET=1 on CPU).
+Run: `python -m kernels.layernorm [--quick] [--out FILE]`: parity, then ms, GB/s and % of the measured copy
+bandwidth against eager F.layer_norm and torch.compile. Tile sweeps: bench/sweep_layernorm.py.
 """
 import argparse
 import functools
@@ -120,9 +113,8 @@ def _tune_bench(fn, quantiles=None):
     return triton.testing.do_bench_cudagraph(fn, rep=10, quantiles=quantiles)
 
 
-# Tuning results are also cached on disk (autotune cache_results: Triton's cache dir, keyed by the kernel source,
-# the key arguments, the candidate tiles and the CUDA arch). H100 and H200 are both sm_90 and share entries; point
-# TRITON_CACHE_DIR elsewhere to retune on another card.
+# No `cache_results` (Triton's disk cache of autotune picks): kernels/tuning.py's store keeps the picks per GPU name
+# (Triton's is per arch, so an H100's picks served an H200) and keeps them when the Triton cache is cleared.
 
 
 def _stream_bytes(kind, named_args):
@@ -186,7 +178,7 @@ def _layernorm_fwd_tile(tile, X, R, H, Y, W, B, w, b, MEAN, RSTD, M, C, stride_x
 
 
 @triton.autotune(configs=_configs("fwd"), key=["C", "ADD_RESIDUAL", "HAS_BIAS"], prune_configs_by=_pruner("fwd"),
-                 do_bench=_tune_bench, cache_results=True)
+                 do_bench=_tune_bench)
 @triton.jit
 def _layernorm_fwd_kernel(X, R, H, Y, W, B, MEAN, RSTD, M, C, stride_x, stride_r, stride_h, stride_y, eps,
                           ADD_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -207,7 +199,7 @@ def _layernorm_fwd_kernel(X, R, H, Y, W, B, MEAN, RSTD, M, C, stride_x, stride_r
 
 
 @triton.autotune(configs=_configs("bwd"), key=["C", "HAS_DH", "HAS_BIAS"], prune_configs_by=_pruner("bwd"),
-                 do_bench=_tune_bench, cache_results=True)
+                 do_bench=_tune_bench)
 @triton.jit
 def _layernorm_bwd_kernel(X, DY, DH, DX, W, MEAN, RSTD, DW_PART, DB_PART, M, C, ROWS_PER_GROUP,
                           stride_x, stride_dy, stride_dh, stride_dx,
@@ -362,10 +354,9 @@ def layernorm_bwd(dy, x, weight, has_bias, mean, rstd, dh=None, n_groups=None):
     else:
         part.zero_()
     # second stage over the (n_groups, C) partials (~1.6 MB for C = 768, 17 MB at 16384): latency bound, so many
-    # narrow column strips with few dependent loop steps each. Measured on an H200 (bench/sweep_layernorm.py
-    # --dwdb, results/layernorm_s10.txt; columns x group rows a step, warps): 256 x 768 partials: 8 x 256 w4
-    # 2.5 us (16 x 64 w1 3.4); 256 x 4096: 16 x 256 w4 3.1 us (8 x 256 w4 3.9); one group per SM (128 x 8192 /
-    # 16384): 16 x 64 w1 2.8 / 3.8 us (8 x 256 w4 4.2 / 7.0)
+    # narrow column strips with few dependent loop steps each; the fastest (columns, group rows a step, warps) of
+    # bench/sweep_layernorm.py --dwdb (H200): 8 x 256 w4 up to 1024 wide (2.5 us at 256 x 768), 16-column strips
+    # above; with one group per SM (<= 192 groups) 64 rows a step on one warp (2.8 vs 4.2 us at 128 x 8192)
     block_c = 8 if C <= 1024 else 16
     block_g, warps = (64, 1) if n_groups <= 192 else (256, 4)
     _dwdb[(triton.cdiv(C, block_c),)](part[0], part[-1], dw, db, n_groups, C, HAS_BIAS=has_bias,

@@ -1,18 +1,15 @@
 """nanopara's Triton kernels as `torch.library` custom ops, so torch.compile can compile a model that uses them.
 
-Why: dynamo cannot trace our Python launchers (the attention autotuner mutates config lists it holds, raw
-`kernel[grid](...)` calls allocate and branch on Python values). A custom op is one opaque graph node: dynamo and
-AOTAutograd see only its schema, its shape function (`register_fake`) and its backward (`register_autograd`), and
-Inductor compiles everything around it (bias + GELU, residual adds, casts, the embedding sum) as usual.
+Why: dynamo cannot trace our Python launchers (autotuners, raw `kernel[grid](...)` calls that branch on Python
+values). A custom op is one opaque node: dynamo and AOTAutograd see its schema, shape function (`register_fake`)
+and backward (`register_autograd`); Inductor compiles everything around it (bias + GELU, residual adds, casts).
 
-Ops (namespace `nanopara`), forward and backward each their own op so that the compiled backward graph can call
-the backward kernel directly:
+Ops (namespace `nanopara`; forward and backward apart, so the compiled backward calls the backward kernel):
     attn_fwd(q, k, v, causal, sm_scale) -> (out, lse)          q, k, v, out (B, H, T, D); lse (B, H, T) fp32
     attn_bwd(do, q, k, v, out, lse, causal, sm_scale) -> (dq, dk, dv)
     attn_qkv_fwd(qkv, n_head, causal, sm_scale) -> (out, lse)  qkv (B, T, 3*H*D) packed [q | k | v] heads
     attn_qkv_bwd(do, qkv, out, lse, n_head, causal, sm_scale) -> dqkv (B, T, 3*H*D): one buffer, no stack copy
-        out/dq/dk/dv are (B, H, T, D) views of (B, T, H, D) memory, as the kernels allocate them: the fake
-        functions give the same strides, so Inductor's stride asserts hold and the head merge stays a free view.
+        out/dq/dk/dv: (B, H, T, D) views of (B, T, H, D) memory, and the fake functions say so (free head merge).
     layernorm_fwd(x, weight, bias?, eps, out_dtype?) -> (y, mean, rstd)     x (..., C); mean, rstd (M,) fp32,
         M = numel / C; y in out_dtype (the autocast dtype when y feeds a matmul) or x's dtype
     add_layernorm_fwd(x, residual, weight, bias?, eps, out_dtype?) -> (y, h, mean, rstd)     h = x + residual
@@ -20,13 +17,10 @@ the backward kernel directly:
     ce_fwd(logits, targets, n_vocab, ignore_index, loss_scale) -> (loss, lse)   logits (N, Vp); mean over valid rows
     ce_bwd(logits, targets, lse, grad, n_vocab, ignore_index, loss_scale) -> dlogits (N, Vp), a NEW buffer
 
-Cross-entropy trade-off. The eager path (kernels/cross_entropy.py) writes dlogits into the logits buffer during
-the forward (one read + one write of the logits, no extra memory). A custom op may not return or silently mutate
-its input, so here the forward only computes the loss and lse (one read of the logits, which stay saved for the
-backward instead of dlogits: same memory), and `ce_bwd` reads them again and writes dlogits into a new buffer
-(N x Vp more, for a moment). That costs one more pass over the logits (~0.8 ms per step for GPT-2 124M at
-B=32, T=1024 on an H200); `cross_entropy_inplace` below keeps the eager in-place path and makes torch.compile
-run it outside the graph (a graph break at the loss), which bench/bench_gpt.py measures against this one.
+Cross-entropy: a custom op may not mutate its input, so `ce_fwd` only reads the logits (saved for the backward
+instead of dlogits: same memory) and `ce_bwd` reads them again into a new buffer: one more pass over the logits
+than the eager in-place kernel (~0.8 ms a step at GPT-2 124M, B=32, H200). `cross_entropy_inplace` keeps that
+eager path under torch.compile (a graph break at the loss); bench/bench_gpt.py times both.
 
 Public functions (`attention`, `attention_qkv`, `layernorm`, `add_layernorm`, `cross_entropy`,
 `cross_entropy_inplace`) call the ops with autograd; they run the Triton kernels on any device (CPU tensors need
