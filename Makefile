@@ -1,6 +1,7 @@
 # nanopara: two commands do everything on a fresh machine
 #   make train [NGPU=N] [ARGS="--key=value ..."]    set up, prepare data if missing, train
 #   make test                                        set up, run the whole suite (GPU tests skip on CPU machines)
+#   make sample RUN=runs/default [ARGS="--prompt=..."] text from a run's newest checkpoint
 # On a machine whose python already has torch/triton/tiktoken (e.g. the GPU machines): add PY=python3.
 
 VENV    ?= .venv
@@ -17,7 +18,7 @@ HAS_GPU := $(shell $(PY) -c "import torch; print(int(torch.cuda.is_available()))
 DEFAULT_PRESET := $(if $(filter 1,$(HAS_GPU)),gpt2_124m,tiny)
 DEFAULT_DEVICE := $(if $(filter 1,$(HAS_GPU)),cuda,cpu)
 
-.PHONY: setup train test test-gpu bench data plot lint clean
+.PHONY: setup train sample test test-gpu bench data plot lint clean
 
 # the venv is only built when PY points into it
 $(VENV)/.done: pyproject.toml
@@ -38,16 +39,24 @@ data: setup
 data/shards/%/.done:
 	$(PY) data/prepare.py $* $(if $(MIRROR),--mirror $(MIRROR),)
 
+# defaults only for what ARGS leaves out (a key repeated in ARGS: the last one wins, as everywhere)
+TRAIN_ARGS = $(if $(findstring --preset=,$(ARGS)),,--preset=$(DEFAULT_PRESET)) \
+             $(if $(findstring --device=,$(ARGS)),,--device=$(DEFAULT_DEVICE)) $(ARGS)
+
 train: setup
 	@ds=$$(echo "$(ARGS)" | sed -n 's/.*--data.dataset=\([^ ]*\).*/\1/p'); ds=$${ds:-$(DATASET)}; \
 	  case "$$ds" in *.bin|*/*|*\**) ;; *) ls data/shards/$$ds/*train*.bin >/dev/null 2>&1 || \
 	    $(PY) data/prepare.py $$ds $(if $(MIRROR),--mirror $(MIRROR),) || exit 1;; esac
 ifeq ($(NGPU),1)
-	$(PY) train.py --preset=$(DEFAULT_PRESET) --device=$(DEFAULT_DEVICE) $(ARGS)
+	$(PY) train.py $(TRAIN_ARGS)
 else
-	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NGPU) train.py --preset=$(DEFAULT_PRESET) \
-	  --device=$(DEFAULT_DEVICE) $(ARGS)
+	@# one clear line for a bad configuration, instead of one per rank wrapped in torchrun's failure report
+	@$(PY) train.py --check_world=$(NGPU) $(TRAIN_ARGS)
+	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NGPU) train.py $(TRAIN_ARGS)
 endif
+
+sample: setup
+	$(PY) sample.py --out_dir=$(RUN) $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q tests

@@ -5,11 +5,10 @@ Modes, all with the same model, batch, bf16 autocast and fused AdamW, in the sam
     torch+compile  the same model under torch.compile (the baseline the kernel issue must beat by 1.30x)
     triton         nanopara's kernels (flash attention, fused LayerNorm(+residual), fused cross-entropy), eager
     triton+compile nanopara's kernels as custom ops (kernels/ops.py), the rest (matmuls, GELU, adds) compiled
-Variants append `:key=value` options to a mode (bench/notes_e2e.md has the measurements):
+Variants append `:key=value` options to a mode (notes/e2e.md has the measurements):
     ce=inplace|op   triton loss: eager fused kernel, in place (a graph break under compile) | custom ops
     attn=sdpa       triton mode with PyTorch's SDPA instead of our attention (isolates the attention kernel)
     attn=triton     our attention with the Triton kernels only (no Gluon Hopper forward / dK-dV: their A/B)
-    mlp=fused       triton eager modes with kernels/mlp.py (GELU in the GEMM epilogues) instead of Linear + GELU
     cmode=M         torch.compile(mode=M), e.g. max-autotune-no-cudagraphs, reduce-overhead
     graph=1         eager mode with each forward + backward replayed from a CUDA graph (nanopara/graph.py)
 e.g. `--modes torch+compile,triton+compile:ce=op,triton+compile:attn=sdpa`.
@@ -18,7 +17,7 @@ e.g. `--modes torch+compile,triton+compile:ce=op,triton+compile:attn=sdpa`.
         [--profile DIR]   also profile one step per mode: top-15 kernels and time per kernel family
 
 A step = forward + backward + clip + AdamW on one micro-batch of synthetic tokens (the loader costs ~nothing).
-tokens/s from the median step time; TFLOP/s and MFU from train.py's FLOP count and peak table.
+tokens/s from the median step time; TFLOP/s and MFU from nanopara/report.py's FLOP count and peak table.
 """
 from __future__ import annotations
 
@@ -35,11 +34,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanopara.config import PRESETS  # noqa: E402
-from nanopara.dp import build_engine  # noqa: E402
+from nanopara.parallel import build_engine  # noqa: E402
 from nanopara.graph import GraphedMicroStep  # noqa: E402
 from nanopara.mesh import Mesh  # noqa: E402
 from nanopara.model import GPT, TorchOps, TritonOps  # noqa: E402
-from train import flops_per_token, peak_flops  # noqa: E402
+from nanopara.report import flops_per_token, peak_flops  # noqa: E402
 
 
 class _TritonSdpaOps(TritonOps):
@@ -54,7 +53,7 @@ def parse_mode(mode: str):
     if kernels not in ("torch", "triton") or comp not in ("", "compile"):
         raise ValueError(f"unknown mode {mode!r}")
     kv = dict(o.split("=", 1) for o in opts)
-    unknown = set(kv) - {"ce", "attn", "cmode", "graph", "mlp"}
+    unknown = set(kv) - {"ce", "attn", "cmode", "graph"}
     if unknown:
         raise ValueError(f"unknown mode options {sorted(unknown)} in {mode!r}")
     return kernels, comp == "compile", kv
@@ -72,7 +71,7 @@ def make_step(mode: str, args, mesh: Mesh):
     attention_mod.HOPPER_FWD = attention_mod.HOPPER_BWD = kv.get("attn") != "triton"  # read at each call
     if kernels == "triton":
         cls = _TritonSdpaOps if kv.get("attn") == "sdpa" else TritonOps
-        model._ops[mesh.device.type] = cls(ce=kv.get("ce", "inplace"), fused_mlp=kv.get("mlp") == "fused")
+        model._ops[mesh.device.type] = cls(ce=kv.get("ce", "inplace"))
     engine = build_engine(model, mesh, cfg)
     if compiled:
         engine.model = torch.compile(engine.model, mode=kv.get("cmode"))
@@ -117,7 +116,7 @@ def run_mode(mode: str, args, mesh: Mesh) -> dict:
             losses.append(loss.item())
     dt = statistics.median(times)
     tok_s = args.batch * args.seq / dt
-    tflops = flops_per_token(cfg, n_params) * tok_s / 1e12
+    tflops = flops_per_token(cfg.model, n_params, cfg.train.seq_len) * tok_s / 1e12
     peak = peak_flops(mesh.device)
     res = {"mode": mode, "preset": args.preset, "batch": args.batch, "seq": args.seq, "step_ms": dt * 1e3,
            "tokens_per_s": tok_s, "tflops": tflops, "mfu": tflops * 1e12 / peak if peak else 0.0,

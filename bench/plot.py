@@ -4,8 +4,11 @@ Training loss (raw and smoothed) and validation loss against tokens seen (if tok
 Needs matplotlib (the optional `plot` extra: `pip install matplotlib`; `make plot` installs it when missing).
 """
 import argparse
-import json
 import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from nanopara.report import read_metrics  # noqa: E402
 
 
 def main():
@@ -17,9 +20,9 @@ def main():
     path = args.run if args.run.endswith(".jsonl") else os.path.join(args.run, "metrics.jsonl")
     if not os.path.isfile(path):
         raise SystemExit(f"error: no metrics file at {path}")
-    recs = [json.loads(ln) for ln in open(path) if ln.strip()]
-    train = [(r["step"], r["loss"]) for r in recs if "loss" in r and r["loss"] == r["loss"]]
-    val = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
+    steps, vals = read_metrics(path)  # a resumed run's records replace the abandoned ones
+    train = [(r["step"], r["loss"]) for r in steps if r["loss"] == r["loss"]]
+    val = [(r["step"], r["val_loss"]) for r in vals]
     if not train:
         raise SystemExit(f"error: {path} has no training loss lines")
     import matplotlib

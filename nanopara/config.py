@@ -49,12 +49,12 @@ class ModelConfig:
 class ParallelConfig:
     dp: int = -1                 # data parallel degree; -1 = whatever is left of the world size
     tp: int = 1                  # tensor parallel degree (Megatron column/row)
-    pp: int = 1                  # pipeline stages
-    cp: int = 1                  # context parallel (ring attention)
-    ep: int = 1                  # expert parallel (carved out of dp x cp)
+    pp: int = 1                  # pipeline stages: not built yet (issue open), must be 1
+    cp: int = 1                  # context parallel (ring attention): not built yet (issue open), must be 1
+    ep: int = 1                  # expert parallel (carved out of dp x cp): not built yet (issue open), must be 1
     zero: int = 0                # 0 = DDP, 1/2/3 = ZeRO stage
     sp: bool = False             # sequence parallel (needs tp > 1)
-    pp_schedule: str = "1f1b"    # gpipe | 1f1b | interleaved
+    pp_schedule: str = "1f1b"    # gpipe | 1f1b | interleaved (with pipeline parallel, issue open)
     bucket_mb: float = 25.0      # DDP gradient bucket size
     reduce_dtype: str = "fp32"   # DDP gradient all-reduce in fp32 | bf16 (half the bytes; grads stay fp32)
     grad_dests: str = "auto"     # Linear weight grads written straight into DDP/ZeRO-2 buffers (dp._set_grad_dests):
@@ -110,7 +110,8 @@ class Config:
     device: str = "auto"         # auto | cuda | cpu
     seed: int = 1337
     out_dir: str = "runs/default"
-    resume: bool = False         # continue from <out_dir>/latest
+    resume: bool = False         # continue from <out_dir>/ckpt/latest (or the newest complete checkpoint)
+    overwrite: bool = False      # start afresh in an out_dir that holds another run (its checkpoints and logs go)
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -121,42 +122,44 @@ class Config:
         return dataclasses.asdict(self)
 
     def check(self) -> None:
-        """Cross-field checks that need no process group; mesh-dependent checks live in mesh.py."""
+        """Every check that needs no process group: ranges of numeric keys first (nothing divides by zero below),
+        then choices, then combinations. The checks against the world size are parallel.check_layout."""
+        for key, rule, ok in _RULES:
+            section, _, name = key.rpartition(".")
+            value = getattr(getattr(self, section) if section else self, name)
+            if not ok(value):
+                raise ConfigError(f"--{key}={value} is out of range: it must be {rule}")
         m, p, t = self.model, self.parallel, self.train
+        for key, value, choices in (("device", self.device, ("auto", "cuda", "cpu")),
+                                    ("model.kernels", m.kernels, ("auto", "triton", "torch")),
+                                    ("train.dtype", t.dtype, ("auto", "bf16", "fp16", "fp32")),
+                                    ("parallel.reduce_dtype", p.reduce_dtype, ("fp32", "bf16")),
+                                    ("parallel.grad_dests", p.grad_dests, ("auto", "on", "off")),
+                                    ("parallel.pp_schedule", p.pp_schedule, ("gpipe", "1f1b", "interleaved"))):
+            if value not in choices:
+                raise ConfigError(f"{key} must be {'|'.join(choices)}, got {value!r}")
+        if not self.out_dir.strip():
+            raise ConfigError("--out_dir is empty: name the run directory")
+        if not self.data.dataset.strip():
+            raise ConfigError("--data.dataset is empty: name a dataset or a path/glob of .bin shards")
+        if self.resume and self.overwrite:
+            raise ConfigError("--resume and --overwrite contradict each other: choose one")
         if m.n_embd % m.n_head:
             raise ConfigError(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}")
-        if m.kernels not in ("auto", "triton", "torch"):
-            raise ConfigError(f"model.kernels must be auto|triton|torch, got {m.kernels!r}")
-        if self.device not in ("auto", "cuda", "cpu"):
-            raise ConfigError(f"device must be auto|cuda|cpu, got {self.device!r}")
-        if t.dtype not in ("auto", "bf16", "fp16", "fp32"):
-            raise ConfigError(f"train.dtype must be auto|bf16|fp16|fp32, got {t.dtype!r}")
         if t.seq_len > m.block_size:
             raise ConfigError(f"train.seq_len={t.seq_len} exceeds the model's context model.block_size={m.block_size}")
-        for name in ("steps", "micro_batch", "seq_len"):
-            if getattr(t, name) < 1:
-                raise ConfigError(f"train.{name} must be >= 1, got {getattr(t, name)}")
-        if t.tokens_per_step < 0:
-            raise ConfigError(f"train.tokens_per_step must be >= 0, got {t.tokens_per_step}")
-        if p.zero not in (0, 1, 2, 3):
-            raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3, got {p.zero}")
-        if p.reduce_dtype not in ("fp32", "bf16"):
-            raise ConfigError(f"parallel.reduce_dtype must be fp32 or bf16, got {p.reduce_dtype!r}")
+        if t.sample_tokens >= m.block_size:
+            raise ConfigError(f"train.sample_tokens={t.sample_tokens}: a sample starts from one token and fits in the "
+                              f"context, so at most model.block_size-1 = {m.block_size - 1}")
+        if t.tokens_per_step % (t.micro_batch * t.seq_len):
+            raise ConfigError(f"train.tokens_per_step={t.tokens_per_step} is not a multiple of micro_batch*seq_len = "
+                              f"{t.micro_batch}*{t.seq_len} = {t.micro_batch * t.seq_len}")
         if p.reduce_dtype != "fp32" and p.zero != 0:
             raise ConfigError("parallel.reduce_dtype=bf16 is implemented for DDP (parallel.zero=0) only")
-        if p.grad_dests not in ("auto", "on", "off"):
-            raise ConfigError(f"parallel.grad_dests must be auto, on or off, got {p.grad_dests!r}")
         if p.grad_dests == "on" and p.zero not in (0, 2):
             raise ConfigError("parallel.grad_dests=on applies to DDP and ZeRO-2 (parallel.zero=0 or 2) only")
-        if p.zero3_unit_blocks < 0:
-            raise ConfigError(f"parallel.zero3_unit_blocks must be >= 1 (or 0: auto), got {p.zero3_unit_blocks}")
         if p.zero3_unit_blocks != 0 and p.zero != 3:
             raise ConfigError("parallel.zero3_unit_blocks applies to ZeRO-3 (parallel.zero=3) only")
-        for name in ("tp", "pp", "cp", "ep"):
-            if getattr(p, name) < 1:
-                raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(p, name)}")
-        if p.dp == 0 or p.dp < -1:
-            raise ConfigError(f"parallel.dp must be >= 1 or -1 (infer), got {p.dp}")
         if p.sp and p.tp == 1:
             raise ConfigError("parallel.sp=true needs parallel.tp > 1 (sequence parallel shards within the tp group)")
         if p.tp > 1 and m.n_head % p.tp:
@@ -165,10 +168,48 @@ class Config:
             raise ConfigError(f"the MLP width 4*model.n_embd={4 * m.n_embd} is not divisible by parallel.tp={p.tp}")
         if p.sp and t.seq_len % p.tp:
             raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by parallel.tp={p.tp} (needed by sp)")
-        if p.pp_schedule not in ("gpipe", "1f1b", "interleaved"):
-            raise ConfigError(f"parallel.pp_schedule must be gpipe|1f1b|interleaved, got {p.pp_schedule!r}")
         if p.pp > 1 or p.cp > 1 or p.ep > 1:
-            raise ConfigError("parallel.pp/cp/ep > 1 are not implemented yet (see the issues); use dp, tp, sp, zero")
+            raise ConfigError("parallel.pp/cp/ep > 1 are not implemented yet (their issues are open); "
+                              "use dp, tp, sp and zero")
+        if t.cuda_graph and t.dtype == "fp16":
+            raise ConfigError("train.cuda_graph=true does not support train.dtype=fp16 (the loss scale changes between "
+                              "steps); use bf16")
+        if t.cuda_graph and t.compile:
+            raise ConfigError("train.cuda_graph=true and train.compile=true: use one (torch.compile's own graphs are "
+                              "mode='reduce-overhead')")
+
+
+def _positive(v) -> bool:
+    return v >= 1
+
+
+def _non_negative(v) -> bool:
+    return v >= 0
+
+
+# The range of every numeric key, checked first by Config.check (key, rule as the user reads it, test).
+_RULES = [
+    ("seed", "in [0, 2**32)", lambda v: 0 <= v < 2 ** 32),
+    *[(f"model.{k}", ">= 1", _positive) for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size",
+                                                    "vocab_multiple")],
+    ("model.dropout", "in [0, 1)", lambda v: 0 <= v < 1),
+    *[(f"train.{k}", ">= 1", _positive) for k in ("steps", "micro_batch", "seq_len", "val_steps", "log_every",
+                                                    "max_bad_steps")],
+    *[(f"train.{k}", ">= 0", _non_negative) for k in ("tokens_per_step", "warmup_steps", "weight_decay",
+                                                        "grad_clip", "val_every", "sample_every", "sample_tokens")],
+    ("train.lr", "in (0, 1]", lambda v: 0 < v <= 1),
+    ("train.min_lr_frac", "in [0, 1]", lambda v: 0 <= v <= 1),
+    ("train.beta1", "in [0, 1)", lambda v: 0 <= v < 1),
+    ("train.beta2", "in [0, 1)", lambda v: 0 <= v < 1),
+    ("train.eps", "in (0, 1)", lambda v: 0 < v < 1),
+    ("parallel.dp", ">= 1, or -1 (whatever is left of the world size)", lambda v: v >= 1 or v == -1),
+    *[(f"parallel.{k}", ">= 1", _positive) for k in ("tp", "pp", "cp", "ep", "timeout_s")],
+    ("parallel.zero", "0, 1, 2 or 3", lambda v: v in (0, 1, 2, 3)),
+    ("parallel.bucket_mb", "> 0", lambda v: v > 0),
+    ("parallel.zero3_unit_blocks", ">= 1 (or 0: auto)", _non_negative),
+    ("ckpt.every", ">= 0", _non_negative),
+    ("ckpt.keep", ">= 1", _positive),
+]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -220,6 +261,9 @@ PRESETS = {f.__name__: f for f in (tiny, gpt2_124m, gpt2_350m, gpt2_774m, gpt2_1
 # ----------------------------------------------------------------------------------------------------------------
 # command line: --preset=NAME first, then --key=value / --section.key=value overrides
 
+BARE_FLAGS = ("resume", "overwrite")  # --resume means --resume=true
+
+
 def _parse_value(text: str, typ, key: str):
     if typ in (bool, "bool"):
         low = text.lower()
@@ -263,16 +307,17 @@ def apply_override(cfg: Config, key: str, text: str) -> None:
 
 
 def parse_args(argv: list[str]) -> Config:
+    """One rule for a repeated key, --preset included: the last one wins, as in shells and most CLIs."""
     pairs = []
     for tok in argv:
+        if tok.startswith("--") and tok[2:] in BARE_FLAGS:
+            tok += "=true"
         if not tok.startswith("--") or "=" not in tok:
-            if tok.startswith("--") and tok[2:] in ("resume",):
-                tok = tok + "=true"  # bare flag
-            else:
-                raise ConfigError(f"arguments look like --key=value, got {tok!r}")
+            raise ConfigError(f"arguments look like --key=value, got {tok!r}")
         key, _, val = tok[2:].partition("=")
         pairs.append((key, val))
-    preset = next((v for k, v in pairs if k == "preset"), "gpt2_124m")
+    presets = [v for k, v in pairs if k == "preset"]
+    preset = presets[-1] if presets else "gpt2_124m"
     if preset not in PRESETS:
         close = difflib.get_close_matches(preset, PRESETS, n=1)
         raise ConfigError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}"
@@ -283,6 +328,22 @@ def parse_args(argv: list[str]) -> Config:
             apply_override(cfg, key, val)
     cfg.check()
     return cfg
+
+
+def help_text() -> str:
+    """Every key with its default and the comment beside its field: what `python train.py --help` prints."""
+    import inspect
+    import re
+    cfg, lines = Config(), ["usage: python train.py [--preset=NAME] [--section.key=value ...]  (a repeated key: the "
+                            f"last one wins)", f"presets: {', '.join(PRESETS)}", ""]
+    for cls, prefix in [(Config, "")] + [(type(getattr(cfg, f.name)), f.name + ".") for f in dataclasses.fields(cfg)
+                                         if dataclasses.is_dataclass(getattr(cfg, f.name))]:
+        notes = dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", inspect.getsource(cls), re.M))
+        obj = cfg if not prefix else getattr(cfg, prefix[:-1])
+        for f in dataclasses.fields(cls):
+            if not dataclasses.is_dataclass(getattr(obj, f.name)):
+                lines.append(f"  {f'--{prefix}{f.name}={getattr(obj, f.name)}':<40} {notes.get(f.name, '')}".rstrip())
+    return "\n".join(lines)
 
 
 def config_from_dict(d: dict) -> Config:

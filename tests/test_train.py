@@ -73,7 +73,12 @@ def test_resume_is_bit_exact(shards, tmp_path, accum):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     recs = [json.loads(ln) for ln in open(tmp_path / "part" / "metrics.jsonl")]
     steps = [r["step"] for r in recs if "loss" in r]
-    assert steps == list(range(8))  # resumed log continues without duplicates
+    assert steps == list(range(8)) + list(range(3, 8))  # appended, never clobbered: the first run's lines stay
+    marker = next(i for i, r in enumerate(recs) if "resumed_from" in r)
+    assert recs[marker]["step"] == 3 and recs[marker]["resumed_from"].endswith("step_000003")
+    assert [r["loss"] for r in recs[marker:] if "loss" in r] == full["losses"][3:]
+    from nanopara.report import read_metrics
+    assert [r["loss"] for r in read_metrics(tmp_path / "part" / "metrics.jsonl")[0]] == full["losses"]
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
@@ -81,20 +86,21 @@ def test_step_numbers_are_read_one_step_late(shards, tmp_path, monkeypatch, dtyp
     """A step is logged after the next step is issued (so the GPU does not wait for the host between steps), except
     where something needs its numbers first: every step under fp16 (the loss scale), the steps before validation
     and checkpoints, and the last. The log holds every step once, in order, either way."""
-    from nanopara.dp import _Engine
+    from nanopara.engine import Engine
+    from nanopara.report import Metrics
     issued, seen = [], {}
-    real_step, real_log = _Engine.step, train.Logger.log
+    real_step, real_log = Engine.step, Metrics.log
 
     def step(self, *a, **k):
         issued.append(1)
         return real_step(self, *a, **k)
 
     def log(self, rec, line=None):
-        if "loss" in rec:
+        if rec and "loss" in rec:
             seen[rec["step"]] = len(issued)  # optimizer steps issued when this step was logged
         return real_log(self, rec, line)
-    monkeypatch.setattr(_Engine, "step", step)
-    monkeypatch.setattr(train.Logger, "log", log)
+    monkeypatch.setattr(Engine, "step", step)
+    monkeypatch.setattr(Metrics, "log", log)
     train.main(argv(shards, tmp_path / "run", f"--train.dtype={dtype}", "--train.steps=8", "--train.val_every=4",
                     "--ckpt.every=0"))
     assert list(seen) == list(range(8))
@@ -115,11 +121,28 @@ def test_failed_save_keeps_previous_checkpoint(shards, tmp_path, monkeypatch):
         real_save(obj, path, *a, **k)
         raise OSError("disk full")
     monkeypatch.setattr(torch, "save", dying_save)
-    with pytest.raises(OSError, match="disk full"):
-        train.main(argv(shards, out, "--train.steps=4"))
+    with pytest.raises(checkpoint.CheckpointError, match=r"step 4 under .*ckpt: disk full; the previous checkpoint "
+                                                         r".*step_000002 is intact"):
+        train.main(argv(shards, out, "--train.steps=4", "--resume"))
     assert checkpoint.latest(out) == good
     state, meta = checkpoint.load(good, _mesh())
     assert meta["step"] == 2 and "model" in state
+    assert sorted(os.listdir(out / "ckpt")) == ["latest", "step_000002"]  # no half-written leftovers
+
+
+def test_failed_periodic_save_warns_and_training_goes_on(shards, tmp_path, monkeypatch, capsys):
+    real_save, calls = torch.save, {"n": 0}
+
+    def flaky_save(obj, path, *a, **k):  # the first save fails (disk full), the later ones work
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OSError(28, "No space left on device")
+        return real_save(obj, path, *a, **k)
+    monkeypatch.setattr(torch, "save", flaky_save)
+    s = train.main(argv(shards, tmp_path / "run", "--train.steps=4", "--ckpt.every=2", "--train.val_every=0"))
+    assert len(s["losses"]) == 4
+    assert "could not save the checkpoint of step 2" in capsys.readouterr().out
+    assert checkpoint.load(checkpoint.latest(tmp_path / "run"), _mesh())[1]["step"] == 4
 
 
 def test_nan_loss_skips_then_stops(shards, tmp_path, monkeypatch):
@@ -156,12 +179,12 @@ def test_errors_before_any_work(shards, tmp_path):
 def test_corrupt_checkpoint_is_a_clear_error(shards, tmp_path):
     out = tmp_path / "run"
     train.main(argv(shards, out, "--train.steps=2"))
-    shard = os.path.join(checkpoint.latest(out), "rank_00000.pt")
-    with open(shard, "r+b") as f:
+    step = os.path.join(out, "ckpt", "step_000002")
+    with open(os.path.join(step, "rank_00000.pt"), "r+b") as f:
         f.truncate(100)
-    with pytest.raises(checkpoint.CheckpointError, match="corrupt or unreadable"):
+    with pytest.raises(checkpoint.CheckpointError, match="truncated or corrupt"):
         train.main(argv(shards, out, "--train.steps=4", "--resume=true"))
-    with open(os.path.join(checkpoint.latest(out), "meta.json"), "w") as f:
+    with open(os.path.join(step, "meta.json"), "w") as f:
         f.write("{not json")
     with pytest.raises(checkpoint.CheckpointError, match="meta.json"):
         train.main(argv(shards, out, "--train.steps=4", "--resume=true"))

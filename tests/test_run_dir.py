@@ -1,0 +1,175 @@
+"""Run directories never lose work: refusing to mix runs, resume fallbacks, pruning, step times, one-line errors."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import train
+from nanopara import checkpoint
+from nanopara.config import ConfigError
+from nanopara.data import write_shard
+from nanopara.model import GPT
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    d = tmp_path_factory.mktemp("shards")
+    rng = np.random.default_rng(1)
+    toks = np.where(rng.random(30000) < 0.1, rng.integers(0, 256, 30000), np.tile(np.arange(0, 200, 3), 500)[:30000])
+    write_shard(str(d / "r_train_000000.bin"), toks)
+    write_shard(str(d / "r_val_000000.bin"), toks[:3000])
+    return str(d / "r_*.bin")
+
+
+def argv(shards, out_dir, *extra):
+    return ["--preset=tiny", "--device=cpu", f"--out_dir={out_dir}", f"--data.dataset={shards}",
+            "--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=32",
+            "--model.vocab_size=256", "--train.micro_batch=4", "--train.seq_len=16", "--train.steps=6",
+            "--train.warmup_steps=2", "--train.val_every=0", "--train.sample_tokens=0", "--train.lr=1e-2",
+            "--train.log_every=1", *extra]
+
+
+def snapshot(out):
+    files = {}
+    for dirpath, _, names in os.walk(out):
+        for n in names:
+            p = os.path.join(dirpath, n)
+            with open(p, "rb") as f:
+                files[os.path.relpath(p, out)] = f.read()
+    return files
+
+
+def steps_logged(out):
+    return [json.loads(ln)["step"] for ln in open(out / "metrics.jsonl") if '"loss"' in ln]
+
+
+def test_a_second_run_into_the_same_directory_refuses_and_loses_nothing(shards, tmp_path):
+    out = tmp_path / "run"
+    train.main(argv(shards, out, "--ckpt.every=2"))
+    before = snapshot(out)
+    with pytest.raises(checkpoint.CheckpointError, match="already holds a run .*--resume.*--overwrite.*--out_dir"):
+        train.main(argv(shards, out, "--train.steps=2", "--ckpt.every=2"))
+    assert snapshot(out) == before  # not one byte changed
+    train.main(argv(shards, out, "--train.steps=2", "--ckpt.every=2", "--overwrite"))  # asked for: starts afresh
+    assert sorted(os.listdir(out / "ckpt")) == ["latest", "step_000002"]
+    assert checkpoint.latest(out).endswith("step_000002") and steps_logged(out) == [0, 1]
+    with pytest.raises(ConfigError, match="contradict"):
+        train.main(argv(shards, out, "--resume", "--overwrite"))
+
+
+def test_pruning_never_removes_the_checkpoint_just_saved(shards, tmp_path):
+    out = tmp_path / "run"
+    train.main(argv(shards, out, "--ckpt.every=2", "--ckpt.keep=2"))
+    assert sorted(os.listdir(out / "ckpt")) == ["latest", "step_000004", "step_000006"]
+    (out / "ckpt" / "latest").write_text("step_000004\n")  # go back to step 4 and train to step 5
+    train.main(argv(shards, out, "--train.steps=5", "--resume"))
+    kept = sorted(os.listdir(out / "ckpt"))
+    assert "step_000005" in kept and checkpoint.latest(out).endswith("step_000005")
+    assert kept == ["latest", "step_000005", "step_000006"]  # by write time: step 4 is the oldest written
+
+
+def _two_checkpoints(shards, tmp_path):
+    out = tmp_path / "run"
+    full = train.main(argv(shards, out, "--ckpt.every=2", "--ckpt.keep=3", "--train.steps=4",
+                           "--ckpt.final=false"))
+    return out, full
+
+
+@pytest.mark.parametrize("damage", ["truncated", "no_latest", "dangling_latest", "bad_meta"])
+def test_resume_falls_back_to_the_newest_complete_checkpoint(shards, tmp_path, capsys, damage):
+    out, full = _two_checkpoints(shards, tmp_path)
+    newest = out / "ckpt" / "step_000004"
+    if damage == "truncated":
+        with open(newest / "rank_00000.pt", "r+b") as f:
+            f.truncate(1000)
+    elif damage == "no_latest":
+        os.remove(out / "ckpt" / "latest")
+    elif damage == "dangling_latest":
+        (out / "ckpt" / "latest").write_text("step_000099\n")
+    else:
+        (newest / "meta.json").write_text("{half")
+    resumed = train.main(argv(shards, out, "--resume"))
+    said = capsys.readouterr().out
+    if damage in ("no_latest", "dangling_latest"):  # step 4 is intact: it is the newest complete one
+        assert resumed["start"] == 4 and "took the newest complete checkpoint step_000004" in said
+    else:
+        assert resumed["start"] == 2 and "took the newest complete checkpoint step_000002" in said
+        assert resumed["losses"][:2] == full["losses"][2:4]  # bit-exact continuation from step 2
+    assert "no ckpt/latest" in said if damage == "no_latest" else "unusable" in said
+
+
+def test_resume_with_nothing_left_to_train_is_an_error(shards, tmp_path):
+    out = tmp_path / "run"
+    train.main(argv(shards, out, "--train.steps=3"))
+    before = snapshot(out)
+    with pytest.raises(ConfigError, match="step 3 and --train.steps=3: nothing left to train"):
+        train.main(argv(shards, out, "--train.steps=3", "--resume"))
+    assert snapshot(out) == before  # config.json and the log untouched
+
+
+@pytest.mark.parametrize("case", ["out_dir_is_a_file", "under_a_file", "ckpt_is_a_file", "unwritable"])
+def test_unusable_out_dir_is_one_line_before_any_work(tmp_path, case):
+    (tmp_path / "f").write_text("x")
+    out = {"out_dir_is_a_file": tmp_path / "f", "under_a_file": tmp_path / "f" / "run",
+           "ckpt_is_a_file": tmp_path / "run", "unwritable": "/proc/nanopara_run"}[case]
+    if case == "ckpt_is_a_file":
+        os.makedirs(out)
+        (out / "ckpt").write_text("x")
+    # a dataset that does not exist: the out_dir error must come first, before data or model work
+    with pytest.raises(checkpoint.CheckpointError, match="--out_dir|checkpoint folder of --out_dir") as e:
+        train.main(argv("/nonexistent/*.bin", out))
+    assert {"out_dir_is_a_file": "is a file", "under_a_file": "is a file", "ckpt_is_a_file": "is a file",
+            "unwritable": "not writable"}[case] in str(e.value)
+
+
+def test_cpu_step_times_are_each_steps_own(shards, tmp_path, monkeypatch):
+    """A clock that advances only inside the model's forward, by (k+1)/10 s in step k: each logged step time must be
+    exactly its own step's (not a neighbour's, not two steps' for step 0, not ~0 for the last), so they add up."""
+    import types
+
+    from nanopara import report
+    clock, real = {"t": 100.0, "calls": 0}, GPT.forward
+
+    def forward(self, *a, **k):
+        clock["calls"] += 1
+        if self.training:  # one forward per step (one micro-step, no validation)
+            clock["t"] += clock["calls"] / 10
+        return real(self, *a, **k)
+    monkeypatch.setattr(GPT, "forward", forward)
+    monkeypatch.setattr(report, "time", types.SimpleNamespace(perf_counter=lambda: clock["t"]))
+    train.main(argv(shards, tmp_path / "run", "--ckpt.final=false"))
+    dts = [json.loads(ln)["step_time_s"] for ln in open(tmp_path / "run" / "metrics.jsonl")]
+    np.testing.assert_allclose(dts, [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], rtol=1e-9)
+
+
+def _cli(args, env=None):
+    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=300)
+
+
+def test_config_errors_print_one_line_once(tmp_path):
+    bad = ["--preset=tiny", "--device=cpu", f"--out_dir={tmp_path}/x", "--train.log_every=0"]
+    r0, r1 = _cli(bad, {"RANK": "0"}), _cli(bad, {"RANK": "1"})  # as two ranks under torchrun
+    assert r0.returncode == r1.returncode == 2
+    assert r0.stderr.strip().splitlines() == ["error: --train.log_every=0 is out of range: it must be >= 1"]
+    assert r1.stderr.strip() == ""  # the same error on every rank is printed by rank 0 only
+    r = _cli(["--check_world=4", "--preset=tiny", "--device=cpu", "--parallel.tp=8", f"--out_dir={tmp_path}/y"])
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_make_train_checks_once_before_launching_and_honours_a_preset_in_args(tmp_path):
+    def make(args):
+        return subprocess.run(["make", "-s", "train", f"PY={sys.executable}", "NGPU=2", f"ARGS={args}"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+    r = make(f"--device=cpu --parallel.tp=3 --data.dataset={tmp_path}/*.bin --out_dir={tmp_path}/run")
+    said = [ln for ln in r.stderr.splitlines() if not ln.startswith("make")]  # make adds its own "Error 2" line
+    assert r.returncode != 0 and len(said) == 1 and said[0].startswith("error: model.n_head=4"), r.stderr
+    dry = subprocess.run(["make", "-n", "train", f"PY={sys.executable}", "ARGS=--preset=gpt2_124m --device=cpu"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60).stdout
+    line = next(ln for ln in dry.splitlines() if "train.py" in ln)
+    assert "--preset=gpt2_124m" in line and "--preset=tiny" not in line and line.count("--device=") == 1
