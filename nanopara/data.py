@@ -20,16 +20,20 @@ Tokenizer: `get_tokenizer()` returns tiktoken's GPT-2 encoding. Offline, tiktoke
 is unset and nothing is cached, the mirror's `tiktoken_cache/` is used (mirror = env NANOPARA_MIRROR, else
 `../shared/data` beside the repository when it exists).
 
-Callers: train.py (train/val loaders, loader state in checkpoints), data/prepare.py (write_shard, tokenizer).
+Split of a shard: the last part of its file name that is exactly `train` or `val` (`notes_train_000001.bin`, so a
+dataset named `interval` or `train_notes` still splits right), else whether `train`/`val` occurs in the name at all.
+
+Callers: train.py (train/val loaders, loader state in checkpoints), data/prepare.py (write_shard, tokenizer);
+torch is imported only when a loader makes batches, so prepare.py starts (and fails on bad input) without it.
 Quick look and loader speed:  python -m nanopara.data shakespeare --batch 8 --seq_len 1024
 """
 import argparse
 import glob
 import os
+import re
 import time
 
 import numpy as np
-import torch
 
 MAGIC, VERSION, HEADER_INTS = 20240520, 1, 256
 HEADER_BYTES = HEADER_INTS * 4
@@ -119,6 +123,12 @@ def read_shard(path):
     return np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(n,))
 
 
+def in_split(filename, split):
+    """True if a shard file name belongs to `split` ('train' or 'val'); rule in the module docstring."""
+    parts = [w for w in re.split(r"[^a-z]+", os.path.basename(filename).lower()) if w in ("train", "val")]
+    return parts[-1] == split if parts else split in os.path.basename(filename)
+
+
 def find_shards(dataset, split, data_dir="data/shards"):
     """Sorted shard paths of one split. `dataset`: a name (folder under data_dir) or a path/glob of .bin files
     whose names contain `train`/`val`."""
@@ -126,18 +136,19 @@ def find_shards(dataset, split, data_dir="data/shards"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     if not os.path.isabs(data_dir) and not os.path.isdir(data_dir):
         data_dir = os.path.join(REPO_ROOT, data_dir)  # run from outside the repo root
-    is_path = any(c in dataset for c in "/*?[") or dataset.endswith(".bin") or os.path.isdir(dataset)
-    if not is_path:
-        pattern = os.path.join(data_dir, dataset, f"*{split}*.bin")
-        files = sorted(glob.glob(pattern))
+    plain = not any(c in dataset for c in "/*?[") and not dataset.endswith(".bin")
+    # a prepared dataset wins over a same-named folder in the working directory (often the text it was made from)
+    if plain and (os.path.isdir(os.path.join(data_dir, dataset)) or not os.path.isdir(dataset)):
+        pattern = os.path.join(data_dir, dataset, "*.bin")
+        files = sorted(f for f in glob.glob(pattern) if in_split(f, split))
         if not files:
             how = (f"`make data DATASET={dataset}` or `python data/prepare.py {dataset}`" if dataset in DATASETS
-                   else f"`python data/prepare.py NAME` (NAME in {', '.join(DATASETS)}), or pass a path/glob of .bin "
-                        f"shards")
+                   else f"`python data/prepare.py NAME` (NAME in {', '.join(DATASETS)}), from your own text with "
+                        f"`python data/prepare.py text PATH --name {dataset}`, or pass a path/glob of .bin shards")
             raise FileNotFoundError(f"no {split} shards for dataset {dataset!r} ({pattern}); make them with {how}")
         return files
     pattern = os.path.join(dataset, "*.bin") if os.path.isdir(dataset) else dataset
-    files = sorted(f for f in glob.glob(pattern) if split in os.path.basename(f))
+    files = sorted(f for f in glob.glob(pattern) if in_split(f, split))
     if not files:
         raise FileNotFoundError(f"no .bin files with {split!r} in their names match {pattern!r}")
     return files
@@ -238,6 +249,7 @@ class TokenLoader:
         return self._mmaps[shard]
 
     def __next__(self):
+        import torch  # here, not at the top: see the module docstring
         order, cum = self._epoch_plan()
         first = self.position * self.rows + self.rank * self.B
         ks = np.arange(first, first + self.B)  # this rank's rows, as indices into the epoch's window list

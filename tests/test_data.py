@@ -1,4 +1,5 @@
 """Tests of nanopara/data.py (shards, loader) and data/prepare.py (shakespeare, books reader, downloads).
+Your own text, prepare's error messages and the no-network case: tests/test_prepare.py.
 
 Run: .venv/bin/python -m pytest tests/test_data.py -q   (~10 s on 2 cores; needs the mirror ../shared/data)
 Synthetic shards hold tokens that encode their own position (shard*10000 + index), so a batch tells exactly
@@ -143,6 +144,25 @@ def test_find_shards(tmp_path, shards):
         find_shards("shakespeare", "train", str(tmp_path / "shards"))
     with pytest.raises(FileNotFoundError, match="no .bin files with 'val'"):
         find_shards(str(tmp_path / "syn_*.bin"), "val")
+    with pytest.raises(FileNotFoundError, match=r"python data/prepare.py text PATH --name mine"):
+        find_shards("mine", "train", str(tmp_path / "shards"))
+
+
+def test_find_shards_split_by_name_part(tmp_path, monkeypatch):
+    """A dataset whose name holds `val` or `train` still splits by the last such part of each file name."""
+    for ds in ("interval", "train_notes"):
+        for split in ("val_000000", "train_000001"):
+            write_shard(str(tmp_path / "shards" / ds / f"{ds}_{split}.bin"), np.arange(10))
+        for split in ("train", "val"):
+            assert [os.path.basename(f) for f in find_shards(ds, split, str(tmp_path / "shards"))] == \
+                [f"{ds}_{split}_{'000001' if split == 'train' else '000000'}.bin"]
+    write_shard(str(tmp_path / "old" / "tiny_validation.bin"), np.arange(10))  # no exact part: substring rule
+    assert find_shards(str(tmp_path / "old"), "val") == [str(tmp_path / "old" / "tiny_validation.bin")]
+    # a folder `interval/` in the working directory (say, the text it was made from) does not hide the dataset
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "interval").mkdir(exist_ok=True)
+    (tmp_path / "interval" / "notes.txt").write_text("text")
+    assert len(find_shards("interval", "train", str(tmp_path / "shards"))) == 1
 
 # ----------------------------------------------------------------------------------------------------------------
 # loader
@@ -287,7 +307,7 @@ def test_books_reader_on_synthetic_corpus(tmp_path):
         n = len(enc.encode_ordinary(d)) + 1
         expect += n if expect < 200 and n <= 200 // 8 else 0
     assert n_val == expect > 0
-    with pytest.raises(SystemExit, match="no document is short enough"):
+    with pytest.raises(prepare.PrepareError, match="no document is short enough"):
         prepare.prepare_docs("books", docs, str(tmp_path / "v"), val_tokens=8, shard_tokens=97, procs=1)
     assert find_shards(str(out), "val") == files[:1]
 
@@ -348,7 +368,7 @@ def test_download_resumes_from_part(tmp_path):
 
     def not_found(req, timeout=None):
         raise urllib.error.HTTPError(req.full_url, 404, "Not Found", {}, None)
-    with pytest.raises(RuntimeError, match="HTTP 404"):
+    with pytest.raises(prepare.DownloadError, match="could not fetch https://x/h.bin: HTTP 404"):
         prepare.download("https://x/h.bin", str(tmp_path / "h.bin"), opener=not_found, backoff=0)
 
 
@@ -365,6 +385,6 @@ def test_fineweb_from_mirror(tmp_path):
     assert [read_header(f) for f in find_shards("fineweb10B", "train", str(tmp_path / "shards"))] == [500]
     assert sorted(os.listdir(out)) == ["fineweb_train_000001.bin", "fineweb_val_000000.bin"]
     (mirror / "fineweb10B" / "fineweb_train_000002.bin").write_bytes(b"\0" * 2000)  # corrupt mirror file
-    with pytest.raises(RuntimeError, match="fineweb_train_000002.bin: bad magic"):
+    with pytest.raises(prepare.PrepareError, match="fineweb_train_000002.bin: bad magic"):
         prepare.prepare_remote("fineweb10B", str(out), str(mirror), num_shards=2, opener=no_network)
     assert not os.path.exists(out / "fineweb_train_000002.bin")
