@@ -1,0 +1,474 @@
+"""Pipeline parallelism: split a GPT into stages, give every rank a schedule, run one step over send/recv.
+
+    chunks = split_model(model, mesh.pp, mesh.pp_rank, virtual=v)  # this rank's chunks; drop `model` after
+    tied = embedding_group(mesh)                     # collective, once: first + last stage of each replica
+    pipe = Pipeline(chunks, mesh, "1f1b", m, act_shape=(B, T, C))  # collective over the pp group
+    loss = pipe.step(inputs, targets)                # m micro-batches; grads accumulate; mean loss on every rank
+    sync_tied_grads(chunks, tied)                    # then the data-parallel reduction and the optimizer
+
+Split: the n_layer blocks go into pp*v chunks; chunk c lives on pp rank c % pp (Megatron-LM's interleaved
+placement; v = 1: one chunk per rank). Chunk 0 adds wte + wpe, the last chunk ln_f + lm_head + loss; parameter
+names stay the single-device model's ("transformer.h.5.attn.c_attn.weight"). The tied wte/lm_head weight is held
+twice, by the first stage (wte) and the last (lm_head, a copy marked `pp_tied_copy`); their gradients are summed
+over a 2-rank embedding group every step (Megatron-LM), so both copies take identical updates.
+
+Schedules (one function each) give every rank a list of actions (op, micro-batch, chunk), built once: F runs a
+chunk's forward, B its backward; under ZB-H1 B is the input gradient only and W the weight gradient. F receives
+its input from chunk-1's rank and sends its output to chunk+1's; B the reverse, with gradients. `program` turns a
+list into posts (the previous action's send with the next one's receive in one batch_isend_irecv; no shape
+handshake: every message is act_shape of act_dtype), waits (just before a received tensor is used) and runs.
+`simulate` runs all ranks' programs together under the strictest pairing NCCL allows (each rank's batches
+complete in posting order, a message once both ends are posted), so a schedule it accepts cannot hang
+(nccl#479); `bubble` gives a schedule's idle share at unit costs, to set beside measured bubbles.
+
+Called by tests/test_pp.py; parallel.py / train.py plug it in (the DP hook: `Pipeline(on_last_backward=...)`).
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import types
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanopara.model import GPT
+
+# ----------------------------------------------------------------------------------------------------------------
+# stage split
+
+
+def split_layers(n_layer: int, pp: int, virtual: int = 1, layers=None) -> list[range]:
+    """The global block indices of each of the pp*virtual chunks, in model order; `layers`: blocks per chunk."""
+    n = pp * virtual
+    if virtual > 1 and pp == 1:
+        raise ValueError(f"parallel.pp_virtual={virtual} needs parallel.pp > 1")
+    if layers is None:
+        if n_layer % n:
+            raise ValueError(f"model.n_layer={n_layer} is not divisible by parallel.pp*parallel.pp_virtual = "
+                             f"{pp}*{virtual} = {n}; set parallel.pp_layers to split it unevenly")
+        layers = [n_layer // n] * n
+    layers = list(layers)
+    if len(layers) != n:
+        raise ValueError(f"parallel.pp_layers={layers} has {len(layers)} entries; it needs one per chunk, "
+                         f"parallel.pp*parallel.pp_virtual = {n}")
+    if min(layers) < 1:
+        raise ValueError(f"parallel.pp_layers={layers}: every chunk needs at least one block")
+    if sum(layers) != n_layer:
+        raise ValueError(f"parallel.pp_layers={layers} sums to {sum(layers)}, but model.n_layer={n_layer}")
+    starts = list(itertools.accumulate([0] + layers))
+    return [range(a, b) for a, b in zip(starts, starts[1:])]
+
+
+class Chunk(nn.Module):
+    """Blocks `layers` of a GPT (global indices), with wte + wpe if it is the first chunk and ln_f + lm_head +
+    loss if the last. Submodules keep the GPT's names, so named_parameters() match the single-device model's."""
+
+    ops_for = GPT.ops_for
+
+    def __init__(self, model: GPT, index: int, layers: range, last: bool):
+        super().__init__()
+        self.cfg, self.index, self.layers, self.first, self.last = model.cfg, index, layers, index == 0, last
+        t = model.transformer
+        self.transformer = nn.ModuleDict()
+        if self.first:
+            self.transformer["wte"], self.transformer["wpe"] = t.wte, t.wpe
+        self.transformer["h"] = nn.ModuleDict({str(i): t.h[i] for i in layers})
+        if last:
+            self.transformer["ln_f"], self.lm_head = t.ln_f, model.lm_head
+        self._ops, self.is_tied = {}, False
+        self.loss_fn = types.MethodType(model.loss_fn.__func__, self)  # GPT's, or tp.py's vocab-parallel one
+        if hasattr(model, "tp_state"):
+            self.tp_state = model.tp_state
+        # tp.py's per-rank dropout stream (SP) wraps the model's forward; each chunk's forward takes its place
+        for hook in model._forward_pre_hooks.values():
+            self.register_forward_pre_hook(hook)
+        for hook in model._forward_hooks.values():
+            self.register_forward_hook(hook)
+
+    @property
+    def tied(self) -> nn.Parameter | None:
+        """This chunk's copy of the tied wte/lm_head weight (first or last chunk), else None."""
+        if not self.is_tied:
+            return None
+        return self.transformer["wte"].weight if self.first else self.lm_head.weight
+
+    def forward(self, x, targets=None):
+        """x: token ids (B, T) on the first chunk, else the residual stream (B, T, C) from the previous chunk.
+        Returns the residual stream for the next chunk, or the loss on the last."""
+        t = self.transformer
+        if self.first:
+            pos = torch.arange(x.shape[1], device=x.device)
+            x = F.dropout(t.wte(x) + t.wpe(pos), self.cfg.dropout, self.training)  # (B, T, C), as GPT.forward
+        ops = self.ops_for(x.device)
+        m = None
+        for block in t.h.values():
+            x, m = block(x, ops, None, m)
+        if not self.last:
+            return m + x  # the residual add the next block's fused LayerNorm would do, in its order (m + x)
+        x = ops.add_layernorm(m, x, t.ln_f)[0]
+        return self.loss_fn(self.lm_head(x), targets)
+
+
+def split_model(model: GPT, pp: int, pp_rank: int, virtual: int = 1, layers=None) -> list[Chunk]:
+    """This rank's chunks (global index pp_rank, pp_rank + pp, ...) of a GPT (single-device or after apply_tp).
+    The caller drops `model` afterwards, so only these chunks' modules stay alive."""
+    ranges = split_layers(model.cfg.n_layer, pp, virtual, layers)
+    chunks = [Chunk(model, c, ranges[c], c == len(ranges) - 1) for c in range(pp_rank, len(ranges), pp)]
+    if model.lm_head.weight is model.transformer.wte.weight:
+        for ch in chunks:
+            ch.is_tied = ch.first or ch.last
+        last = chunks[-1]
+        if last.last and not last.first:  # the last stage's own copy of the tied weight
+            old = model.lm_head.weight
+            w = nn.Parameter(old.detach().clone(), requires_grad=old.requires_grad)
+            w.__dict__.update(old.__dict__)  # tp.py's shard attributes (tp_dim, tp_parts, ...)
+            w.pp_tied_copy = True  # grad norms count the tied weight once: skip this copy
+            last.lm_head = copy.copy(model.lm_head)
+            last.lm_head._parameters = dict(last.lm_head._parameters)
+            last.lm_head.weight = w
+    return chunks
+
+
+def embedding_group(mesh):
+    """This rank's {first stage, last stage} group of the tied weight at its (dp, cp, tp) coordinate, or None
+    (pp = 1, or a middle stage). Collective: every rank creates every group, in the same order."""
+    if mesh.pp == 1:
+        return None
+    mine = None
+    for d, c, t in itertools.product(range(mesh.dp), range(mesh.cp), range(mesh.tp)):
+        ranks = [mesh.rank_of(pp=0, dp=d, cp=c, tp=t), mesh.rank_of(pp=mesh.pp - 1, dp=d, cp=c, tp=t)]
+        group = dist.new_group(ranks)
+        if mesh.rank in ranks:
+            mine = group
+    return mine
+
+
+def sync_tied_grads(chunks: list[Chunk], group) -> None:
+    """Sum the tied weight's two gradient halves (wte use on the first stage, lm_head use on the last), once per
+    step after the last backward and before any data-parallel reduce-scatter touches them (Megatron-LM#844)."""
+    for w in (ch.tied for ch in chunks if ch.tied is not None and group is not None):
+        if w.grad is None:
+            w.grad = torch.zeros_like(w)
+        dist.all_reduce(w.grad, group=group)
+
+
+def sync_tied_weights(chunks: list[Chunk], group, mesh) -> None:
+    """Copy the first stage's tied weight onto the last stage's copy (after loading weights)."""
+    for w in (ch.tied for ch in chunks if ch.tied is not None and group is not None):
+        dist.broadcast(w.detach(), src=mesh.rank_of(pp=0), group=group)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# schedules: per rank, the order of its actions
+
+
+@dataclass(frozen=True)
+class Action:
+    """Run `op` on micro-batch `mb` of global chunk `chunk`: first receive from rank `recv`, then send to `send`."""
+    op: str            # "F" forward | "B" backward (input grad, and weight grad unless the schedule has W) | "W"
+    mb: int
+    chunk: int         # lives on rank chunk % p
+    recv: int | None   # F: the activation from chunk-1's rank; B: the output's gradient from chunk+1's rank
+    send: int | None   # F: the activation to chunk+1's rank; B: the input's gradient to chunk-1's rank
+    joint: bool = False  # shares the previous action's communication batches (see `program`)
+
+
+def _act(op: str, mb: int, chunk: int, p: int, n: int, joint: bool = False) -> Action:
+    prev = (chunk - 1) % p if chunk > 0 else None
+    nxt = (chunk + 1) % p if chunk < n - 1 else None
+    return Action(op, mb, chunk, *{"F": (prev, nxt), "B": (nxt, prev), "W": (None, None)}[op], joint)
+
+
+def gpipe(p: int, m: int, rank: int, v: int = 1) -> list[Action]:
+    """GPipe (Huang et al. 2019): all m forwards, then all m backwards. Holds m micro-batches' activations."""
+    return [_act(op, i, rank, p, p) for op in "FB" for i in range(m)]
+
+
+def one_f_one_b(p: int, m: int, rank: int, v: int = 1) -> list[Action]:
+    """1F1B (PipeDream, Narayanan et al. 2019), flushed every step (PipeDream-Flush, as in Megatron-LM): holds at
+    most p - rank micro-batches' activations, against GPipe's m; the same bubble, (p-1)/m of the ideal step."""
+    F_, B_ = (lambda i: _act("F", i, rank, p, p)), (lambda i: _act("B", i, rank, p, p))
+    warm = min(p - 1 - rank, m)
+    acts = [F_(i) for i in range(warm)]                     # warm-up: fill the pipeline downstream of this rank
+    for i in range(m - warm):                               # steady: one forward, one backward
+        acts += [F_(warm + i), B_(i)]
+    return acts + [B_(i) for i in range(m - warm, m)]       # cool-down: drain the backwards
+
+
+def interleaved(p: int, m: int, rank: int, v: int) -> list[Action]:
+    """Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM): rank holds chunks rank, rank+p, ... Its k-th forward
+    runs local chunk (k mod pv) // p on micro-batch (k // pv)*p + k mod p: micro-batches go through in groups of p,
+    backwards walk the chunks in reverse. Warm-up (p-1-rank)*2 + (v-1)*p forwards; bubble (p-1)/(v*m) of the ideal."""
+    def at(k, op, joint=False):
+        j = (k % (p * v)) // p
+        return _act(op, (k // (p * v)) * p + k % p, (v - 1 - j if op == "B" else j) * p + rank, p, p * v, joint)
+
+    total = m * v
+    # m == p: every forward first (Megatron-LM does the same; the steady pairs would wait on each other)
+    warm = total if m == p else min((p - 1 - rank) * 2 + (v - 1) * p, total)
+    acts = [at(k, "F") for k in range(warm)]
+    for k in range(total - warm):  # steady: F and B exchange their messages in one batch, both directions
+        acts += [at(warm + k, "F"), at(k, "B", joint=True)]
+    return acts + [at(k, "B") for k in range(total - warm, total)]
+
+
+def zb_h1(p: int, m: int, rank: int, v: int = 1) -> list[Action]:
+    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): 1F1B's forwards and backwards, with each
+    backward split into B (input gradient: the rank upstream waits for it) and W (weight gradient: nobody waits).
+    Rank r runs W(i - r) after B(i) and its last r W's at the end, where 1F1B's cool-down would idle: at most p
+    micro-batches in flight on any rank (1F1B's peak) and, with equal F, B and W times, a bubble of
+    (p-1)/(3m+p-1) of the step against 1F1B's (p-1)/(m+p-1)."""
+    acts = []
+    for a in one_f_one_b(p, m, rank):
+        acts.append(a)
+        if a.op == "B" and a.mb >= rank:
+            acts.append(_act("W", a.mb - rank, rank, p, p))
+    return acts + [_act("W", i, rank, p, p) for i in range(m - rank, m)]
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb": zb_h1}
+
+
+def build_schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
+    """Every rank's action list for one step of m micro-batches; a bad setting is one clear ValueError."""
+    if name not in SCHEDULES:
+        raise ValueError(f"parallel.pp_schedule={name!r}: expected one of {', '.join(SCHEDULES)}")
+    if (name == "interleaved") != (v > 1):
+        raise ValueError(f"parallel.pp_virtual={v}: pp_schedule='interleaved' needs pp_virtual >= 2, "
+                         f"and the other schedules need pp_virtual=1 (got pp_schedule={name!r})")
+    if m < 1:
+        raise ValueError(f"a pipeline step needs at least one micro-batch, got {m}")
+    # 1F1B-type schedules: fewer micro-batches than stages leaves the pipeline idle most of the step
+    if name != "gpipe" and m < p:
+        raise ValueError(f"parallel.pp_schedule={name!r} needs at least parallel.pp={p} micro-batches per step, "
+                         f"got {m}: raise train.tokens_per_step or lower train.micro_batch (or use 'gpipe')")
+    if name == "interleaved" and p == 1:
+        raise ValueError("parallel.pp_schedule='interleaved' needs parallel.pp > 1")
+    if name == "interleaved" and m % p:
+        raise ValueError(f"parallel.pp_schedule='interleaved' runs micro-batches in groups of parallel.pp={p}: "
+                         f"{m} micro-batches per step is not a multiple of it")
+    return [SCHEDULES[name](p, m, r, v) for r in range(p)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# communication program and its simulator
+
+
+def _label(a: Action, side: str) -> tuple:
+    """What a message carries: ("act" | "grad", micro-batch, the chunk that consumes it)."""
+    if side == "recv":
+        return ("act" if a.op == "F" else "grad", a.mb, a.chunk)
+    return ("act", a.mb, a.chunk + 1) if a.op == "F" else ("grad", a.mb, a.chunk - 1)
+
+
+def program(actions: list[Action]) -> list[tuple]:
+    """The executor's exact steps for one rank: ("post", sends, recvs) with [(peer, label)], ("wait",), ("run", a).
+    A batch holds the sends of the previous action (or joint pair) and the receives of the next, so neighbours
+    that send to each other at the same point of the schedule post both messages in one group (1F1B: Megatron's
+    send_forward_recv_backward); it is waited on right before the actions that need what it receives."""
+    groups = []
+    for a in actions:
+        if a.joint and groups:
+            groups[-1].append(a)
+        else:
+            groups.append([a])
+    steps, sends = [], []
+    for group in groups:
+        recvs = [(a.recv, _label(a, "recv")) for a in group if a.recv is not None]
+        if sends or recvs:
+            steps.append(("post", sends, recvs))
+        if recvs:
+            steps.append(("wait",))
+        steps += [("run", a) for a in group]
+        sends = [(a.send, _label(a, "send")) for a in group if a.send is not None]
+    return steps + ([("post", sends, [])] if sends else [])
+
+
+def simulate(actions: list[list[Action]]) -> list[tuple[int, Action]]:
+    """Run every rank's program together; returns the (rank, action) order it ran in. Raises ValueError on a
+    message whose two ends disagree, an action on the wrong rank, a micro-batch's F/B/W out of order or not run
+    exactly once per chunk, or a deadlock. Pairing as on NCCL, strictest case: the k-th send from r to s meets
+    the k-th receive on s from r; a rank's batches complete in posting order (one stream); a message completes
+    when the batches of both its ends head their queues; "wait" blocks until all the rank has posted completes."""
+    p, progs, sent, recvd = len(actions), [], {}, {}  # (src, dst) -> labels, in posting order
+    for r, acts in enumerate(actions):
+        prog = []
+        for step in program(acts):
+            if step[0] == "post":  # name each message (src, dst, k): the k-th on its channel
+                batch = []
+                for peers, box, is_send in ((step[1], sent, True), (step[2], recvd, False)):
+                    for peer, label in peers:
+                        ch = (r, peer) if is_send else (peer, r)
+                        box.setdefault(ch, []).append(label)
+                        batch.append((*ch, len(box[ch])))
+                step = ("post", batch)
+            prog.append(step)
+        progs.append(prog)
+    for ch in sorted(sent.keys() | recvd.keys()):
+        if sent.get(ch, []) != recvd.get(ch, []):
+            raise ValueError(f"messages from rank {ch[0]} to rank {ch[1]} do not pair up: sent {sent.get(ch, [])}, "
+                             f"received {recvd.get(ch, [])}")
+    ops = "FBW" if any(a.op == "W" for acts in actions for a in acts) else "FB"
+    queue, pc, done, ran = [deque() for _ in range(p)], [0] * p, set(), []
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):  # hosts: run until a wait on batches not yet complete
+            while pc[r] < len(progs[r]) and not (progs[r][pc[r]][0] == "wait" and queue[r]):
+                step, pc[r], progress = progs[r][pc[r]], pc[r] + 1, True
+                if step[0] == "post":
+                    queue[r].append(step[1])
+                elif step[0] == "run":
+                    a = step[1]
+                    before = ops[ops.index(a.op) - 1] if a.op != "F" else None
+                    if a.chunk % p != r:
+                        raise ValueError(f"rank {r} runs {a}, but chunk {a.chunk} lives on rank {a.chunk % p}")
+                    if (a.op, a.mb, a.chunk) in done or (before and (before, a.mb, a.chunk) not in done):
+                        raise ValueError(f"rank {r}: {a.op} of micro-batch {a.mb}, chunk {a.chunk} runs twice or "
+                                         f"before its {before}")
+                    done.add((a.op, a.mb, a.chunk))
+                    ran.append((r, a))
+        at_head = [msg for q in queue if q for msg in q[0]]  # devices: both ends at the heads -> complete
+        done |= {msg for msg in at_head if at_head.count(msg) == 2}
+        for q in queue:
+            if q and all(msg in done for msg in q[0]):
+                q.popleft()
+                progress = True
+    stuck = [f"rank {r} at {progs[r][pc[r]] if pc[r] < len(progs[r]) else 'the end'}"
+             for r in range(p) if pc[r] < len(progs[r]) or queue[r]]
+    if stuck:
+        raise ValueError("pipeline schedule deadlocks: " + "; ".join(stuck))
+    m, n = max(a.mb for _, a in ran) + 1, max(a.chunk for _, a in ran) + 1
+    missing = {(op, i, c) for op in ops for i in range(m) for c in range(n)} - done
+    if missing:
+        raise ValueError(f"the schedule never runs {sorted(missing)[:4]} (every op in {ops} of every micro-batch "
+                         f"< {m} on every chunk < {n} must run once)")
+    return ran
+
+
+def bubble(actions: list[list[Action]]) -> float:
+    """The idle share of a step when F, B and W each take one unit (B two where it includes W; a chunk of a
+    rank holding v chunks 1/v of that) and messages are free: the schedule's bubble, for comparison with the
+    measured one. GPipe and 1F1B: (p-1)/(m+p-1); interleaved: (p-1)/(v*m+p-1); ZB-H1: (p-1)/(3m+p-1)."""
+    p, n = len(actions), max(a.chunk for acts in actions for a in acts) + 1
+    split = any(a.op == "W" for a in actions[0])
+    cost = {"F": p / n, "B": (1 if split else 2) * p / n, "W": p / n}
+    end, free, pc = {}, [0.0] * p, [0] * p
+    while any(pc[r] < len(actions[r]) for r in range(p)):
+        for r in range(p):
+            while pc[r] < len(actions[r]):
+                a = actions[r][pc[r]]
+                deps = {"F": [("F", a.mb, a.chunk - 1)] if a.chunk > 0 else [],
+                        "B": [("F", a.mb, a.chunk)] + ([("B", a.mb, a.chunk + 1)] if a.chunk < n - 1 else []),
+                        "W": [("B", a.mb, a.chunk)]}[a.op]
+                if any(d not in end for d in deps):
+                    break
+                end[(a.op, a.mb, a.chunk)] = free[r] = max([free[r]] + [end[d] for d in deps]) + cost[a.op]
+                pc[r] += 1
+    work = sum(cost[a.op] for a in actions[0])
+    return 1 - work / max(free)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# executor
+
+
+class Pipeline:
+    """Runs one step's m micro-batches on this rank's chunks, from its action list of `schedule`. Built by every
+    rank of the pp group together (one all-reduce: NCCL wants the first call on a group to involve all of it).
+
+    act_shape / act_dtype: every message between chunks, e.g. (micro_batch, seq_len, n_embd) fp32 (the residual
+    stream's dtype; (B, T/tp, C) under sequence parallel). on_last_backward(chunk) is called right before the
+    action that adds the last gradient of the step to the chunk's weights (its last B; ZB-H1: its last W): the
+    point where a data-parallel engine turns its gradient reduction on for that chunk's parameters, so the
+    reduction overlaps the backwards still to run on this rank and downstream."""
+
+    def __init__(self, chunks: list[Chunk], mesh, schedule: str, n_micro: int, act_shape: tuple,
+                 act_dtype: torch.dtype = torch.float32, on_last_backward: Callable[[Chunk], None] | None = None):
+        self.actions = build_schedule(schedule, mesh.pp, n_micro, len(chunks))[mesh.pp_rank]
+        self.program = program(self.actions)
+        self.chunks = {ch.index: ch for ch in chunks}
+        if {a.chunk for a in self.actions} != set(self.chunks):
+            raise ValueError(f"pp rank {mesh.pp_rank} holds chunks {sorted(self.chunks)}, but the schedule runs "
+                             f"{sorted({a.chunk for a in self.actions})}: split with the same pp and pp_virtual")
+        self.m, self.split = n_micro, any(a.op == "W" for a in self.actions)
+        self.act_shape, self.act_dtype, self.device = torch.Size(act_shape), act_dtype, mesh.device
+        self.on_last_backward = on_last_backward
+        grad_op = "W" if self.split else "B"
+        self.last_grad = {a.chunk: a for a in self.actions if a.op == grad_op}
+        self.group = mesh.groups.get("pp") if mesh.pp > 1 else None
+        self.ranks = [mesh.rank_of(pp=i) for i in range(mesh.pp)]  # pp index (as in Action) -> global rank
+        if self.group is not None:
+            dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
+
+    def step(self, inputs=None, targets=None, loss_scale: float = 1.0) -> torch.Tensor:
+        """Forward and backward m micro-batches: inputs[i] token ids (B, T) of micro-batch i (read on the first
+        stage), targets[i] (B, T) (read on the last). Each micro-batch backpropagates loss * loss_scale / m; the
+        chunks' .grad accumulate over the step. Returns the mean loss (0-dim, unscaled) on every pp rank."""
+        for name, given, needed in (("inputs", inputs, 0 in self.chunks),
+                                    ("targets", targets, any(ch.last for ch in self.chunks.values()))):
+            if needed and (given is None or len(given) != self.m):
+                raise ValueError(f"this pipeline stage needs {name} for all {self.m} micro-batches of the step")
+        data = dict(inputs=inputs, targets=targets, scale=loss_scale)
+        saved, losses, received, outgoing, inflight = {}, {}, {}, {}, []  # messages keyed by label
+        for step in self.program:
+            if step[0] == "post":
+                ops = [dist.P2POp(dist.isend, outgoing.pop(label), self.ranks[peer], self.group)
+                       for peer, label in step[1]]
+                for peer, label in step[2]:
+                    received[label] = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
+                    ops.append(dist.P2POp(dist.irecv, received[label], self.ranks[peer], self.group))
+                inflight.append((dist.batch_isend_irecv(ops), ops))  # ops keep the sent tensors alive
+            elif step[0] == "wait":  # a rank's batches complete in order: wait for all posted so far
+                inflight = _wait(inflight)
+            else:
+                a = step[1]
+                if self.on_last_backward is not None and self.last_grad[a.chunk] == a:
+                    self.on_last_backward(self.chunks[a.chunk])
+                sent = self._run(a, received.pop(_label(a, "recv"), None), saved, losses, data)
+                if a.send is not None:
+                    outgoing[_label(a, "send")] = sent
+        _wait(inflight)
+        loss = torch.stack([losses[i] for i in sorted(losses)]).mean() if losses else \
+            torch.zeros((), device=self.device)
+        if self.group is not None:  # the last stage's loss, for every rank's log line
+            dist.broadcast(loss, self.ranks[-1], group=self.group)
+        return loss
+
+    def _run(self, a: Action, got, saved: dict, losses: dict, data: dict):
+        """One action; returns the tensor to send (F: the activation; B: the input's gradient) or None."""
+        ch, key = self.chunks[a.chunk], (a.chunk, a.mb)
+        if a.op == "F":
+            x = data["inputs"][a.mb] if ch.first else got.requires_grad_()
+            y = ch(x, data["targets"][a.mb] if ch.last else None)
+            if ch.last:
+                losses[a.mb] = y.detach()
+                y = y * data["scale"] / self.m  # the loss is scaled once, here
+            elif y.shape != self.act_shape or y.dtype != self.act_dtype:
+                raise ValueError(f"chunk {a.chunk} returns {tuple(y.shape)} {y.dtype}, but the pipeline was "
+                                 f"built for messages of {tuple(self.act_shape)} {self.act_dtype}")
+            saved[key] = (x, y)
+            return None if ch.last else y.detach()
+        if a.op == "W":  # the weight gradients of a micro-batch whose input gradient B already sent
+            x, y, grad = saved.pop(key)
+            torch.autograd.backward(y, grad, inputs=[p for p in ch.parameters() if p.requires_grad])
+            return None
+        x, y = saved.pop(key)
+        if not self.split:  # stage-boundary backward: input and weight gradients in one pass
+            torch.autograd.backward(y, got)
+            return None if ch.first else x.grad
+        saved[key] = (x, y, got)  # ZB: B is the input gradient only; the graph stays for W
+        return None if ch.first else torch.autograd.grad(y, x, got, retain_graph=True)[0]
+
+
+def _wait(inflight: list) -> list:
+    for works, _ in inflight:
+        for w in works:
+            w.wait()
+    return []

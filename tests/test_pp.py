@@ -1,0 +1,320 @@
+"""Pipeline parallel (nanopara/pp.py): schedules simulated together, and pipelined steps against one process.
+
+Schedules: every schedule for p = 2, 3, 4 and several m runs through `simulate` (no deadlock under the strictest
+NCCL pairing, F before B before W, every (micro-batch, chunk) once) and hits its paper's bubble formula.
+
+Distributed: gloo processes on the CPU (fp32, torch kernels, one thread each) train a tiny GPT with each schedule
+and AdamW for STEPS steps; pytest compares with the single-process model on the same micro-batches, computed in
+this process with one thread too (matmul results depend on the thread count). Per chunk the pipeline runs the
+same ops in the same order, so the first step's loss and every untied gradient are bit-exact. The tied
+wte/lm_head gradient is summed in another order (sum_i e_i + sum_i h_i against sum_i (e_i + h_i)): ~1 ulp of fp32,
+which AdamW carries into later losses and weights (measured worst: see the tolerances). pp2 x dp2 averages two per-rank
+means instead of one mean over both ranks' rows: the same rounding-level difference, same tolerance.
+
+    .venv/bin/python -m pytest -q tests/test_pp.py
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from nanopara import pp
+from nanopara.config import ModelConfig
+from nanopara.mesh import Mesh
+from nanopara.model import GPT
+from tests.distributed import spawn
+
+B, T, C, STEPS = 2, 16, 32, 3
+# Measured worst differences (torch 2.13 CPU, 3 AdamW steps at lr 1e-2) and the bounds, ~5x above them; a missing
+# or misplaced gradient moves a weight by ~lr per step and the loss by >1e-3:
+LOSS_TOL = dict(rtol=1e-6, atol=0)    # 4.8e-7 on a loss of ~3.9 (2 ulp), pp2 x dp2
+GRAD_TOL = dict(rtol=0, atol=1e-7)    # 2.2e-8 pp2 x dp2; 7.5e-9 the tied wte gradient at dp = 1
+WEIGHT_TOL = dict(rtol=0, atol=1e-5)  # 1.8e-6 pp2 x dp2; 5.3e-7 at pp4
+
+
+def _cfg(n_layer: int) -> ModelConfig:
+    return ModelConfig(n_layer=n_layer, n_head=2, n_embd=C, block_size=T, vocab_size=50, vocab_multiple=64,
+                       kernels="torch")
+
+
+def _batches(step: int, m: int, rows: int):
+    """m micro-batches of `rows` sequences: token ids and next-token targets, the same in every process."""
+    g = torch.Generator().manual_seed(1000 + step)
+    tok = torch.randint(0, 50, (m, rows, T + 1), generator=g)
+    return tok[:, :, :-1], tok[:, :, 1:]
+
+
+def _optimizer(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# schedules: simulated, no processes
+
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zb", 1)]
+
+
+def _ms(name: str, p: int) -> list[int]:
+    if name == "interleaved":
+        return [p, 2 * p, 3 * p]
+    return ([1, 2] if name == "gpipe" else []) + [p, p + 1, 2 * p + 1]
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("name, v", SCHEDULES)
+def test_schedules_simulate_without_deadlock_and_hit_their_bubble(name, v, p):
+    for m in _ms(name, p):
+        acts = pp.build_schedule(name, p, m, v)
+        ran = pp.simulate(acts)  # raises on deadlock, mismatched messages, F/B/W order, missing or repeated work
+        assert len(ran) == m * p * v * (3 if name == "zb" else 2)
+        # memory: at most p micro-batches in flight (forward done, last backward not yet) on a rank, except GPipe
+        if name in ("1f1b", "zb"):
+            for r, rank_acts in enumerate(acts):
+                live, peak = 0, 0
+                for a in rank_acts:
+                    live += 1 if a.op == "F" else -1 if a.op == ("W" if name == "zb" else "B") else 0
+                    peak = max(peak, live)
+                assert peak <= (p if name == "zb" else p - r)
+        units = {"gpipe": m, "1f1b": m, "interleaved": v * m, "zb": 3 * m}[name]
+        assert pp.bubble(acts) == pytest.approx((p - 1) / (units + p - 1), abs=1e-12), (name, p, m)
+
+
+def test_simulator_detects_deadlock_and_mismatched_messages():
+    # rank 0 waits for micro-batch 0's gradient before sending micro-batch 1's activation, which rank 1 needs
+    # first (it runs both forwards before any backward): a cycle
+    acts = pp.build_schedule("gpipe", 2, 2)
+    acts[0] = [acts[0][i] for i in (0, 2, 1, 3)]  # F0 B0 F1 B1
+    with pytest.raises(ValueError, match="deadlocks"):
+        pp.simulate(acts)
+    swapped = pp.build_schedule("gpipe", 2, 2)
+    swapped[1] = [swapped[1][i] for i in (1, 0, 2, 3)]  # rank 1 consumes micro-batch 1's activation first
+    with pytest.raises(ValueError, match="do not pair up"):
+        pp.simulate(swapped)
+    late = pp.build_schedule("1f1b", 2, 2)
+    late[1] = [late[1][i] for i in (1, 0, 2, 3)]  # last rank: B0 before its F0
+    with pytest.raises(ValueError, match="before its F"):
+        pp.simulate(late)
+    short = pp.build_schedule("zb", 2, 2)
+    short[0] = [a for a in short[0] if not (a.op == "W" and a.mb == 1)]
+    with pytest.raises(ValueError, match="never runs"):
+        pp.simulate(short)
+
+
+def test_simulator_pairs_messages_as_strictly_as_nccl():
+    """Interleaved 1F1B posts each steady F/B pair's messages as one batch (`joint`). Posted one action at a time
+    instead, the data dependencies still close (bubble() runs it), but two neighbours each wait on a batch queued
+    behind a message the other has not posted yet: a hang on one NCCL stream per rank, which simulate reports."""
+    acts = [[dataclasses.replace(a, joint=False) for a in rank_acts] for rank_acts in
+            pp.build_schedule("interleaved", 2, 4, 2)]
+    assert pp.bubble(acts) > 0
+    with pytest.raises(ValueError, match="deadlocks"):
+        pp.simulate(acts)
+
+
+def test_bad_settings_are_one_clear_error():
+    with pytest.raises(ValueError, match=r"model.n_layer=6 is not divisible by parallel.pp\*parallel.pp_virtual"):
+        pp.split_layers(6, 2, 2)
+    with pytest.raises(ValueError, match="sums to 5, but model.n_layer=6"):
+        pp.split_layers(6, 2, layers=[2, 3])
+    with pytest.raises(ValueError, match="every chunk needs at least one block"):
+        pp.split_layers(6, 3, layers=[3, 3, 0])
+    with pytest.raises(ValueError, match="needs one per chunk"):
+        pp.split_layers(6, 2, layers=[1, 2, 3])
+    with pytest.raises(ValueError, match="pp_virtual=2 needs parallel.pp > 1"):
+        pp.split_layers(6, 1, 2)
+    assert [list(r) for r in pp.split_layers(6, 3, layers=[1, 3, 2])] == [[0], [1, 2, 3], [4, 5]]
+    with pytest.raises(ValueError, match="'1f1b' needs at least parallel.pp=3 micro-batches per step, got 2"):
+        pp.build_schedule("1f1b", 3, 2)
+    with pytest.raises(ValueError, match="'zb' needs at least parallel.pp=4"):
+        pp.build_schedule("zb", 4, 3)
+    with pytest.raises(ValueError, match="groups of parallel.pp=2: 3 micro-batches per step is not a multiple"):
+        pp.build_schedule("interleaved", 2, 3, 2)
+    with pytest.raises(ValueError, match="'interleaved' needs pp_virtual >= 2"):
+        pp.build_schedule("interleaved", 2, 4, 1)
+    with pytest.raises(ValueError, match="pp_schedule='bogus'"):
+        pp.build_schedule("bogus", 2, 4)
+    assert len(pp.build_schedule("gpipe", 3, 2)[0]) == 4  # GPipe runs m < p: only the bubble grows
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# split, in one process
+
+def test_split_keeps_names_layers_and_a_tied_copy():
+    torch.manual_seed(0)
+    model = GPT(_cfg(6))
+    full = dict(model.named_parameters())
+    first, = pp.split_model(model, 3, 0, layers=[1, 3, 2])
+    mid, = pp.split_model(model, 3, 1, layers=[1, 3, 2])
+    last, = pp.split_model(model, 3, 2, layers=[1, 3, 2])
+    assert (list(first.layers), list(mid.layers), list(last.layers)) == ([0], [1, 2, 3], [4, 5])
+    names = [set(dict(ch.named_parameters())) for ch in (first, mid, last)]
+    assert names[0] | names[1] | names[2] == set(full) | {"lm_head.weight"}
+    assert names[1] == {n for n in full if n.split(".")[2:3] in (["1"], ["2"], ["3"])}
+    assert first.tied is full["transformer.wte.weight"] and mid.tied is None
+    assert last.tied is not first.tied and torch.equal(last.tied, first.tied) and last.tied.pp_tied_copy
+    # pp = 1: one chunk, the single-device model; the tied weight stays one parameter
+    only, = pp.split_model(model, 1, 0)
+    assert only.lm_head.weight is only.transformer["wte"].weight
+    assert dict(only.named_parameters()).keys() == full.keys()
+
+
+def test_pp1_pipeline_is_the_single_process_step():
+    """pp = 1 (no process group): the executor's loss and grads equal plain gradient accumulation, bit for bit."""
+    torch.manual_seed(0)
+    ref = GPT(_cfg(2))
+    torch.manual_seed(0)
+    chunks = pp.split_model(GPT(_cfg(2)), 1, 0)
+    mesh = Mesh.build(dp=1, pp=1, device="cpu")
+    xs, ys = _batches(0, 3, B)
+    loss = pp.Pipeline(chunks, mesh, "1f1b", 3, (B, T, C)).step(xs, ys)
+    ref_losses = [ref(x, y)[1] for x, y in zip(xs, ys)]
+    for lo in ref_losses:
+        (lo / 3).backward()
+    assert torch.equal(loss, torch.stack([lo.detach() for lo in ref_losses]).mean())
+    for (name, p), (_, q) in zip(chunks[0].named_parameters(), ref.named_parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# distributed: pipelined training against one process
+
+def _runs(p: int) -> dict:
+    """name -> (schedule, m, v, n_layer, layers): each schedule, m not a multiple of p where allowed."""
+    n = 2 * p
+    runs = {"gpipe": ("gpipe", p + 1, 1, n, None), "1f1b": ("1f1b", 2 * p + 1, 1, n, None),
+            "interleaved": ("interleaved", 2 * p, 2, n, None), "zb": ("zb", p + 1, 1, n, None)}
+    if p == 3:
+        runs["1f1b_uneven"] = ("1f1b", p, 1, 6, [1, 3, 2])
+    if p == 2:
+        runs["gpipe_m1"] = ("gpipe", 1, 1, 4, None)
+    return runs
+
+
+def _worker(rank, world, p, runs, out_file):
+    torch.set_num_threads(1)
+    mesh = Mesh.build(dp=world // p, pp=p, device="cpu")
+    tied = pp.embedding_group(mesh)
+    results = {}
+    for name, (schedule, m, v, n_layer, layers) in runs.items():
+        torch.manual_seed(0)
+        chunks = pp.split_model(GPT(_cfg(n_layer)), p, mesh.pp_rank, v, layers)  # the GPT itself is dropped
+        for ch in chunks:  # a stale last-stage copy (say, loaded from elsewhere) is restored from the first stage
+            if ch.tied is not None and not ch.first:
+                with torch.no_grad():
+                    ch.tied.add_(1.0)
+        pp.sync_tied_weights(chunks, tied, mesh)
+        hook_calls = []
+        probe = {}  # chunk -> a weight's grad when the hook fires (the last backward has not run yet)
+
+        def hook(ch):
+            w = next(iter(ch.transformer["h"].values())).mlp.c_fc.weight
+            hook_calls.append(ch.index)
+            probe[ch.index] = None if w.grad is None else w.grad.clone()
+
+        pipe = pp.Pipeline(chunks, mesh, schedule, m, (B, T, C), on_last_backward=hook)
+        params = [q for ch in chunks for q in ch.parameters()]
+        opt = _optimizer(params)
+        losses, grads0, partial = [], {}, True
+        for step in range(STEPS):
+            xs, ys = _batches(step, m, B * mesh.dp)
+            rows = slice(mesh.dp_rank * B, (mesh.dp_rank + 1) * B)
+            loss = pipe.step(list(xs[:, rows]), list(ys[:, rows]))
+            pp.sync_tied_grads(chunks, tied)
+            if mesh.dp > 1:  # what a DP engine does after the pipeline: average over the replicas
+                for q in params:
+                    dist.all_reduce(q.grad, group=mesh.dp_group)
+                    q.grad /= mesh.dp
+                dist.all_reduce(loss, group=mesh.dp_group)
+                loss /= mesh.dp
+            for ch in chunks:
+                w = next(iter(ch.transformer["h"].values())).mlp.c_fc.weight
+                partial &= m == 1 or probe[ch.index] is not None and not torch.equal(probe[ch.index], w.grad)
+            if step == 0:
+                grads0 = {n: q.grad.clone() for ch in chunks for n, q in ch.named_parameters()}
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        results[name] = dict(losses=losses, grads0=grads0, hook_calls=hook_calls, partial=partial,
+                             weights={n: q.detach().clone() for ch in chunks for n, q in ch.named_parameters()},
+                             layers={ch.index: list(ch.layers) for ch in chunks})
+    torch.save(results, f"{out_file}.{rank}")
+
+
+def _reference(schedule, m, n_layer, rows):
+    """The single-process run: same seed, same micro-batches, gradient accumulation, AdamW; one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = GPT(_cfg(n_layer))
+        opt = _optimizer(model.parameters())
+        losses, grads0 = [], {}
+        for step in range(STEPS):
+            xs, ys = _batches(step, m, rows)
+            step_losses = [model(x, y)[1] for x, y in zip(xs, ys)]
+            for lo in step_losses:
+                (lo / m).backward()
+            losses.append(torch.stack([lo.detach() for lo in step_losses]).mean().item())
+            if step == 0:
+                grads0 = {n: q.grad.clone() for n, q in model.named_parameters()}
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return losses, grads0, {n: q.detach().clone() for n, q in model.named_parameters()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check(tmp_path, p, dp, runs):
+    out = tmp_path / "res"
+    spawn(_worker, p * dp, p, runs, str(out))
+    per_rank = [torch.load(f"{out}.{r}", weights_only=True) for r in range(p * dp)]
+    for name, (schedule, m, v, n_layer, layers) in runs.items():
+        ref_losses, ref_grads, ref_weights = _reference(schedule, m, n_layer, B * dp)
+        res = [rk[name] for rk in per_rank]
+        stage = res[::dp]  # dp rank 0 of each stage (ranks are laid out [pp, dp])
+        first = stage[0]
+        exact = dp == 1
+        assert all(r["losses"] == res[0]["losses"] for r in res), name  # every rank logs the same loss
+        if exact:
+            assert first["losses"][0] == ref_losses[0], name
+        torch.testing.assert_close(first["losses"], ref_losses, **LOSS_TOL, msg=name)
+        # each stage holds its chunks' blocks only; together they hold the whole model, tied weight twice
+        ranges = pp.split_layers(n_layer, p, v, layers)
+        for r in range(p):
+            assert stage[r]["layers"] == {c: list(ranges[c]) for c in range(r, p * v, p)}, name
+        grads = {n: g for st in stage for n, g in st["grads0"].items()}
+        weights = {n: w for st in stage for n, w in st["weights"].items()}
+        assert grads.keys() == ref_grads.keys() | {"lm_head.weight"}, name
+        tied = "transformer.wte.weight"
+        assert torch.equal(grads[tied], grads["lm_head.weight"]), name  # summed halves, the same on both ranks
+        for n, g in ref_grads.items():
+            if exact and n != tied:
+                assert torch.equal(grads[n], g), (name, n)
+            else:
+                torch.testing.assert_close(grads[n], g, **GRAD_TOL, msg=f"{name} {n}")
+        for n, w in ref_weights.items():
+            got = weights[n]
+            if n.endswith("attn.c_attn.bias"):
+                # the key bias has an exactly-zero true gradient (softmax is shift invariant per query row): both
+                # runs feed rounding noise to AdamW, which turns it into +-lr steps; compare q and v biases only
+                got, w = torch.cat([got[:C], got[2 * C:]]), torch.cat([w[:C], w[2 * C:]])
+            torch.testing.assert_close(got, w, **WEIGHT_TOL, msg=f"{name} {n}")
+        for r in range(p * dp):  # the tied copies never drift: identical on every first and last stage
+            own = res[r]["weights"].get(tied, res[r]["weights"].get("lm_head.weight"))
+            assert own is None or torch.equal(own, first["weights"][tied]), (name, r)
+        # the DP hook: once per local chunk and step, before the chunk's last gradient arrives
+        for r, st in enumerate(stage):
+            assert sorted(st["hook_calls"]) == sorted(list(range(r, p * v, p)) * STEPS), name
+            assert st["partial"], name
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_pipeline_matches_single_process(tmp_path, p):
+    _check(tmp_path, p, 1, _runs(p))
+
+
+def test_pp2_dp2_matches_single_process(tmp_path):
+    _check(tmp_path, 2, 2, {"1f1b": ("1f1b", 3, 1, 4, None), "zb": ("zb", 2, 1, 4, None)})
