@@ -5,6 +5,7 @@ Without a GPU, Triton kernels run in Triton's CPU interpreter: TRITON_INTERPRET 
 skipped (and reported as skipped) when CUDA is absent.
 """
 import os
+import tempfile
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# kernels/tuning.py's store of tuned choices goes to a throwaway folder: tests never write the user's ~/.cache
+os.environ.setdefault("XDG_CACHE_HOME", tempfile.mkdtemp(prefix="nanopara-test-cache-"))
 os.environ.setdefault("TIKTOKEN_CACHE_DIR",
                       os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "tiktoken_cache"))
 
