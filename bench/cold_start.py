@@ -129,9 +129,13 @@ def main(argv=None):
                   "--train.val_every=0", "--train.steps=10", "--train.log_every=1"]
     print(f"# cold start of {args.preset} on {args.device}: seconds from process start to the end of the first "
           f"optimizer step (temp dir {tmp})", flush=True)
-    # one untimed process first: the OS file cache then holds torch's libraries for every state alike
+    # Python's bytecode for every state alike: where site-packages holds no .pyc (read-only installs, as on our GPU
+    # machines) each process would compile torch's ~2,000 modules from source, seconds that a pip install never pays
+    os.environ.setdefault("PYTHONPYCACHEPREFIX", os.path.join(tmp, "pycache"))
+    # one untimed process first: the OS file cache then holds torch's libraries (and their bytecode) for every state
     t0 = time.time()
-    subprocess.run([sys.executable, "-c", f"import torch, triton; torch.zeros(1, device={args.device!r})"],
+    subprocess.run([sys.executable, "-c", "import torch, triton, torch._dynamo, train; "
+                    f"torch.zeros(1, device={args.device!r})"],
                    cwd=ROOT, check=True, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     print(f"# warm-up process (import torch + triton, device init): {time.time() - t0:.1f} s", flush=True)
     rows, gpu = [], None

@@ -233,13 +233,6 @@ def add_layernorm(x, residual, weight, bias, eps=1e-5, out_dtype=None):
     return y, h
 
 
-def matmul_dtype(x):
-    """The dtype a matmul consuming x will cast it to: the autocast dtype when autocast is on for x's device,
-    else None. LayerNorm outputs that only feed a Linear are written in it directly (no separate cast pass)."""
-    dev = x.device.type
-    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Cross-entropy over a padded vocabulary (kernels/cross_entropy.py), mean over rows whose target != ignore_index
 

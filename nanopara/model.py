@@ -69,12 +69,20 @@ class TritonOps:
     """
 
     def __init__(self, interpret: bool = False, ce: str = "inplace"):
-        from kernels import attention, cross_entropy, layernorm, ops
+        from kernels import attention, cross_entropy, layernorm
         if ce not in ("inplace", "op"):
             raise ValueError(f"TritonOps: ce must be 'inplace' or 'op', got {ce!r}")
-        self._k, self._interpret, self._ce_mode = ops, interpret, ce
+        self._interpret, self._ce_mode = interpret, ce
         self._ref = attention.attention_qkv, layernorm.layernorm, layernorm.add_layernorm, cross_entropy.cross_entropy
         self._eager = attention.attention_qkv_triton, layernorm.layernorm_triton, layernorm.add_layernorm_triton
+        self._ce_eager = cross_entropy.cross_entropy_triton
+
+    @property
+    def _k(self):
+        """kernels/ops.py, imported on first use under torch.compile (or ce="op"): registering the custom ops pulls
+        in torch._dynamo, seconds of start-up that an eager run never needs."""
+        from kernels import ops
+        return ops
 
     def _triton(self, t):
         return self._interpret or t.is_cuda
@@ -89,22 +97,32 @@ class TritonOps:
         if not self._triton(x):
             return self._ref[1](x, ln.weight, ln.bias, ln.eps)
         fn = self._k.layernorm if torch.compiler.is_compiling() else self._eager[1]
-        return fn(x, ln.weight, ln.bias, ln.eps, out_dtype=self._k.matmul_dtype(x))
+        return fn(x, ln.weight, ln.bias, ln.eps, out_dtype=matmul_dtype(x))
 
     def add_layernorm(self, x, residual, ln):
         if not self._triton(x):
             return self._ref[2](x, residual, ln.weight, ln.bias, ln.eps)
         fn = self._k.add_layernorm if torch.compiler.is_compiling() else self._eager[2]
-        return fn(x, residual, ln.weight, ln.bias, ln.eps, out_dtype=self._k.matmul_dtype(x))
+        return fn(x, residual, ln.weight, ln.bias, ln.eps, out_dtype=matmul_dtype(x))
 
     def cross_entropy(self, logits, targets, n_vocab):
         if not self._triton(logits):
             return self._ref[3](logits, targets, n_vocab=n_vocab, ignore_index=-1)
-        ce = self._k.cross_entropy_inplace if self._ce_mode == "inplace" else self._k.cross_entropy
-        return ce(logits, targets, n_vocab=n_vocab, ignore_index=-1)
+        if self._ce_mode == "op":
+            return self._k.cross_entropy(logits, targets, n_vocab=n_vocab, ignore_index=-1)
+        if torch.compiler.is_compiling():  # a graph break: runs eagerly on the compiled graph's logits
+            return self._k.cross_entropy_inplace(logits, targets, n_vocab=n_vocab, ignore_index=-1)
+        return self._ce_eager(logits, targets, n_vocab, -1, "mean", 1.0)
 
     # cuBLAS GEMMs + GELU: GELU fused into Triton GEMM epilogues measured no faster (notes/e2e.md)
     mlp = staticmethod(TorchOps.mlp)
+
+
+def matmul_dtype(x):
+    """The dtype a matmul consuming x will cast it to: the autocast dtype when autocast is on for x's device,
+    else None. LayerNorm outputs that only feed a Linear are written in it directly (no separate cast pass)."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
 
 
 def make_ops(kind: str, device: torch.device | str):
