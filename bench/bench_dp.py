@@ -2,44 +2,22 @@
 
     torchrun --nproc_per_node=N bench/bench_dp.py [--quick] [--out FILE] [--micro_batch 16] [--large gpt2_1558m]
 
-1. throughput  GPT-2 124M (model.kernels=torch: SDPA, F.layer_norm, F.cross_entropy, so only the engines differ),
-               micro_batch sequences of T=1024 per GPU, bf16 autocast, synthetic tokens, one micro-step per
-               optimizer step, grad clip 1.0, fused AdamW. Per mode: warm-up steps, then timed steps.
-               tok/s = N*B*T*steps / time (slowest rank), MFU = flops/token * tok/s / (N * 989 TFLOP/s) with
-               flops/token = 6*params + 12*n_layer*n_embd*T. Memory (max over ranks): base =
-               torch.cuda.memory_allocated() after the warm-up steps (every state exists, AdamW's lazy m, v too)
-               and a reset of the peak counter; peak = max_memory_allocated over the timed steps; transient =
-               peak - base (activations, autocast copies, gradients in flight, ZeRO-3's gathered units); states =
-               engine.memory_bytes() (params + grads + Adam m, v that the rank holds). A mode must give back all
-               it allocated (checked: a warning names any leftover, which would inflate the next mode).
-               torch_ddp: DistributedDataParallel(bucket_cap_mb=25, gradient_as_bucket_view=True) +
-               clip_grad_norm_ + the same AdamW. tail ms (ours only) = GPU time the compute stream waits for
-               gradient communication after backward (CUDA events around engine._finish_grads): the exposed part.
-               Modes: torch_ddp, ddp, zero1..3; "ddp@50" = 50 MB buckets; "ddp:bf16" = parallel.reduce_dtype=bf16;
-               "ddp:nocomm" = a control with every all-reduce skipped (the engine's own cost, the upper bound of
-               scaling; not a training mode); "zero3:p2" = ZeRO-3 gathering 2 units ahead (zero3.PREFETCH);
-               "zero3:u2" = ZeRO-3 units of 2 blocks (parallel.zero3_unit_blocks: fewer hooks per step; plain
-               "zero3" takes the default, auto: 3 blocks of GPT-2 124M, zero3.UNIT_MIN_PARAMS);
-               "zero2:i4" = ZeRO-2 with up to 4 full-size bucket reductions in flight (engine.max_inflight, 2);
-               "ddp:normfirst" = the engine step that reads the
-               grad norm on the host before issuing the update (engine.Engine.async_step off, as on CPU);
-               "zero2:nodest" = without gradient destinations (engine.Engine._set_grad_dests): the Linear
-               weights' gradients made in new tensors and copied into the buckets; "ddp:dest" = DDP with them
-               (parallel.grad_dests=on; off by default for DDP);
-               "ddp:single" = a control of N independent one-GPU runs at once (the
-               SingleDevice engine on every rank: what the machine itself loses when all its GPUs work).
-               step ms is the slowest rank's mean; "fast ms" the fastest rank's. med ms (GPU): the slowest rank's
-               median step, start to start (CUDA events), robust to the host stalls of tens of ms that hit a few
-               steps of any process on these machines; med scal = the same per-GPU tokens/s ratio as scaling, from
-               the median steps. host ms (rank 0): CPU time to issue one forward + backward while the GPU is held
-               busy (bench_dp.host_ms): near the GPU's time for the same work, the step is bound by the host.
-2. memory      a large preset (gpt2_1558m by default) with micro_batch 1 per ZeRO stage: the model states this
-               rank holds (memory_bytes) next to the ZeRO paper's formula for fp32 params/grads + fp32 Adam m, v
-               (16Ψ, 8Ψ+8Ψ/N, 4Ψ+12Ψ/N, 16Ψ/N; ours adds padding of < N elements per flat buffer), the step
-               transient on top of them, and the peak; it should fall with the stage.
+1. throughput  GPT-2 124M with model.kernels=torch (so only the engines differ), micro_batch x T=1024 per GPU, bf16
+   autocast, synthetic tokens, grad clip 1.0, fused AdamW; warm-up, then timed steps. tok/s from the slowest rank,
+   MFU against 989 TFLOP/s, memory as base / peak / transient / engine.memory_bytes(). torch_ddp is
+   DistributedDataParallel(bucket_cap_mb=25, gradient_as_bucket_view=True) + clip_grad_norm_ + the same AdamW.
+   "tail ms" = GPU time the compute stream waits for gradient communication after backward (the exposed part);
+   "med ms" = the slowest rank's median step by CUDA events (robust to host stalls); "host ms" = CPU time to issue
+   a forward + backward while the GPU is held busy. Modes: torch_ddp, ddp, zero1..3 and variants written
+   MODE[@MB][:OPTION] — `ddp@50` (50 MB buckets), `ddp:bf16` (bf16 reduction), `ddp:nocomm` (no all-reduce: the
+   upper bound of scaling), `ddp:single` (N independent one-GPU runs: what the machine loses), `ddp:normfirst`
+   (norm read before the update), `ddp:dest` / `zero2:nodest` (gradient destinations on / off), `zero2:i4`
+   (4 reductions in flight), `zero3:p2` (prefetch 2 units), `zero3:u2` (units of 2 blocks).
+2. memory      a large preset (gpt2_1558m) at micro_batch 1 per ZeRO stage: the states a rank holds next to the
+   ZeRO paper's formulas (16Ψ, 8Ψ+8Ψ/N, 4Ψ+12Ψ/N, 16Ψ/N), the step transient and the peak.
 
-Rank 0 prints one table row per mode; --out writes the rows as JSON. ~2 minutes on 4 H100s (--quick: ~1).
-Scaling 1 -> N: run it with N = 1 and N on the same machine, compare tok/s / N.
+Rank 0 prints one row per mode; --out writes JSON. ~2 minutes on 4 H100s (--quick: ~1). Scaling 1 -> N: run with
+N = 1 and N on the same machine and compare tok/s / N.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The benchmark scripts themselves: a broken benchmark wastes a GPU call (one did in session 13: a phases line
-indexed past Phases.summary()), so what can run on CPU runs here."""
+"""The benchmark scripts themselves: a broken benchmark wastes a GPU call (a phases line once indexed past
+Phases.summary()), so what can run on CPU runs here."""
 import json
 import os
 import subprocess
