@@ -84,7 +84,12 @@ def build_model(cfg: Config, resuming: bool, log) -> GPT:
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
-    model = GPT(cfg.model)
+    try:
+        model = GPT(cfg.model)
+    except (RuntimeError, MemoryError) as e:  # the host cannot hold it: say which sizes, not the allocator's trace
+        m = cfg.model
+        raise ConfigError(f"the model does not fit in host memory (model.n_layer={m.n_layer}, n_embd={m.n_embd}, "
+                          f"block_size={m.block_size}, vocab_size={m.vocab_size}): {str(e).splitlines()[0][:120]}")
     if cfg.ckpt.init_from and not resuming:
         if not os.path.isfile(cfg.ckpt.init_from):
             raise checkpoint.CheckpointError(f"--ckpt.init_from: no file {cfg.ckpt.init_from}")
@@ -229,6 +234,14 @@ def main(argv: list[str] | None = None) -> dict:
             checkpoint.prepare_run_dir(cfg.out_dir, cfg.resume, cfg.overwrite, is_main=False)
             return {}
         return train(parse_args(args))
+    except torch.OutOfMemoryError as e:  # a user's batch or model too large for the GPU: one line with the way out
+        e = TrainingError(f"out of GPU memory ({str(e).splitlines()[0][:100]}): lower --train.micro_batch (keep "
+                          f"--train.tokens_per_step: the difference becomes gradient accumulation), use "
+                          f"--parallel.zero=1..3 or --parallel.tp over several GPUs, or a smaller model")
+        print(f"error (rank {os.environ.get('RANK', '0')}): {e}", file=sys.stderr, flush=True)
+        if argv is not None:
+            raise e from None
+        sys.exit(2)
     except (ConfigError, MeshError, checkpoint.CheckpointError, TrainingError, FileNotFoundError, ValueError) as e:
         rank = int(os.environ.get("RANK", "0"))
         if rank == 0 or not isinstance(e, (ConfigError, MeshError)):  # those two are the same on every rank

@@ -173,3 +173,19 @@ def test_make_train_checks_once_before_launching_and_honours_a_preset_in_args(tm
                          cwd=ROOT, capture_output=True, text=True, timeout=60).stdout
     line = next(ln for ln in dry.splitlines() if "train.py" in ln)
     assert "--preset=gpt2_124m" in line and "--preset=tiny" not in line and line.count("--device=") == 1
+
+
+def test_out_of_memory_is_one_line_with_the_way_out(shards, tmp_path, monkeypatch):
+    import torch
+
+    def oom(self, *a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+    monkeypatch.setattr(GPT, "forward", oom)
+    with pytest.raises(train.TrainingError, match="out of GPU memory .*lower --train.micro_batch"):
+        train.main(argv(shards, tmp_path / "run"))
+
+    def no_room(self, *a, **k):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory")
+    monkeypatch.setattr(GPT, "__init__", no_room)
+    with pytest.raises(ConfigError, match="does not fit in host memory .*block_size=32"):
+        train.main(argv(shards, tmp_path / "run2"))
