@@ -1,0 +1,248 @@
+"""MoE on one GPU: grouped GEMM, permute / unpermute, and the MoE layer forward + backward against PyTorch.
+
+    python bench/bench_moe.py [--quick] [--out FILE]          (~4 minutes on an H100, autotuning included)
+    python bench/bench_moe.py --smoke                         (CPU, Triton interpreter, tiny shapes: the script runs)
+
+GPT-2 124M width (C = 768, experts C -> 4C -> C), E = 8 experts, top-2, bf16; every ratio is against a baseline
+timed in the same run on the same GPU. Sections:
+1. parity  the Triton MoE layer (bf16 autocast) against the fp32 per-expert loop: max error / max |ref| of y, dx
+           and each parameter grad, beside the PyTorch sorted path's bf16 error (tests/test_moe.py's gpu test
+           asserts Triton <= 2x that)
+2. gemm    grouped GEMM fwd / dgrad / wgrad TFLOP/s at R = 2 x 32768 rows, for the c_fc (N=3072, K=768) and
+           c_proj (N=768, K=3072) shapes, balanced and skewed groups (expert e's share ~ 1/(e+1)^1.5: 48% to one
+           expert), against one dense cuBLAS GEMM of the same FLOPs and torch._grouped_mm (where torch has it)
+           goals (issue #27): >= 0.85x dense with balanced groups, ahead of torch._grouped_mm
+3. moves   route / permute / unpermute fwd and bwd: ms, GB/s and % of the measured copy bandwidth, against
+           PyTorch's index ops on the same order. Goal: >= 80% of copy
+4. layer   the MoE layer fwd + bwd (router, aux losses, dispatch, experts, combine) at B*T = 16384 and 32768
+           tokens: triton vs the per-expert loop, the sorted-index PyTorch path, and sorted + torch._grouped_mm;
+           speedup over the loop (goal >= 3x), TFLOP/s of the expert GEMMs it holds, and its time over the time of
+           those GEMMs alone (`grouped_mlp` fwd + bwd on the sorted rows: the dispatch overhead)
+JSON lines (one per row, with section, device and date) go to --out; tables to stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kernels import grouped_gemm as gg  # noqa: E402
+from kernels import moe_route as mr  # noqa: E402
+from nanopara.moe import MoEConfig, MoEMLP  # noqa: E402
+
+
+def make_timer(device, reps):
+    """ms of fn: median of triton's do_bench on CUDA; on CPU (smoke: the script runs, the numbers mean nothing) the
+    mean of `reps` calls."""
+    if device == "cuda":
+        import triton
+        return lambda fn: triton.testing.do_bench(fn, return_mode="median")
+
+    def cpu_timer(fn):
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t) / reps * 1e3
+    return cpu_timer
+
+
+def copy_bandwidth(device):
+    if device != "cuda":
+        return float("nan")
+    return mr._copy_bandwidth()
+
+
+def max_rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-30)).item()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 1. parity
+
+
+def layer_fwd_bwd(m, x, impl, dtype):
+    """One forward + backward of an MoE layer through `impl`: returns [y, dx, grads of the parameters]."""
+    m.impl = impl
+    m.zero_grad(set_to_none=True)
+    xl = x.detach().clone().requires_grad_()
+    with torch.autocast(x.device.type, dtype=dtype, enabled=dtype != torch.float32):
+        y = m(xl)
+    y.backward(torch.linspace(-1, 1, y.numel(), device=y.device).view_as(y).to(y.dtype))
+    return [y.detach()] + [xl.grad] + [p.grad.clone() for p in m.parameters()]
+
+
+def parity(args):
+    torch.manual_seed(0)
+    m = MoEMLP(MoEConfig(n_embd=args.C, moe_experts=args.E, moe_top_k=args.k)).to(args.device)
+    x = torch.randn(2, args.tokens_small // 2, args.C, device=args.device)
+    ref = layer_fwd_bwd(m, x, "loop", torch.float32)
+    rows = []
+    names = ["y", "dx"] + [n for n, _ in m.named_parameters()]
+    for impl in ("sorted", "triton"):
+        got = layer_fwd_bwd(m, x, impl, args.dtype)
+        rows.append(dict(section="parity", impl=impl, **{n: max_rel(a, b) for n, a, b in zip(names, got, ref)}))
+    print(f"\n1. parity: max error / max |fp32 loop ref| at {x.shape[0] * x.shape[1]} tokens, {args.dtype_name}")
+    print(f"{'impl':>8} " + " ".join(f"{n.split('.')[-2][:6] + '.' + n.split('.')[-1][:1] if '.' in n else n:>9}"
+                                      for n in names))
+    for r in rows:
+        print(f"{r['impl']:>8} " + " ".join(f"{r[n]:9.1e}" for n in names))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 2. grouped GEMM, 3. permute / unpermute
+
+
+def gemm(args, timer):
+    rows = []
+    print(f"\n2. grouped GEMM, R = {args.R} rows over E = {args.E} groups ({args.dtype_name}); TFLOP/s, and x = "
+          "time of the dense cuBLAS GEMM of equal FLOPs / this time")
+    print(f"{'shape':>10} {'skew':>9} {'op':>6} {'triton':>14} {'_grouped_mm':>14} {'dense cuBLAS':>12}")
+    for N, K, shape in ((4 * args.C, args.C, "c_fc"), (args.C, 4 * args.C, "c_proj")):
+        for skew in args.skews:
+            res = gg.bench_gemm(args.R, args.E, N, K, skew, args.dtype, args.device, timer)
+            rows += [dict(r, section="gemm", shape=shape) for r in res]
+            by = {(r["op"], r["impl"]): r for r in res}
+            for op in ("fwd", "dgrad", "wgrad"):
+                def cell(impl, width=14):
+                    r = by.get((op, impl))
+                    if r is None or "ms" not in r:
+                        return f"{'n/a' if r is None else 'error':>{width}}"
+                    return f"{r['tflops']:7.0f} {r['vs_dense']:5.2f}x" if impl != "dense_cublas" else \
+                        f"{r['tflops']:{width}.0f}"
+                print(f"{shape:>10} {skew:>9} {op:>6} {cell('triton')} {cell('torch_grouped_mm')} "
+                      f"{cell('dense_cublas', 12)}")
+    errors = [r for r in rows if "error" in r]
+    for r in errors[:3]:
+        print(f"  {r['impl']} {r['op']}: {r['error']}")
+    return rows
+
+
+def moves(args, timer, copy_gbs):
+    rows = []
+    print(f"\n3. routing and row moves ({args.dtype_name}, E = {args.E}, k = {args.k}); copy bandwidth "
+          f"{copy_gbs:.0f} GB/s")
+    print(f"{'tokens':>7} {'op':>14} {'triton ms':>10} {'GB/s':>6} {'%copy':>6} {'torch ms':>9} {'GB/s':>6} "
+          f"{'speedup':>8}")
+    for N in args.tokens:
+        res = mr.bench_moves(N, args.C, args.E, args.k, args.dtype, copy_gbs, args.device, timer)
+        rows += [dict(r, section="moves") for r in res]
+        by = {(r["op"], r["impl"]): r for r in res}
+        for op in ("route", "permute", "unpermute", "permute_bwd", "unpermute_bwd"):
+            t, p = by[(op, "triton")], by[(op, "torch")]
+            print(f"{N:>7} {op:>14} {t['ms']:10.4f} {t['gbs']:6.0f} {t['pct_copy']:5.0f}% {p['ms']:9.4f} "
+                  f"{p['gbs']:6.0f} {p['ms'] / t['ms']:7.2f}x")
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 4. the layer
+
+
+def layer(args, timer):
+    rows = []
+    gmm_ok = hasattr(torch, "_grouped_mm")
+    impls = ["loop", "sorted"] + (["grouped_mm"] if gmm_ok else []) + ["triton"]
+    C, E, k = args.C, args.E, args.k
+    print(f"\n4. MoE layer fwd + bwd (C = {C}, E = {E}, top-{k}, dropless, {args.dtype_name} autocast; router, aux "
+          "losses and dispatch included)")
+    print(f"{'tokens':>7} {'impl':>11} {'ms':>9} {'vs loop':>8} {'TFLOP/s':>8} {'/GEMMs':>7}")
+    for N in args.tokens:
+        torch.manual_seed(0)
+        m = MoEMLP(MoEConfig(n_embd=C, moe_experts=E, moe_top_k=k)).to(args.device)
+        x = torch.randn(N, C, device=args.device, dtype=args.dtype).requires_grad_()
+        dy = torch.randn(N, C, device=args.device, dtype=args.dtype)
+        flops = 3 * 2 * (2 * N * k * C * 4 * C)  # the expert GEMMs: fwd + dgrad + wgrad of c_fc and c_proj
+
+        # the expert GEMMs alone, on this routing's sorted rows (what the layer would cost with free dispatch)
+        r = mr.route_triton(m.router_logits(x.detach()), k)
+        xs = mr.permute_fwd(x.detach(), r.dest, r.rows).requires_grad_()
+        dys = torch.randn(r.rows, C, device=args.device, dtype=args.dtype)
+        w = m.experts.params()
+
+        def gemms_only():
+            gg.grouped_mlp_triton(xs, *w, r.offsets).backward(dys)
+        t_gemm = timer(gemms_only)
+        res = {}
+        for impl in impls:
+            m.impl = impl
+
+            def step():
+                with torch.autocast(args.device, dtype=args.dtype, enabled=args.dtype != torch.float32):
+                    y = m(x)
+                y.backward(dy)
+            try:
+                res[impl] = timer(step)
+            except Exception as exc:  # noqa: BLE001  (e.g. _grouped_mm unsupported here: report, keep the table)
+                rows.append(dict(section="layer", impl=impl, tokens=N, error=f"{type(exc).__name__}: {exc}"[:200]))
+                print(f"{N:>7} {impl:>11} error: {rows[-1]['error']}")
+        for impl, ms in res.items():
+            row = dict(section="layer", impl=impl, tokens=N, C=C, E=E, k=k, ms=ms, speedup_vs_loop=res["loop"] / ms,
+                       tflops=flops / ms / 1e9, over_gemms=ms / t_gemm)
+            rows.append(row)
+            print(f"{N:>7} {impl:>11} {ms:9.3f} {row['speedup_vs_loop']:7.2f}x {row['tflops']:8.1f} "
+                  f"{row['over_gemms']:6.2f}x")
+        rows.append(dict(section="layer", impl="grouped_mlp_only", tokens=N, ms=t_gemm, tflops=flops / t_gemm / 1e9))
+        print(f"{N:>7} {'GEMMs only':>11} {t_gemm:9.3f} {'':>8} {flops / t_gemm / 1e9:8.1f}")
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="the layer at 32768 tokens only")
+    p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes (checks the script)")
+    p.add_argument("--sections", default="parity,gemm,moves,layer")
+    p.add_argument("--out", help="append JSON lines here")
+    args = p.parse_args(argv)
+    args.E, args.k = 8, 2
+    if args.smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise SystemExit("--smoke runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
+        args.device, args.dtype, args.C, args.tokens, args.tokens_small = "cpu", torch.float32, 16, [40], 40
+        args.skews = ["skewed"]
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("the benchmark needs a CUDA GPU (or --smoke on CPU)")
+        args.device, args.dtype, args.C = "cuda", torch.bfloat16, 768
+        args.tokens = [32768] if args.quick else [16384, 32768]
+        args.tokens_small = 4096
+        args.skews = ["balanced", "skewed"]
+    args.R = max(args.tokens) * args.k
+    args.dtype_name = str(args.dtype).split(".")[-1]
+    return args
+
+
+def main(argv=None):
+    args = parse(argv)
+    timer = make_timer(args.device, reps=1)
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (interpreter)"
+    print(f"{device_name}, torch {torch.__version__}, {datetime.date.today()}")
+    sections = args.sections.split(",")
+    rows = []
+    if "parity" in sections:
+        rows += parity(args)
+    if "gemm" in sections:
+        rows += gemm(args, timer)
+    if "moves" in sections:
+        rows += moves(args, timer, copy_bandwidth(args.device))
+    if "layer" in sections:
+        rows += layer(args, timer)
+    if args.out:
+        with open(args.out, "a") as f:
+            for r in rows:
+                f.write(json.dumps(dict(r, device=device_name, date=str(datetime.date.today()))) + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,488 @@
+"""Grouped GEMM over variable-size row groups (MoE experts): one launch for all experts, forward, input gradient
+and weight gradient, with GELU fused into the epilogues of an expert MLP.
+
+Math. Rows of x (R, K) are grouped by expert: group e is rows [offsets[e], offsets[e+1]) (offsets (E+1,) int32 on
+the device, as kernels/moe_route.py makes them; rows from offsets[E] on are not read or written). Weights in
+nn.Linear's layout, one per expert: w (E, N, K), bias (E, N).
+    forward   y[r] = x[r] @ w[e]^T + bias[e]                     (R, N)    optionally g = gelu_tanh(y), keeping y
+    dgrad     dx[r] = dy[r] @ w[e]                               (R, K)    optionally times gelu'(pre[r])
+    wgrad     dw[e] = dy[group e]^T @ x[group e],  db[e] = column sums of dy[group e]   (E, N, K), (E, N)
+  grouped_mlp(x, w_fc, b_fc, w_proj, b_proj, offsets) = the E GPT-2 MLPs c_proj(gelu(c_fc(x))) of the experts:
+  the c_fc forward writes gelu(h) and keeps h; the backward's c_proj dgrad multiplies by gelu'(h) in its epilogue,
+  so dh never takes a separate elementwise pass.
+
+Kernels. Forward and dgrad are one kernel (dgrad reads w[e] untransposed: only the strides differ). Its tiles are
+the (m, n) tiles of every group, m tiles never straddling two groups (a group's last tile is masked: at most E
+partial tiles, no padding copies); each program finds its tile's group from the offsets alone (a cumsum of
+cdiv(group size, BLOCK_M) over E, held in registers), so the launch needs no host sync. Tiles are visited in
+GROUP_M-swizzled order (an L2 tile of x rows meets every n tile of w[e] while both are cached); a persistent grid
+(PROGRAMS_PER_SM per SM walking the tiles with a grid stride) or one tile per program (the grid is an upper bound,
+cdiv(R, BLOCK_M) + E m tiles: the extra programs return at once). The weight gradient is K-grouped: one program per
+(expert, n tile, k tile) of dw, looping over its group's rows (an empty group writes zeros); db is summed from the
+same dy tiles. All accumulate in fp32; dw and db are written in the parameters' dtype (fp32 master weights get fp32
+grads, no cast pass). Autotuned per (N, K, rows rounded up to a power of 2) on the GPU; bf16 there (fp16 works
+too). In the interpreter tl.dot on bf16 is wrong (shared/TRITON_CPU.md), so CPU tests use fp32/fp16.
+
+Callers: nanopara/moe.py (the Triton expert path). Public ops (`grouped_linear`, `grouped_mlp`) take the Triton path
+on CUDA tensors and the reference (a loop over groups) on CPU; `*_triton` force Triton (tests: TRITON_INTERPRET=1).
+Run: `python -m kernels.grouped_gemm [--out FILE]`: parity, then TFLOP/s of fwd / dgrad / wgrad against one dense
+cuBLAS GEMM of the same FLOPs and torch._grouped_mm (full MoE benchmark: bench/bench_moe.py).
+"""
+import argparse
+import functools
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.launch import fast
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+MAX_E = 1024  # experts held in registers by every program (the tile -> group search)
+
+
+def grouped_linear_ref(x, w, bias, offsets):
+    """y[r] = x[r] @ w[e]^T + bias[e] for the rows of each group; rows past offsets[E] are zero. A loop over groups
+    (one host sync for the offsets)."""
+    y = x.new_zeros(x.shape[0], w.shape[1])
+    bounds = offsets.tolist()
+    for e in range(w.shape[0]):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            y[lo:hi] = F.linear(x[lo:hi], w[e], None if bias is None else bias[e])
+    return y
+
+
+def grouped_mlp_ref(x, w_fc, b_fc, w_proj, b_proj, offsets):
+    """Each group's GPT-2 MLP: c_proj(gelu_tanh(c_fc(x)))."""
+    h = F.gelu(grouped_linear_ref(x, w_fc, b_fc, offsets), approximate="tanh")
+    return grouped_linear_ref(h, w_proj, b_proj, offsets)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Triton kernels
+
+@triton.jit
+def _gelu_tanh(x):
+    """0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), sqrt(2/pi) = 0.7978845608...; tanh(u) = 2 sigmoid(2u)
+    - 1, so gelu = x sigmoid(2u) (no libdevice: the interpreter runs it too)."""
+    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    return x * tl.sigmoid(2.0 * u)  # = 0.5 x (1 + tanh(u))
+
+
+@triton.jit
+def _gelu_tanh_grad(x):
+    """d gelu_tanh / dx = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2), t = tanh(u)."""
+    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    t = 2.0 * tl.sigmoid(2.0 * u) - 1.0
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * x * x)
+
+
+def _configs(kind):
+    if _INTERPRET:  # 16 is tl.dot's smallest tile; 2 programs on one "SM": the persistent loop runs
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2,
+                               **({"PROGRAMS_PER_SM": 2} if kind == "mm" else {})}, num_warps=4)]
+    if kind == "mm":  # (BM, BN, BK, warps, stages): the usual Hopper bf16 tiles, persistent or not
+        tiles = ((128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3),
+                 (64, 128, 64, 4, 4))
+        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "PROGRAMS_PER_SM": p},
+                              num_warps=w, num_stages=s) for m, n, k, w, s in tiles for p in (0, 1)]
+    # wgrad: BLOCK_M is the reduction over a group's rows; (BN, BK) the dw tile
+    tiles = ((64, 128, 128, 4, 4), (64, 128, 256, 8, 3), (64, 256, 128, 8, 3), (32, 128, 128, 4, 4),
+             (128, 128, 128, 8, 3))
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 1}, num_warps=w, num_stages=s)
+            for m, n, k, w, s in tiles]
+
+
+@triton.jit
+def _mm_tile(A, B, BIAS, C, PRE, e, row0, row_end, nt, N, K,
+             stride_am, stride_be, stride_bk, stride_bn, stride_biase, stride_cm, stride_pm,
+             HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """C[rows] = epilogue(A[rows] @ B[e] + bias[e]) for rows [row0, row0 + BLOCK_M) < row_end, columns of tile nt."""
+    rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rmask = rows < row_end
+    cols = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = A + rows[:, None] * stride_am + ks[None, :]
+    b_ptrs = B + e.to(tl.int64) * stride_be + ks[:, None] * stride_bk + cols[None, :] * stride_bn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = ks < K - k0
+        a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_bk
+    if HAS_BIAS:
+        acc += tl.load(BIAS + e.to(tl.int64) * stride_biase + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    mask = rmask[:, None] & nmask[None, :]
+    if EPILOGUE == 1:  # GELU: keep the pre-activation (rounded as stored: the backward reads that value)
+        pre = acc.to(C.dtype.element_ty)
+        tl.store(PRE + rows[:, None] * stride_pm + cols[None, :], pre, mask=mask)
+        acc = _gelu_tanh(pre.to(tl.float32))
+    elif EPILOGUE == 2:  # GELU backward: the gradient at gelu's input
+        pre = tl.load(PRE + rows[:, None] * stride_pm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc = acc * _gelu_tanh_grad(pre)
+    tl.store(C + rows[:, None] * stride_cm + cols[None, :], acc.to(C.dtype.element_ty), mask=mask)
+
+
+@triton.autotune(configs=_configs("mm"), key=["N", "K", "R_BUCKET", "EPILOGUE"])
+@triton.jit
+def _grouped_mm_kernel(A, B, BIAS, C, PRE, OFFSETS, N, K, E, R_BUCKET,
+                       stride_am, stride_be, stride_bk, stride_bn, stride_biase, stride_cm, stride_pm,
+                       HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                       BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr):  # PROGRAMS_PER_SM sizes the grid only
+    """Forward (B = w^T) and dgrad (B = w) over all groups. EPILOGUE: 0 none, 1 GELU (stores PRE), 2 times
+    gelu'(PRE)."""
+    # the tile schedule, from the offsets alone: group e owns m tiles [tile_end[e] - m_tiles[e], tile_end[e])
+    experts = tl.arange(0, BLOCK_E)
+    emask = experts < E
+    g_start = tl.load(OFFSETS + experts, mask=emask, other=0)
+    g_end = tl.load(OFFSETS + experts + 1, mask=emask, other=0)
+    m_tiles = (g_end - g_start + BLOCK_M - 1) // BLOCK_M
+    tile_end = tl.cumsum(m_tiles, 0)
+    num_m = tl.sum(m_tiles, 0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n
+    for tile in range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):
+        first_m = (tile // width) * GROUP_M  # GROUP_M m tiles share a sweep over the n tiles (L2 reuse)
+        size_m = tl.minimum(num_m - first_m, GROUP_M)
+        mt = first_m + (tile % width) % size_m
+        nt = (tile % width) // size_m
+        e = tl.sum((tile_end <= mt).to(tl.int32), 0)  # the group whose tiles contain mt (empty groups skipped)
+        here = experts == e
+        row0 = tl.sum(tl.where(here, g_start + (mt - tile_end + m_tiles) * BLOCK_M, 0), 0)
+        row_end = tl.sum(tl.where(here, g_end, 0), 0)
+        _mm_tile(A, B, BIAS, C, PRE, e, row0, row_end, nt, N, K,
+                 stride_am, stride_be, stride_bk, stride_bn, stride_biase, stride_cm, stride_pm,
+                 HAS_BIAS, EPILOGUE, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.autotune(configs=_configs("wgrad"), key=["N", "K", "R_BUCKET"])
+@triton.jit
+def _grouped_wgrad_kernel(DY, X, OFFSETS, DW, DB, N, K, R_BUCKET,
+                          stride_dym, stride_xm, stride_dwe, stride_dwn, stride_dwk, stride_dbe,
+                          HAS_BIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """dw[e] tile (n, k) = sum over the group's rows of dy^T x; db[e] from the k-tile-0 programs."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_k = tl.cdiv(K, BLOCK_K)
+    e = pid // (num_n * num_k)
+    nt = (pid % (num_n * num_k)) // num_k
+    kt = pid % num_k
+    start = tl.load(OFFSETS + e)
+    end = tl.load(OFFSETS + e + 1)
+    cols_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols_k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
+    nmask = cols_n < N
+    kmask = cols_k < K
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for m0 in range(start, end, BLOCK_M):
+        rows = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+        rmask = rows < end
+        dy = tl.load(DY + rows[:, None] * stride_dym + cols_n[None, :], mask=rmask[:, None] & nmask[None, :],
+                     other=0.0)
+        x = tl.load(X + rows[:, None] * stride_xm + cols_k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        acc = tl.dot(tl.trans(dy), x, acc, input_precision=INPUT_PRECISION)
+        if HAS_BIAS:  # every program sums (no branch in the loop); the kt == 0 one stores
+            db += tl.sum(dy.to(tl.float32), 0)
+    e64 = e.to(tl.int64)
+    tl.store(DW + e64 * stride_dwe + cols_n[:, None] * stride_dwn + cols_k[None, :] * stride_dwk,
+             acc.to(DW.dtype.element_ty), mask=nmask[:, None] & kmask[None, :])
+    if HAS_BIAS:
+        tl.store(DB + e64 * stride_dbe + cols_n, db.to(DB.dtype.element_ty), mask=nmask & (kt == 0))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launchers (kernels/launch.py: after the first call per specialization, the compiled binaries launch directly)
+
+_mm, _wgrad = fast(_grouped_mm_kernel), fast(_grouped_wgrad_kernel)
+_EPILOGUE = {None: 0, "gelu": 1, "gelu_grad": 2}
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device):
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def _bucket(R):
+    """Rows, rounded up to a power of 2 (>= 4096), for the autotune key: the tile that wins depends on the rows
+    (waves of tiles over the SMs), not only on (N, K). Unused inside the kernels."""
+    return max(4096, triton.next_power_of_2(R))
+
+
+def _precision(dtype):
+    """fp32 operands: exact fp32 products (as torch's default matmul), not tf32; 16-bit: ignored."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check(x, w, offsets, name):
+    if x.dim() != 2 or w.dim() != 3:
+        raise ValueError(f"{name}: x must be (R, K) and w (E, N, K), got {tuple(x.shape)} and {tuple(w.shape)}")
+    if offsets.shape != (w.shape[0] + 1,) or offsets.dtype != torch.int32:
+        raise ValueError(f"{name}: offsets must be int32 ({w.shape[0] + 1},), got {offsets.dtype} "
+                         f"{tuple(offsets.shape)}")
+    if w.shape[0] > MAX_E:
+        raise ValueError(f"{name}: at most {MAX_E} groups, got {w.shape[0]}")
+    if x.dtype != w.dtype:
+        raise ValueError(f"{name}: x and w must share a dtype, got {x.dtype} and {w.dtype}")
+
+
+def _mm_grid(R, E, N, device):
+    def grid(meta):
+        tiles = (triton.cdiv(R, meta["BLOCK_M"]) + E) * triton.cdiv(N, meta["BLOCK_N"])  # bound on the real count
+        p = meta["PROGRAMS_PER_SM"]
+        return (tiles if p == 0 else max(1, min(tiles, p * _sm_count(device))),)
+    return grid
+
+
+def _launch_mm(a, b, stride_be, stride_bk, stride_bn, bias, offsets, N, K, epilogue, pre=None):
+    a = a.contiguous()
+    R, E = a.shape[0], offsets.shape[0] - 1
+    c = a.new_empty(R, N)
+    if epilogue == "gelu":
+        pre = a.new_empty(R, N)
+    if R > 0 and N > 0:
+        _mm[_mm_grid(R, E, N, a.device)](
+            a, b, bias, c, pre, offsets, N, K, E, _bucket(R), a.stride(0), stride_be, stride_bk, stride_bn,
+            0 if bias is None else bias.stride(0), c.stride(0), 0 if pre is None else pre.stride(0),
+            HAS_BIAS=bias is not None, EPILOGUE=_EPILOGUE[epilogue], INPUT_PRECISION=_precision(a.dtype),
+            BLOCK_E=triton.next_power_of_2(E))
+    return c, pre
+
+
+def grouped_fwd(x, w, bias, offsets, gelu=False):
+    """y = x @ w[e]^T + bias[e] per group, (R, N) in x's dtype (rows past offsets[E] unwritten). gelu: returns
+    (gelu_tanh(y), y), else (y, None)."""
+    _check(x, w, offsets, "grouped_fwd")
+    E, N, K = w.shape
+    if x.shape[1] != K or (bias is not None and bias.shape != (E, N)):
+        raise ValueError(f"grouped_fwd: x {tuple(x.shape)}, w {tuple(w.shape)}, bias "
+                         f"{None if bias is None else tuple(bias.shape)} do not fit")
+    return _launch_mm(x, w, w.stride(0), w.stride(2), w.stride(1), bias, offsets, N, K, "gelu" if gelu else None)
+
+
+def grouped_dgrad(dy, w, offsets, pre=None):
+    """dx = dy @ w[e] per group, (R, K); with pre (the forward's GELU input): dx * gelu'(pre) instead."""
+    _check(dy, w, offsets, "grouped_dgrad")
+    E, N, K = w.shape
+    if dy.shape[1] != N:
+        raise ValueError(f"grouped_dgrad: dy {tuple(dy.shape)} does not fit w {tuple(w.shape)}")
+    if pre is not None:
+        pre = pre.contiguous()
+    return _launch_mm(dy, w, w.stride(0), w.stride(1), w.stride(2), None, offsets, K, N,
+                      None if pre is None else "gelu_grad", pre)[0]
+
+
+def grouped_wgrad(dy, x, offsets, dtype=None, bias=True):
+    """(dw (E, N, K), db (E, N) or None) in `dtype` (default dy's): dw[e] = dy[group e]^T @ x[group e]."""
+    dy, x = dy.contiguous(), x.contiguous()
+    R, N = dy.shape
+    K = x.shape[1]
+    E = offsets.shape[0] - 1
+    if x.shape[0] != R or dy.dtype != x.dtype:
+        raise ValueError(f"grouped_wgrad: dy {dy.dtype} {tuple(dy.shape)} and x {x.dtype} {tuple(x.shape)} differ")
+    dtype = dtype or dy.dtype
+    dw = torch.empty(E, N, K, dtype=dtype, device=dy.device)
+    db = torch.empty(E, N, dtype=dtype, device=dy.device) if bias else None
+    if E > 0 and N > 0 and K > 0:
+        grid = lambda meta: (E * triton.cdiv(N, meta["BLOCK_N"]) * triton.cdiv(K, meta["BLOCK_K"]),)  # noqa: E731
+        _wgrad[grid](dy, x, offsets, dw, db, N, K, _bucket(R), dy.stride(0), x.stride(0), dw.stride(0), dw.stride(1),
+                     dw.stride(2), 0 if db is None else db.stride(0),
+                     HAS_BIAS=bias, INPUT_PRECISION=_precision(dy.dtype))
+    elif db is not None:
+        db.zero_()
+    return dw, db
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Autograd. Parameters may be fp32 masters while activations are bf16 (autocast): the forward casts the weights to
+# x's dtype once (kept for the backward), and dw / db come back in each parameter's own dtype.
+
+
+class GroupedLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, bias, offsets):
+        wc = w.to(x.dtype)
+        y, _ = grouped_fwd(x, wc, bias, offsets)
+        ctx.save_for_backward(x, wc, offsets)
+        ctx.dtypes = w.dtype, None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, wc, offsets = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = grouped_dgrad(dy, wc, offsets) if ctx.needs_input_grad[0] else None
+        dw, db = grouped_wgrad(dy, x, offsets, dtype=ctx.dtypes[0], bias=ctx.dtypes[1] is not None)
+        return dx, dw, None if db is None else db.to(ctx.dtypes[1]), None
+
+
+class GroupedMLPFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w_fc, b_fc, w_proj, b_proj, offsets):
+        wf, wp = w_fc.to(x.dtype), w_proj.to(x.dtype)
+        g, h = grouped_fwd(x, wf, b_fc, offsets, gelu=True)  # (R, H): gelu(h), h
+        y, _ = grouped_fwd(g, wp, b_proj, offsets)  # (R, C)
+        ctx.save_for_backward(x, wf, wp, h, g, offsets)
+        ctx.dtypes = (w_fc.dtype, None if b_fc is None else b_fc.dtype, w_proj.dtype,
+                      None if b_proj is None else b_proj.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, wf, wp, h, g, offsets = ctx.saved_tensors
+        dy = dy.contiguous()
+        dt_wf, dt_bf, dt_wp, dt_bp = ctx.dtypes
+        dh = grouped_dgrad(dy, wp, offsets, pre=h)  # (R, H): gradient at gelu's input, fused
+        dwp, dbp = grouped_wgrad(dy, g, offsets, dtype=dt_wp, bias=dt_bp is not None)
+        dx = grouped_dgrad(dh, wf, offsets)
+        dwf, dbf = grouped_wgrad(dh, x, offsets, dtype=dt_wf, bias=dt_bf is not None)
+        cast = lambda t, dt: None if t is None else t.to(dt)  # noqa: E731  (bias dtype may differ from weight's)
+        return dx, dwf, cast(dbf, dt_bf), dwp, cast(dbp, dt_bp), None
+
+
+def grouped_linear_triton(x, w, bias, offsets):
+    return GroupedLinearFunction.apply(x, w, bias, offsets)
+
+
+def grouped_mlp_triton(x, w_fc, b_fc, w_proj, b_proj, offsets):
+    return GroupedMLPFunction.apply(x, w_fc, b_fc, w_proj, b_proj, offsets)
+
+
+def grouped_linear(x, w, bias, offsets):
+    """x (R, K) grouped by offsets -> x @ w[e]^T + bias[e] (R, N). Triton on CUDA, the reference elsewhere."""
+    return grouped_linear_triton(x, w, bias, offsets) if x.is_cuda else grouped_linear_ref(x, w, bias, offsets)
+
+
+def grouped_mlp(x, w_fc, b_fc, w_proj, b_proj, offsets):
+    """Each group's GPT-2 MLP, c_proj(gelu_tanh(c_fc(x))). Triton on CUDA, the reference elsewhere."""
+    fn = grouped_mlp_triton if x.is_cuda else grouped_mlp_ref
+    return fn(x, w_fc, b_fc, w_proj, b_proj, offsets)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parity + benchmark: python -m kernels.grouped_gemm [--out FILE]
+
+
+def group_sizes(R, E, skew, generator=None):
+    """Group sizes summing to R: "balanced" (equal, remainder spread), "skewed" (expert e gets a share ~ 1/(e+1)^1.5,
+    Zipf-like: ~48% to expert 0 of 8), "one" (one group holds everything), "random" (multinomial)."""
+    if skew == "balanced":
+        sizes = [R // E + (e < R % E) for e in range(E)]
+    elif skew == "one":
+        sizes = [R] + [0] * (E - 1)
+    elif skew == "skewed":
+        share = torch.tensor([1 / (e + 1) ** 1.5 for e in range(E)])
+        sizes = (share / share.sum() * R).floor().long().tolist()
+        sizes[0] += R - sum(sizes)
+    else:
+        sizes = torch.bincount(torch.randint(0, E, (R,), generator=generator), minlength=E).tolist()
+    return sizes
+
+
+def offsets_of(sizes, device):
+    return torch.tensor([0] + sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+
+
+def _median_ms(fn):
+    return triton.testing.do_bench(fn, return_mode="median")
+
+
+def bench_gemm(R, E, N, K, skew, dtype=torch.bfloat16, device="cuda", timer=_median_ms):
+    """TFLOP/s rows of fwd / dgrad / wgrad (ours), torch._grouped_mm (where it exists) and one dense cuBLAS GEMM of
+    the same FLOPs, at R rows over E groups, w (E, N, K). `timer(fn)` -> ms."""
+    torch.manual_seed(0)
+    offs = offsets_of(group_sizes(R, E, skew), device)
+    x = torch.randn(R, K, device=device, dtype=dtype)
+    w = torch.randn(E, N, K, device=device, dtype=dtype) / K ** 0.5
+    dy = torch.randn(R, N, device=device, dtype=dtype)
+    wd = torch.randn(N, K, device=device, dtype=dtype) / K ** 0.5
+    flops = 2 * R * N * K
+    cases = {
+        ("fwd", "triton"): lambda: grouped_fwd(x, w, None, offs),
+        ("fwd", "dense_cublas"): lambda: x @ wd.t(),
+        ("dgrad", "triton"): lambda: grouped_dgrad(dy, w, offs),
+        ("dgrad", "dense_cublas"): lambda: dy @ wd,
+        ("wgrad", "triton"): lambda: grouped_wgrad(dy, x, offs, bias=False),
+        ("wgrad", "dense_cublas"): lambda: dy.t() @ x,
+    }
+    gmm = getattr(torch, "_grouped_mm", None)
+    if gmm is not None:
+        ends = offs[1:]
+        wt = w.transpose(-2, -1)  # (E, K, N) column-major view, the layout _grouped_mm wants for its B
+        cases[("fwd", "torch_grouped_mm")] = lambda: gmm(x, wt, offs=ends)
+        cases[("dgrad", "torch_grouped_mm")] = lambda: gmm(dy, w, offs=ends)
+        cases[("wgrad", "torch_grouped_mm")] = lambda: gmm(dy.t(), x, offs=ends)  # (E, N, K): groups along R
+    rows = []
+    for (op, impl), fn in cases.items():
+        row = dict(op=op, impl=impl, R=R, E=E, N=N, K=K, skew=skew)
+        try:
+            ms = timer(fn)
+        except Exception as exc:  # noqa: BLE001  (a baseline this torch lacks: report it, keep the table)
+            rows.append(dict(row, error=f"{type(exc).__name__}: {str(exc)[:120]}"))
+            continue
+        rows.append(dict(row, ms=ms, tflops=flops / ms / 1e9))
+    dense = {r["op"]: r["ms"] for r in rows if r["impl"] == "dense_cublas" and "ms" in r}
+    for r in rows:
+        if "ms" in r and r["op"] in dense:
+            r["vs_dense"] = dense[r["op"]] / r["ms"]  # > 1: faster than the dense GEMM of the same FLOPs
+    return rows
+
+
+def _parity():
+    torch.manual_seed(0)
+    E, R, C, H = 8, 4099, 768, 3072
+    offs = offsets_of(group_sizes(R, E, "skewed"), "cuda")
+    x = torch.randn(R, C, device="cuda")
+    params = [torch.randn(E, H, C, device="cuda") * 0.02, torch.randn(E, H, device="cuda") * 0.02,
+              torch.randn(E, C, H, device="cuda") * 0.02, torch.randn(E, C, device="cuda") * 0.02]
+    dy = torch.randn(R, C, device="cuda")
+
+    def run(fn, dt, autocast=False):
+        leaves = [x.detach().to(dt).clone().requires_grad_()] + [p.clone().requires_grad_() for p in params]
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            y = fn(leaves[0], *leaves[1:], offs)
+        y.backward(dy.to(y.dtype))
+        return [y.float()] + [t.grad.float() for t in leaves]
+
+    ref = run(grouped_mlp_ref, torch.float32)
+    for name, got in (("triton bf16", run(grouped_mlp_triton, torch.bfloat16)),
+                      ("torch bf16 autocast", run(grouped_mlp_ref, torch.float32, autocast=True))):
+        errs = ", ".join(f"{(a - b).abs().max().item() / b.abs().max().item():.1e}" for a, b in zip(got, ref))
+        print(f"parity grouped_mlp {name}: max err / max |ref| (y, dx, dw_fc, db_fc, dw_proj, db_proj): {errs}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", help="append JSON lines here")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("the benchmark needs a CUDA GPU (tests run the kernels on CPU: pytest tests/test_moe.py)")
+    _parity()
+    out = open(args.out, "a") if args.out else None
+    print(f"{'op':>6} {'impl':>17} {'R':>6} {'E':>3} {'N':>5} {'K':>5} {'skew':>9} {'ms':>8} {'TFLOP/s':>8}")
+    for R, E, N, K in ((65536, 8, 3072, 768), (65536, 8, 768, 3072)):
+        for skew in ("balanced", "skewed"):
+            for r in bench_gemm(R, E, N, K, skew):
+                if "error" in r:
+                    print(f"{r['op']:>6} {r['impl']:>17} {r['error']}")
+                    continue
+                print(f"{r['op']:>6} {r['impl']:>17} {R:>6} {E:>3} {N:>5} {K:>5} {skew:>9} {r['ms']:8.4f} "
+                      f"{r['tflops']:8.1f}")
+                if out:
+                    out.write(json.dumps(dict(r, device=torch.cuda.get_device_name())) + "\n")
+    if out:
+        out.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,366 @@
+"""Mixture-of-Experts MLP: a router and E GPT-2 MLPs in place of a block's MLP (Switch, GShard, DeepSeek-V3).
+
+Math, per token x (C,), E experts, top-k (Shazeer et al. 2017; Fedus et al. 2021):
+    z = W_r x in fp32 (E,),   s = softmax(z) | sigmoid(z)
+    experts e_1..e_k = top-k of s + b      b: the aux-loss-free balancing bias (a buffer; selects, never weighs)
+    gates g_j = s_{e_j} / sum_i s_{e_i}     (renormalised over the chosen k; moe_renorm=False keeps s_{e_j}: with
+                                             k = 1 a renormalised gate is always 1 and the router learns nothing)
+    y = sum_j g_j MLP_{e_j}(x),  MLP_e(x) = c_proj_e(gelu_tanh(c_fc_e(x)))
+  Capacity (moe_capacity = cf > 0): each expert keeps at most c = ceil(cf * N * k / E) of the layer's N*k
+  assignments, first choices before second choices, each in token order (GShard); a dropped assignment adds nothing
+  and a token whose k assignments all drop passes through on the residual stream. cf = 0: dropless.
+Auxiliary losses (Switch eq. 4-6; ST-MoE eq. 5), over the N tokens of the forward:
+    balance  L_b = E * sum_e f_e P_e,  f_e = (assignments routed to e, before dropping) / (N k),  P_e = mean_t p_e,
+             p = s / sum(s) (= s for softmax). L_b = 1 at a uniform load.
+    z-loss   L_z = mean_t logsumexp(z_t)^2
+    aux = moe_aux_coef * L_b + moe_z_coef * L_z. Its gradient enters in the backward of the layer's output
+    (`_AuxLossGrad`, as Megatron-Core's MoEAuxLossAutoScaler): the trainer's loss is unchanged, pipeline stages
+    without the loss still train their routers. `aux_grad_scale` must equal the factor the trainer puts on its loss
+    before backward (1 / micro-steps under gradient accumulation, times an fp16 loss scale).
+Aux-loss-free balancing (DeepSeek-V3, Wang et al. 2024), moe_bias_rate = u > 0: training forwards add their
+  assignment counts to `load`; after the optimizer step `update_expert_bias(model)` sets b_e += u * sign(mean(load) -
+  load_e) and clears `load` (all-reduce the loads over the data-parallel group first: replicas must agree on b).
+
+Paths (`impl`; all give the same numbers up to summation order):
+    loop        the spec: a Python loop over experts, each gathering its tokens (`moe_loop_ref`)
+    sorted      kernels/moe_route's PyTorch references: tokens sorted by expert, a matmul per expert slice (one
+                host sync for the slice bounds), index ops to scatter back
+    grouped_mm  sorted, with torch._grouped_mm for the experts (no host sync; CUDA, 16-bit)
+    triton      routing, permute, unpermute kernels (kernels/moe_route.py) and the grouped GEMM expert MLP
+                (kernels/grouped_gemm.py); no host sync
+    auto        the op table's `moe_impl` if it has one, else triton on CUDA and sorted elsewhere
+After each forward: `aux_loss` (the weighted aux loss, a tensor in the graph) and `stats` (0-dim detached tensors,
+no host sync): aux (L_b), z (L_z), drop (fraction of assignments dropped), load_min / load_max (assignments of the
+least / most loaded expert over the mean; 1 = balanced). `collect_stats(model)` folds them over layers in one sync.
+Parameters: router.weight (E, C); experts.c_fc.weight (E, 4C, C) and .bias (E, 4C); experts.c_proj.weight
+(E, C, 4C) and .bias (E, C): each expert slice in nn.Linear's layout, so a dense MLP copies into every expert.
+Callers: tests/test_moe.py, bench/bench_moe.py (model integration: notes/moe.md).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+IMPLS = ("auto", "loop", "sorted", "grouped_mm", "triton")
+
+
+@dataclass
+class MoEConfig:
+    """The fields MoEMLP reads. ModelConfig gets the moe_* ones under the same names when the model integrates MoE."""
+    n_embd: int = 768            # residual width C; experts are GPT-2 MLPs C -> 4C -> C
+    n_layer: int = 12            # for the c_proj init, N(0, 0.02 / sqrt(2 n_layer))
+    bias: bool = True            # biases in the expert Linears (the router has none)
+    dropout: float = 0.0         # on the layer's output, as the dense MLP
+    moe_experts: int = 8         # E
+    moe_top_k: int = 2           # experts per token
+    moe_score: str = "softmax"   # softmax | sigmoid (DeepSeek-V3)
+    moe_renorm: bool = True      # gates renormalised over the chosen k (False: Switch's k = 1 gate s_e)
+    moe_capacity: float = 0.0    # capacity factor cf: each expert keeps ceil(cf * N * k / E) assignments; 0 = dropless
+    moe_aux_coef: float = 0.01   # load-balancing loss weight (Switch: 0.01); 0 = off
+    moe_z_coef: float = 0.001    # router z-loss weight (ST-MoE: 0.001); 0 = off
+    moe_bias_rate: float = 0.0   # aux-loss-free bias step u (DeepSeek-V3: 0.001); 0 = off
+    moe_impl: str = "auto"       # auto | triton | grouped_mm | sorted | loop
+
+    def __post_init__(self):
+        check_moe_config(self)
+
+
+def check_moe_config(cfg) -> None:
+    """Every check MoE needs without a process group (ModelConfig.__post_init__ calls it once integrated)."""
+    if cfg.moe_experts < 1 or not 1 <= cfg.moe_top_k <= cfg.moe_experts:
+        raise ValueError(f"moe: need 1 <= moe_top_k <= moe_experts, got top_k={cfg.moe_top_k}, "
+                         f"experts={cfg.moe_experts}")
+    if cfg.moe_score not in ("softmax", "sigmoid"):
+        raise ValueError(f"moe_score must be softmax or sigmoid, got {cfg.moe_score!r}")
+    if cfg.moe_score == "sigmoid" and not cfg.moe_renorm:
+        raise ValueError("moe_score=sigmoid needs moe_renorm=true (sigmoid scores do not sum to 1)")
+    for name in ("moe_capacity", "moe_aux_coef", "moe_z_coef", "moe_bias_rate"):
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)}")
+    if cfg.moe_impl not in IMPLS:
+        raise ValueError(f"moe_impl must be one of {', '.join(IMPLS)}, got {cfg.moe_impl!r}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# routing math shared by every path
+
+
+def gate_weights(logits, idx, score="softmax", renorm=True):
+    """Gates (N, k) fp32 of the chosen experts, differentiable in the logits (the selection itself is not)."""
+    s = logits.float().softmax(-1) if score == "softmax" else logits.float().sigmoid()  # (N, E)
+    g = s.gather(1, idx)
+    return g / g.sum(-1, keepdim=True) if renorm else g
+
+
+def load_balance_loss(logits, counts, k, score="softmax"):
+    """Switch/GShard L_b = E * sum_e f_e P_e: f from the routed counts (no gradient), P the mean probabilities."""
+    N, E = logits.shape
+    s = logits.float().softmax(-1) if score == "softmax" else logits.float().sigmoid()
+    p = s if score == "softmax" else s / s.sum(-1, keepdim=True)
+    f = counts.float() / (N * k)
+    return E * (f * p.mean(0)).sum()
+
+
+def z_loss(logits):
+    """ST-MoE router z-loss: mean over tokens of logsumexp(z)^2."""
+    return torch.logsumexp(logits.float(), -1).pow(2).mean()
+
+
+def capacity_of(N, k, E, factor):
+    """Assignments each expert keeps: ceil(factor * N * k / E); None (dropless) for factor 0."""
+    return None if factor <= 0 else math.ceil(factor * N * k / E)
+
+
+def _kernels():
+    """(kernels.moe_route, kernels.grouped_gemm), imported on first use: they import Triton, which a model without
+    MoE layers never needs (model.py's TritonOps does the same). The routing references live there too (DESIGN §5)."""
+    from kernels import grouped_gemm, moe_route
+    return moe_route, grouped_gemm
+
+
+def compute_dtype(x):
+    """The dtype the expert matmuls run in: autocast's when it is on for x's device, else x's."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# modules
+
+
+class ExpertLinear(nn.Module):
+    """E Linears stacked: weight (E, n_out, n_in), bias (E, n_out); slice e is an nn.Linear's parameters."""
+
+    def __init__(self, n_experts, n_in, n_out, bias=True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_experts, n_out, n_in))
+        self.bias = nn.Parameter(torch.zeros(n_experts, n_out)) if bias else None
+
+
+class Experts(nn.Module):
+    """E GPT-2 MLPs: c_fc C -> 4C, GELU (tanh), c_proj 4C -> C."""
+
+    def __init__(self, n_experts, n_embd, bias=True):
+        super().__init__()
+        self.c_fc = ExpertLinear(n_experts, n_embd, 4 * n_embd, bias)
+        self.c_proj = ExpertLinear(n_experts, 4 * n_embd, n_embd, bias)
+
+    def params(self):
+        """(w_fc, b_fc, w_proj, b_proj), biases None without bias."""
+        return self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias
+
+    def mlp(self, e, x):
+        """Expert e on rows x (n, C) -> (n, C); the PyTorch paths (autocast applies as in the dense MLP)."""
+        b_fc = None if self.c_fc.bias is None else self.c_fc.bias[e]
+        b_proj = None if self.c_proj.bias is None else self.c_proj.bias[e]
+        h = F.gelu(F.linear(x, self.c_fc.weight[e], b_fc), approximate="tanh")
+        return F.linear(h, self.c_proj.weight[e], b_proj)
+
+
+class _AuxLossGrad(torch.autograd.Function):
+    """fwd: y unchanged; bwd: y's gradient, and `scale` as the gradient of the aux loss (Megatron-Core's
+    MoEAuxLossAutoScaler): the aux loss trains the router without being added to the trainer's loss."""
+
+    @staticmethod
+    def forward(ctx, y, aux, scale):
+        ctx.scale, ctx.aux_dtype = scale, aux.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=dy.device), None
+
+
+def moe_loop_ref(x, logits, experts, k, score="softmax", renorm=True, bias=None, capacity=None):
+    """The spec, one expert at a time: top-k of the (biased) scores; expert e takes its assignments in slot-major
+    order (all first choices by token, then second choices, ...), keeps the first `capacity`, runs its MLP on those
+    tokens and adds gate * output into their rows. Returns (y (N, C), counts (E,) before dropping, kept total)."""
+    N, E = logits.shape
+    mr, _ = _kernels()
+    idx = mr.topk_ref(mr.select_key(logits.detach(), score, bias), k)  # (N, k)
+    gates = gate_weights(logits, idx, score, renorm)
+    y = torch.zeros(N, x.shape[1], device=x.device, dtype=torch.float32)
+    kept = 0
+    for e in range(E):
+        slot, tok = (idx.t() == e).nonzero(as_tuple=True)  # row-major over (k, N): slot-major, token order
+        if capacity is not None:
+            slot, tok = slot[:capacity], tok[:capacity]
+        kept += tok.numel()
+        out = experts.mlp(e, x[tok])  # (n_e, C)
+        y = y.index_add(0, tok, out.float() * gates[tok, slot, None])
+    counts = torch.bincount(idx.reshape(-1), minlength=E)
+    return y.to(compute_dtype(x)), counts, torch.tensor(kept, device=x.device)
+
+
+def experts_sorted(xs, offsets, experts, grouped_mm=False):
+    """Expert MLPs on an expert-sorted buffer xs (R, C) with PyTorch ops: torch._grouped_mm over all groups (no host
+    sync; CUDA, 16-bit), or one matmul per group slice (one host sync). Rows past offsets[E] come back zero (slices)
+    or unspecified (grouped_mm); nothing reads them."""
+    if grouped_mm:
+        dt = compute_dtype(xs)
+        w_fc, b_fc, w_proj, b_proj = experts.params()
+        ends = offsets[1:]
+        # each row's expert, on the device; rows past the last group (unspecified values, in capacity mode) get
+        # no bias and so send no gradient into it
+        rows = torch.arange(xs.shape[0], device=xs.device)
+        row_expert = torch.bucketize(rows, ends, right=True).clamp(max=w_fc.shape[0] - 1)
+        used = (rows < offsets[-1])[:, None]
+        add_bias = lambda t, b: t if b is None else t + torch.where(used, b.to(dt)[row_expert], 0)  # noqa: E731
+        h = add_bias(torch._grouped_mm(xs.to(dt), w_fc.to(dt).transpose(-2, -1), offs=ends), b_fc)  # (R, 4C)
+        y = torch._grouped_mm(F.gelu(h, approximate="tanh"), w_proj.to(dt).transpose(-2, -1), offs=ends)
+        return add_bias(y, b_proj)
+    bounds = offsets.tolist()
+    outs = [experts.mlp(e, xs[lo:hi]) for e, (lo, hi) in enumerate(zip(bounds, bounds[1:]))]
+    if xs.shape[0] > bounds[-1]:
+        outs.append(outs[0].new_zeros(xs.shape[0] - bounds[-1], xs.shape[1]))
+    return torch.cat(outs)
+
+
+class MoEMLP(nn.Module):
+    """Drop-in for model.MLP: forward(x, ops) -> (..., C). Reads `aux_loss` / `stats` after a forward (see the
+    module docstring); cfg: any object with MoEConfig's fields (MoEConfig or, once integrated, ModelConfig)."""
+
+    def __init__(self, cfg, impl=None):
+        super().__init__()
+        check_moe_config(cfg)
+        E, C = cfg.moe_experts, cfg.n_embd
+        self.n_experts, self.top_k, self.score, self.renorm = E, cfg.moe_top_k, cfg.moe_score, cfg.moe_renorm
+        self.capacity_factor, self.aux_coef, self.z_coef = cfg.moe_capacity, cfg.moe_aux_coef, cfg.moe_z_coef
+        self.bias_rate, self.dropout = cfg.moe_bias_rate, cfg.dropout
+        self.impl = impl or cfg.moe_impl
+        if self.impl not in IMPLS:
+            raise ValueError(f"MoEMLP: impl must be one of {', '.join(IMPLS)}, got {self.impl!r}")
+        self.router = nn.Linear(C, E, bias=False)
+        self.experts = Experts(E, C, cfg.bias)
+        self.register_buffer("expert_bias", torch.zeros(E))  # aux-loss-free balancing (checkpointed)
+        self.register_buffer("load", torch.zeros(E), persistent=False)  # assignments since the last bias update
+        self.aux_grad_scale = 1.0  # the trainer's factor on its loss (1 / micro-steps), see the module docstring
+        self.aux_loss = None
+        self.stats = {}
+        self.reset_parameters(cfg.n_layer)
+
+    def reset_parameters(self, n_layer=12):
+        """GPT-2's init (GPT.reset_parameters does the same by parameter name): N(0, 0.02), c_proj N(0, 0.02 /
+        sqrt(2 n_layer)), zero biases."""
+        nn.init.normal_(self.router.weight, std=0.02)
+        for lin, std in ((self.experts.c_fc, 0.02), (self.experts.c_proj, 0.02 / math.sqrt(2 * n_layer))):
+            nn.init.normal_(lin.weight, std=std)
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)
+
+    def capacity(self, n_tokens):
+        return capacity_of(n_tokens, self.top_k, self.n_experts, self.capacity_factor)
+
+    def pick_impl(self, x, ops=None):
+        if self.impl != "auto":
+            return self.impl
+        return getattr(ops, "moe_impl", None) or ("triton" if x.is_cuda else "sorted")
+
+    def router_logits(self, x):
+        """(N, E) fp32: routing decisions are sensitive, so never in 16 bits (Switch §2.4)."""
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.float(), self.router.weight.float())
+
+    def forward(self, x, ops=None):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])  # (N, C)
+        N, k = x2.shape[0], self.top_k
+        impl = self.pick_impl(x2, ops)
+        logits = self.router_logits(x2)  # (N, E)
+        bias = self.expert_bias if self.bias_rate > 0 else None
+        cap = self.capacity(N)
+        w = self.experts.params()
+        if impl == "loop":
+            y, counts, kept = moe_loop_ref(x2, logits, self.experts, k, self.score, self.renorm, bias, cap)
+        else:
+            mr, gg = _kernels()
+            r = (mr.route_triton if impl == "triton" else mr.route_ref)(logits.detach(), k, self.score, bias, cap)
+            gates = gate_weights(logits, r.idx, self.score, self.renorm)  # (N, k)
+            if impl == "triton":
+                xs = mr.permute_triton(x2.to(compute_dtype(x2)), r.dest, r.rows)  # (R, C) expert-sorted
+                y = mr.unpermute_triton(gg.grouped_mlp_triton(xs, *w, r.offsets), r.dest, gates)
+            else:
+                xs = mr.permute_ref(x2, r.dest, r.rows)
+                y = mr.unpermute_ref(experts_sorted(xs, r.offsets, self.experts, impl == "grouped_mm"), r.dest, gates)
+            counts, kept = r.counts, r.offsets[-1]
+        y = self._losses(y, logits, counts, kept, N)
+        return F.dropout(y.view(*shape[:-1], y.shape[-1]), self.dropout, self.training)
+
+    def _losses(self, y, logits, counts, kept, N):
+        """Sets aux_loss and stats; routes the aux loss's gradient through y's backward."""
+        if N == 0:
+            self.aux_loss, self.stats = None, {}
+            return y
+        with torch.no_grad():
+            if self.training and self.bias_rate > 0:
+                self.load += counts.float()
+        lb = load_balance_loss(logits, counts, self.top_k, self.score)
+        zl = z_loss(logits)
+        self.aux_loss = self.aux_coef * lb + self.z_coef * zl
+        mean = counts.float().mean()
+        self.stats = dict(aux=lb.detach(), z=zl.detach(), drop=1 - kept.float() / (N * self.top_k),
+                          load_min=counts.min().float() / mean, load_max=counts.max().float() / mean)
+        if torch.is_grad_enabled() and self.aux_loss.requires_grad and (self.aux_coef > 0 or self.z_coef > 0):
+            y = _AuxLossGrad.apply(y, self.aux_loss, self.aux_grad_scale)
+        return y
+
+    @torch.no_grad()
+    def update_bias(self):
+        """DeepSeek-V3's step: b_e += u * sign(mean load - load_e); clears the load."""
+        if self.bias_rate > 0 and self.load.sum() > 0:
+            self.expert_bias += self.bias_rate * torch.sign(self.load.mean() - self.load)
+        self.load.zero_()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# what a trainer calls
+
+
+def moe_layers(model):
+    return [m for m in model.modules() if isinstance(m, MoEMLP)]
+
+
+def set_aux_grad_scale(model, scale):
+    """The factor the trainer applies to its loss before backward (1 / micro-steps, times an fp16 loss scale)."""
+    for m in moe_layers(model):
+        m.aux_grad_scale = scale
+
+
+@torch.no_grad()
+def update_expert_bias(model, all_reduce=None):
+    """After the optimizer step: every MoE layer's aux-loss-free bias update. `all_reduce` (a function summing a
+    tensor in place over the data-parallel group) makes the loads, hence the biases, agree on every replica: one
+    collective for all layers."""
+    layers = [m for m in moe_layers(model) if m.bias_rate > 0]
+    if not layers:
+        return
+    if all_reduce is not None:
+        flat = torch.cat([m.load for m in layers])
+        all_reduce(flat)
+        for m, part in zip(layers, flat.split([m.load.numel() for m in layers])):
+            m.load.copy_(part)
+    for m in layers:
+        m.update_bias()
+
+
+def collect_stats(model) -> dict:
+    """The log line's MoE fields over all layers (one host sync): moe_aux / moe_z / moe_drop averaged,
+    moe_load_min the lowest and moe_load_max the highest; {} without MoE layers or before a forward."""
+    stats = [m.stats for m in moe_layers(model) if m.stats]
+    if not stats:
+        return {}
+    v = torch.stack([torch.stack([s["aux"], s["z"], s["drop"], s["load_min"], s["load_max"]]) for s in stats]).cpu()
+    return dict(moe_aux=v[:, 0].mean().item(), moe_z=v[:, 1].mean().item(), moe_drop=v[:, 2].mean().item(),
+                moe_load_min=v[:, 3].min().item(), moe_load_max=v[:, 4].max().item())
+
+
+def active_params(model) -> int:
+    """Parameters one token passes through (for MFU): all, less (E - k) / E of every MoE layer's experts."""
+    n = sum(p.numel() for p in model.parameters())
+    for m in moe_layers(model):
+        n -= sum(p.numel() for p in m.experts.parameters()) * (m.n_experts - m.top_k) // m.n_experts
+    return n

@@ -1,0 +1,500 @@
+"""MoE: routing, permute / unpermute, grouped GEMM (kernels/moe_route.py, kernels/grouped_gemm.py) and the MoE MLP
+block (nanopara/moe.py).
+
+CPU: the Triton kernels run in the interpreter at small awkward sizes (37 tokens, 5 or 33 experts, widths 24/40,
+empty experts, one expert holding everything, k > 1, dropped tokens). Routing is integer work: equal to the
+reference exactly. Float results are judged against float64 oracles: fp32 paths differ by summation order only
+(observed <= ~2e-6 relative), fp16 by the rounding of stored intermediates. tl.dot on bf16 is wrong in the
+interpreter (shared/TRITON_CPU.md), so GEMMs are tested in fp32/fp16 here and in bf16 on the GPU (`-m gpu`).
+"""
+import copy
+import math
+
+import pytest
+import torch
+
+from kernels import grouped_gemm as gg
+from kernels.moe_route import (permute_ref, permute_triton, route_ref, route_triton, unpermute_ref,
+                               unpermute_triton)
+from nanopara.moe import (MoEConfig, MoEMLP, active_params, collect_stats, gate_weights, load_balance_loss,
+                          moe_layers, set_aux_grad_scale, update_expert_bias, z_loss)
+
+
+# the interpreter reads loop bounds loaded from memory (group offsets) through a 1-element array's __index__
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# routing
+
+
+def _logits(N, E, kind, seed=0):
+    z = torch.randn(N, E, generator=_gen(seed))
+    if kind == "one":  # one expert is everyone's first choice
+        z[:, 2 % E] += 100
+    elif kind == "ties":  # all equal: the lowest ids win
+        z = torch.zeros(N, E)
+    elif kind == "empty":  # experts 0 and 1 are never chosen
+        z[:, :2] -= 100
+    return z
+
+
+ROUTES = [  # (N, E, k, score, bias, capacity, logits kind)
+    (37, 5, 2, "softmax", False, None, "random"),
+    (37, 5, 2, "sigmoid", True, 9, "random"),  # dropped tokens
+    (37, 5, 2, "softmax", True, None, "empty"),  # empty experts; softmax + bias ranks the probabilities
+    (37, 5, 3, "softmax", False, 7, "one"),  # one expert holds everything first, capped
+    (37, 33, 4, "softmax", False, None, "random"),  # E not a power of 2, k = 4
+    (9, 4, 4, "softmax", False, None, "ties"),  # k = E, ties
+    (50, 7, 1, "softmax", False, 4, "random"),  # k = 1 with capacity
+    (1, 3, 2, "sigmoid", False, 0, "random"),  # capacity 0: everything dropped
+    (0, 4, 2, "softmax", False, None, "random"),  # no tokens
+]
+
+
+@pytest.mark.parametrize("N,E,k,score,bias,capacity,kind", ROUTES)
+def test_route_matches_reference(N, E, k, score, bias, capacity, kind):
+    z = _logits(N, E, kind)
+    b = 0.3 * torch.randn(E, generator=_gen(1)) if bias else None
+    got, want = route_triton(z, k, score, b, capacity), route_ref(z, k, score, b, capacity)
+    for name in ("idx", "dest", "counts", "offsets"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert got.rows == want.rows
+
+
+@pytest.mark.parametrize("N,E,k,score,bias,capacity,kind", ROUTES)
+def test_route_reference_is_a_stable_grouping(N, E, k, score, bias, capacity, kind):
+    """The spec's properties, checked independently of its argsort: expert e's kept rows are offsets[e] +
+    0, 1, ... over its assignments in slot-major order (j, then t), cut at the capacity; top-k picks the largest
+    keys best first, lowest id on ties."""
+    z = _logits(N, E, kind)
+    b = 0.3 * torch.randn(E, generator=_gen(1)) if bias else None
+    r = route_ref(z, k, score, b, capacity)
+    cap = capacity if capacity is not None else N * k
+    key = z if score == "softmax" and b is None else (z.softmax(-1) if score == "softmax" else z.sigmoid()) + (
+        0 if b is None else b)
+    for t in range(N):
+        order = sorted(range(E), key=lambda e: (-key[t, e].item(), e))
+        assert r.idx[t].tolist() == order[:k]
+    for e in range(E):
+        mine = [(j, t) for j in range(k) for t in range(N) if r.idx[t, j] == e]
+        assert r.counts[e] == len(mine)
+        kept = min(len(mine), cap)
+        assert r.offsets[e + 1] - r.offsets[e] == kept
+        assert [r.dest[t, j].item() for j, t in mine] == [r.offsets[e].item() + i for i in range(kept)] + \
+            [-1] * (len(mine) - kept)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# permute / unpermute
+
+
+def _leaf(t):
+    return t.detach().clone().requires_grad_()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])  # no tl.dot: bf16 is fine
+@pytest.mark.parametrize("route_case", [0, 1, 3])  # dropless; dropped tokens; one expert capped
+def test_permute_unpermute_match_reference(route_case, dtype):
+    N, E, k, score, bias, capacity, kind = ROUTES[route_case]
+    r = route_ref(_logits(N, E, kind), k, score, 0.3 * torch.randn(E, generator=_gen(1)) if bias else None,
+                  capacity)
+    used = int(r.offsets[-1])
+    C = 40
+    x = torch.randn(N, C, generator=_gen(2)).to(dtype)
+    ys = torch.randn(r.rows, C, generator=_gen(3)).to(dtype)
+    w = torch.rand(N, k, generator=_gen(4))
+    dxs = torch.randn(r.rows, C, generator=_gen(5)).to(dtype)
+    dy = torch.randn(N, C, generator=_gen(6)).to(dtype)
+
+    xa, xb = _leaf(x), _leaf(x)
+    xs_t, xs_r = permute_triton(xa, r.dest, r.rows), permute_ref(xb, r.dest, r.rows)
+    assert torch.equal(xs_t[:used], xs_r[:used])  # a copy: exact
+    xs_t.backward(dxs)
+    xs_r.backward(dxs)
+    # dx sums a token's k rows in fp32 and rounds once; the reference accumulates in the dtype itself
+    torch.testing.assert_close(xa.grad.float(), xb.grad.float(), **_TOL[dtype])
+
+    ya, wa, yb, wb = _leaf(ys), _leaf(w), _leaf(ys.double()), _leaf(w.double())
+    out_t, out_r = unpermute_triton(ya, r.dest, wa), unpermute_ref(yb, r.dest, wb)
+    assert out_t.dtype == dtype
+    torch.testing.assert_close(out_t.double(), out_r, **_TOL[dtype])
+    out_t.backward(dy)
+    out_r.backward(dy.double())
+    torch.testing.assert_close(ya.grad[:used].double(), yb.grad[:used], **_TOL[dtype])
+    torch.testing.assert_close(wa.grad.double(), wb.grad, atol=1e-4 * C, rtol=1e-4)  # fp32 dot over C columns
+    dropped = r.dest < 0
+    assert (wa.grad[dropped] == 0).all()
+
+
+# fp32: summation order; fp16/bf16: one rounding of an fp32 sum to 11 / 8 mantissa bits (values ~1-3)
+_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=4e-3, rtol=2e-3),
+        torch.bfloat16: dict(atol=3e-2, rtol=1e-2)}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# grouped GEMM
+
+
+def _max_rel(a, b):
+    return ((a.double() - b).abs().max() / b.abs().max().clamp(min=1e-30)).item()
+
+
+def _mlp_params(E, C, H, bias, seed=0):
+    g = _gen(seed)
+    w_fc, w_proj = 0.3 * torch.randn(E, H, C, generator=g), 0.2 * torch.randn(E, C, H, generator=g)
+    b_fc = 0.3 * torch.randn(E, H, generator=g) if bias else None
+    b_proj = 0.3 * torch.randn(E, C, generator=g) if bias else None
+    return [w_fc, b_fc, w_proj, b_proj]
+
+
+def _run_mlp(fn, x, params, offsets, dy, used):
+    leaves = [_leaf(x)] + [None if p is None else _leaf(p) for p in params]
+    y = fn(leaves[0], *leaves[1:], offsets)
+    loss = (y[:used].double() * dy[:used]).sum()  # a sum: with no rows at all the backward still runs
+    if loss.requires_grad:  # (the reference with no groups never touches the parameters)
+        loss.backward()
+    grads = [None if t is None else (t.grad if t.grad is not None else torch.zeros_like(t)) for t in leaves]
+    grads[0] = grads[0][:used]
+    return [y[:used]] + grads
+
+
+# rows past the last group (unused buffer rows) are never read or written
+@pytest.mark.parametrize("sizes,dtype,bias", [
+    ([5, 0, 20, 1, 11], torch.float32, True),  # an empty group, a 1-row group, partial tiles
+    ([37, 0, 0], torch.float16, True),  # one group holds everything
+    ([3, 17, 9, 2, 10], torch.float32, False),  # no bias
+    ([0, 0, 0], torch.float32, True),  # nothing at all: dw and db are zeros
+])
+def test_grouped_mlp_matches_reference(sizes, dtype, bias):
+    E, C, H = len(sizes), 24, 40
+    offsets = gg.offsets_of(sizes, "cpu")
+    used = sum(sizes)
+    R = used + 3
+    x = torch.randn(R, C, generator=_gen(1)).to(dtype)
+    params = _mlp_params(E, C, H, bias)
+    dy = torch.randn(R, C, generator=_gen(2)).to(dtype)
+    got = _run_mlp(gg.grouped_mlp_triton, x, params, offsets, dy, used)
+    want = _run_mlp(gg.grouped_mlp_ref, x.double(), [None if p is None else p.double() for p in params],
+                    offsets, dy.double(), used)
+    assert got[0].dtype == dtype and all(g is None or g.dtype == torch.float32 for g in got[2:])  # fp32 params
+    # fp32: summation order (~1e-6); fp16: h, gelu(h) and dh are stored in fp16 (2**-11) and feed the next GEMM
+    tol = 1e-5 if dtype == torch.float32 else 5e-3
+    for i, (a, b) in enumerate(zip(got, want)):
+        if b is None:
+            assert a is None
+        elif used == 0:
+            assert (a == 0).all() and (b == 0).all(), i
+        else:
+            assert _max_rel(a, b) <= tol, (i, _max_rel(a, b))
+
+
+def test_grouped_linear_and_wgrad_of_empty_groups():
+    """One Linear per group (no GELU epilogue); an empty group's dw and db are exactly zero."""
+    sizes = [0, 13, 0, 30]
+    E, K, N = len(sizes), 40, 24
+    offsets = gg.offsets_of(sizes, "cpu")
+    x = torch.randn(43, K, generator=_gen(1))
+    w, b = 0.2 * torch.randn(E, N, K, generator=_gen(2)), torch.randn(E, N, generator=_gen(3))
+    dy = torch.randn(43, N, generator=_gen(4))
+    xa, wa, ba = _leaf(x), _leaf(w), _leaf(b)
+    y = gg.grouped_linear_triton(xa, wa, ba, offsets)
+    y.backward(dy)
+    xb, wb, bb = _leaf(x.double()), _leaf(w.double()), _leaf(b.double())
+    gg.grouped_linear_ref(xb, wb, bb, offsets).backward(dy.double())
+    for a, r in ((y, gg.grouped_linear_ref(x.double(), w.double(), b.double(), offsets)), (xa.grad, xb.grad),
+                 (wa.grad, wb.grad), (ba.grad, bb.grad)):
+        assert _max_rel(a, r) <= 1e-5
+    assert (wa.grad[[0, 2]] == 0).all() and (ba.grad[[0, 2]] == 0).all()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the MoE block against the per-expert loop
+
+
+def _block(seed=0, **kw):
+    cfg = MoEConfig(**{**dict(n_embd=24, n_layer=2, moe_experts=5, moe_top_k=2), **kw})
+    torch.manual_seed(seed)
+    m = MoEMLP(cfg)
+    with torch.no_grad():  # nonzero biases and a sharper router than the init, so every term is exercised
+        for lin in (m.experts.c_fc, m.experts.c_proj):
+            if lin.bias is not None:
+                lin.bias.normal_(std=0.3)
+        m.router.weight.normal_(std=0.5)
+    return m
+
+
+def _fwd_bwd(m, x, impl):
+    m = copy.deepcopy(m)
+    m.impl = impl
+    xl = _leaf(x)
+    y = m(xl)
+    (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype, device=y.device).view_as(y)).sum().backward()
+    return [y.detach(), xl.grad] + [p.grad for p in m.parameters()], m.stats
+
+
+BLOCKS = {  # name: MoEConfig overrides (+ a nonzero balancing bias where moe_bias_rate > 0)
+    "softmax_top2_dropless": dict(),
+    "sigmoid_top2_capacity_bias": dict(moe_score="sigmoid", moe_capacity=0.8, moe_bias_rate=0.01),
+    "switch_top1_capacity": dict(moe_top_k=1, moe_renorm=False, moe_capacity=1.0, moe_aux_coef=0.1),
+    "top3_of_4_no_bias": dict(moe_experts=4, moe_top_k=3, bias=False, moe_z_coef=0.0),
+}
+
+
+@pytest.mark.parametrize("impl", ["sorted", "grouped_mm", "triton"])
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_moe_block_matches_loop_reference(name, impl):
+    m = _block(**BLOCKS[name])
+    if m.bias_rate > 0:
+        m.expert_bias.copy_(0.2 * torch.randn(m.n_experts, generator=_gen(7)))
+    x = torch.randn(3, 13, 24, generator=_gen(8))
+    want, want_stats = _fwd_bwd(copy.deepcopy(m).double(), x.double(), "loop")
+    got, got_stats = _fwd_bwd(m, x, impl)
+    for i, (a, b) in enumerate(zip(got, want)):  # y, dx, d router, d c_fc w/b, d c_proj w/b (aux grads included)
+        assert _max_rel(a, b) <= 1e-5, (i, _max_rel(a, b))
+    for key in want_stats:
+        torch.testing.assert_close(got_stats[key].double(), want_stats[key].double(), rtol=1e-5, atol=1e-6)
+    if m.capacity_factor > 0:
+        assert got_stats["drop"] > 0  # the capacity bites at these sizes
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# aux losses, capacity, balancing bias
+
+
+# softmax probabilities of 4 tokens over 3 experts; top-1 picks experts 0, 1, 2, 0; top-2 picks {0,1} {1,2} {2,0}
+# (a tie at 0.2: the lower id) {0,1}
+P = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.6, 0.3], [0.2, 0.2, 0.6], [0.7, 0.2, 0.1]], dtype=torch.float64)
+SHIFT = torch.tensor([0.0, 1.0, -2.0, 0.5], dtype=torch.float64)  # logits = log P + shift: logsumexp = shift
+
+
+def _fixed_block(k, **kw):
+    """A block whose router gives logits log P + shift for the 4 tokens x = identity rows."""
+    m = MoEMLP(MoEConfig(n_embd=4, n_layer=1, moe_experts=3, moe_top_k=k, **kw)).double()
+    logits = P.log() + SHIFT[:, None]
+    with torch.no_grad():
+        m.router.weight.copy_(logits.t())  # (E, C) = (3, 4): x = I gives logits
+    return m, torch.eye(4, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("k,counts", [(1, [2, 1, 1]), (2, [3, 3, 2])])
+def test_aux_losses_on_fixed_numbers(k, counts):
+    m, x = _fixed_block(k, moe_aux_coef=0.01, moe_z_coef=0.001)
+    m(x)
+    f = torch.tensor(counts, dtype=torch.float64) / (4 * k)
+    Pm = P.mean(0)  # 0.375, 0.325, 0.3
+    lb = 3 * (f * Pm).sum().item()  # k=1: 3 * (0.5*0.375 + 0.25*0.325 + 0.25*0.3) = 1.03125; k=2: 1.0125
+    assert lb == pytest.approx(1.03125 if k == 1 else 1.0125)
+    z = (SHIFT ** 2).mean().item()  # 1.3125
+    s = m.stats
+    assert s["aux"].item() == pytest.approx(lb) and s["z"].item() == pytest.approx(z)
+    assert m.aux_loss.item() == pytest.approx(0.01 * lb + 0.001 * z)
+    assert s["drop"].item() == 0
+    mean = 4 * k / 3
+    assert s["load_min"].item() == pytest.approx(min(counts) / mean)
+    assert s["load_max"].item() == pytest.approx(max(counts) / mean)
+
+
+def test_sigmoid_balance_loss_normalises_scores():
+    z = torch.tensor([[0.0, 1.0, -1.0], [2.0, 0.0, 0.0]], dtype=torch.float64)
+    s = z.sigmoid()
+    p = s / s.sum(-1, keepdim=True)
+    counts = torch.tensor([1, 2, 1])
+    want = 3 * (counts / 4.0 * p.mean(0)).sum()
+    assert load_balance_loss(z, counts, 2, "sigmoid").item() == pytest.approx(want.item())
+    assert z_loss(z).item() == pytest.approx(torch.logsumexp(z, -1).pow(2).mean().item())
+
+
+def test_aux_loss_gradient_reaches_the_router_through_the_output():
+    """With no gradient from the output itself, the router's gradient is exactly aux_grad_scale * d(aux)/dW."""
+    m, x = _fixed_block(2, moe_aux_coef=0.5, moe_z_coef=0.25)
+    w = m.router.weight
+    logits = x @ w.t()
+    aux = 0.5 * load_balance_loss(logits, torch.tensor([3, 3, 2]), 2) + 0.25 * z_loss(logits)
+    want = torch.autograd.grad(aux, w)[0]
+    set_aux_grad_scale(m, 0.25)
+    y = m(x)
+    y.backward(torch.zeros_like(y))
+    torch.testing.assert_close(w.grad, 0.25 * want)
+
+
+def test_capacity_keeps_first_choices_before_second_choices():
+    """E = 2, k = 2 (every token picks both experts), capacity ceil(0.5 * 4 * 2 / 2) = 2. Tokens 0, 1 prefer
+    expert 1 and tokens 2, 3 expert 0: in token order expert 0 would keep tokens 0, 1 (their second choices); the
+    first-choice priority keeps tokens 2, 3. So every first choice is kept and every second choice dropped."""
+    z = torch.tensor([[0.0, 1.0], [0.0, 2.0], [1.0, 0.0], [3.0, 0.0]])
+    for fn in (route_ref, route_triton):
+        r = fn(z, 2, capacity=2)
+        assert (r.dest[:, 0] >= 0).all() and (r.dest[:, 1] == -1).all(), fn.__name__
+        assert r.counts.tolist() == [4, 4] and r.offsets.tolist() == [0, 2, 4]
+    m = _block(moe_experts=2, moe_top_k=2, moe_capacity=0.5)
+    with torch.no_grad():
+        m.router.weight.zero_()
+        m.router.weight[:, 0] = torch.tensor([-1.0, 1.0])  # x[:, 0] > 0 prefers expert 1
+    x = torch.randn(4, 24, generator=_gen(3))
+    x[:, 0] = torch.tensor([5.0, 5.0, -5.0, -5.0])
+    y = m(x)
+    assert m.stats["drop"].item() == 0.5
+    g = gate_weights(m.router_logits(x), torch.tensor([[1, 0], [1, 0], [0, 1], [0, 1]]))
+    first = [1, 1, 0, 0]
+    want = torch.stack([g[t, 0] * m.experts.mlp(first[t], x[t:t + 1])[0] for t in range(4)])
+    torch.testing.assert_close(y, want)
+
+
+def test_expert_bias_steers_selection_and_updates_by_sign():
+    m = _block(moe_experts=4, moe_top_k=1, moe_renorm=False, moe_bias_rate=0.1)
+    x = torch.randn(2, 9, 24, generator=_gen(4))
+    m.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 10.0]))  # expert 3 wins every selection...
+    y = m(x)
+    assert m.load.tolist() == [0, 0, 0, 18]
+    # ...but the gate is expert 3's unbiased probability
+    logits = m.router_logits(x.reshape(-1, 24))
+    g = logits.softmax(-1)[:, 3:4]
+    want = g * m.experts.mlp(3, x.reshape(-1, 24))
+    torch.testing.assert_close(y.reshape(-1, 24), want)
+    calls = []
+
+    def fake_all_reduce(t):  # two replicas with the same loads
+        calls.append(t.clone())
+        t.mul_(2)
+
+    update_expert_bias(m, fake_all_reduce)
+    assert len(calls) == 1 and calls[0].tolist() == [0, 0, 0, 18]
+    torch.testing.assert_close(m.expert_bias, torch.tensor([0.1, 0.1, 0.1, 9.9]))  # sign(mean - load) * 0.1
+    assert m.load.sum() == 0
+    m.eval()
+    m(x)
+    assert m.load.sum() == 0  # eval forwards do not count
+
+
+def test_config_checks():
+    with pytest.raises(ValueError, match="top_k"):
+        MoEConfig(moe_experts=4, moe_top_k=5)
+    with pytest.raises(ValueError, match="moe_score"):
+        MoEConfig(moe_score="relu")
+    with pytest.raises(ValueError, match="renorm"):
+        MoEConfig(moe_score="sigmoid", moe_renorm=False)
+    with pytest.raises(ValueError, match="moe_capacity"):
+        MoEConfig(moe_capacity=-1.0)
+    with pytest.raises(ValueError, match="moe_impl"):
+        MoEConfig(moe_impl="cuda")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# a tiny GPT with MoE MLPs trains
+
+
+def _tiny_moe_gpt(every=1, **kw):
+    from nanopara.config import ModelConfig
+    from nanopara.model import GPT
+    cfg = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=97, vocab_multiple=32)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    moe_cfg = MoEConfig(n_embd=32, n_layer=2, **{**dict(moe_experts=4, moe_top_k=2), **kw})
+    for i, block in enumerate(model.transformer.h):
+        if i % every == 0:
+            block.mlp = MoEMLP(moe_cfg)
+    model.reset_parameters()  # GPT-2's init by name reaches the expert weights (experts.c_proj.weight scaled)
+    return model
+
+
+def test_tiny_gpt_with_moe_mlp_trains():
+    model = _tiny_moe_gpt(moe_bias_rate=1e-3)
+    layers = moe_layers(model)
+    assert len(layers) == 2
+    proj = layers[0].experts.c_proj.weight
+    assert abs(proj.std().item() - 0.02 / math.sqrt(4)) < 0.002
+    idx = torch.randint(0, 97, (4, 16), generator=_gen(5))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(25):
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        update_expert_bias(model)
+        losses.append(loss.item())
+    assert losses[-1] < 0.6 * losses[0], losses
+    stats = collect_stats(model)
+    assert set(stats) == {"moe_aux", "moe_z", "moe_drop", "moe_load_min", "moe_load_max"}
+    assert stats["moe_drop"] == 0 and stats["moe_load_min"] <= 1 <= stats["moe_load_max"]
+    assert any(m.expert_bias.abs().sum() > 0 for m in layers)
+    expert_params = sum(p.numel() for p in layers[0].experts.parameters())
+    assert active_params(model) == sum(p.numel() for p in model.parameters()) - 2 * expert_params // 2
+
+
+def test_tiny_gpt_triton_moe_path_matches_sorted():
+    """The whole model, one step: the Triton MoE path (interpreter) gives the loss and grads of the PyTorch one."""
+    results = []
+    for impl in ("sorted", "triton"):
+        model = _tiny_moe_gpt(every=2, moe_capacity=1.0, moe_impl=impl)
+        idx = torch.randint(0, 97, (2, 16), generator=_gen(6))
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (l0, g0), (l1, g1) = results
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-6)
+    for n in g0:  # fp32, different summation orders
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_bench_moe_smoke(tmp_path):
+    """bench/bench_moe.py end to end on CPU (interpreter, tiny shapes): a broken benchmark wastes a GPU call."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import bench_moe
+    out = tmp_path / "moe.jsonl"
+    rows = bench_moe.main(["--smoke", "--out", str(out)])
+    sections = {r["section"] for r in rows}
+    assert sections == {"parity", "gemm", "moves", "layer"}
+    assert len(out.read_text().splitlines()) == len(rows)
+    parity = {r["impl"]: r for r in rows if r["section"] == "parity"}
+    assert parity["triton"]["y"] < 1e-5 and parity["triton"]["dx"] < 1e-5  # fp32 on CPU
+    layer = {r["impl"] for r in rows if r["section"] == "layer" and "ms" in r}
+    assert {"loop", "sorted", "grouped_mm", "triton", "grouped_mlp_only"} <= layer
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPU: bf16 at the model's width
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("skew", ["balanced", "skewed", "one"])
+def test_grouped_mlp_bf16_error_within_twice_torch(skew):
+    """bf16 grouped MLP at C = 768, E = 8 (one group holding everything included) vs an fp32 reference: error at
+    most 2x PyTorch's per-group bf16 matmuls (+ a small floor)."""
+    E, C, H, R = 8, 768, 3072, 8192
+    offsets = gg.offsets_of(gg.group_sizes(R - 5, E, skew), "cuda")
+    used = R - 5
+    x = torch.randn(R, C, generator=_gen(1)).cuda()
+    params = [None if p is None else p.cuda() * 0.1 for p in _mlp_params(E, C, H, True)]
+    dy = torch.randn(R, C, generator=_gen(2)).cuda()
+    ref = _run_mlp(gg.grouped_mlp_ref, x, params, offsets, dy, used)
+    got = _run_mlp(gg.grouped_mlp_triton, x.bfloat16(), params, offsets, dy, used)
+    base = _run_mlp(gg.grouped_mlp_ref, x.bfloat16(), [p.bfloat16() for p in params], offsets, dy, used)
+    for i, (a, b, r) in enumerate(zip(got, base, ref)):
+        assert _max_rel(a.float(), r) <= 2 * _max_rel(b.float(), r) + 1e-3, (i, _max_rel(a.float(), r))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("capacity", [0.0, 1.0])
+def test_triton_moe_bf16_error_within_twice_torch(capacity):
+    """Triton MoE under bf16 autocast vs the loop in fp32: its error is at most 2x the PyTorch sorted path's bf16
+    error (+ a small floor)."""
+    cfg = MoEConfig(n_embd=768, moe_experts=8, moe_top_k=2, moe_capacity=capacity)
+    torch.manual_seed(0)
+    m = MoEMLP(cfg).cuda()
+    x = torch.randn(4, 1024, 768, device="cuda")
+    ref, _ = _fwd_bwd(m, x, "loop")
+    errs = {}
+    for impl in ("sorted", "triton"):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            got, _ = _fwd_bwd(m, x, impl)
+        errs[impl] = [_max_rel(a.float(), b.double()) for a, b in zip(got, ref)]
+    for i, (e_t, e_s) in enumerate(zip(errs["triton"], errs["sorted"])):
+        assert e_t <= 2 * e_s + 1e-3, (i, errs)
