@@ -1,6 +1,6 @@
 """The project's modules import one another without cycles, nothing imports train.py, imported names exist.
 
-Every .py of nanopara/, kernels/, bench/ and the top-level scripts (train.py, sample.py) is parsed with `ast` (no
+Every .py of nanopara/, kernels/, bench/ and the top-level scripts (train.py, sample.py, eval.py) is parsed with `ast` (no
 import runs), and each `import` / `from ... import` of a project module becomes an edge, including imports inside
 functions: a lazy import that closes a cycle is still a cycle for a reader, who cannot read either file alone.
 """
@@ -9,7 +9,7 @@ import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("nanopara", "kernels", "bench")
-SCRIPTS = ("train.py", "sample.py")
+SCRIPTS = ("train.py", "sample.py", "eval.py")
 
 
 def project_modules(root: str) -> dict:
