@@ -1,0 +1,387 @@
+"""FP8 on one GPU: GEMMs, quantization kernels and the FP8 linear against cuBLAS and bf16, in one run.
+
+    python bench/bench_fp8.py [--quick] [--only gemm,quant,linear] [--accum fast|precise|both] [--out FILE]
+    python bench/bench_fp8.py --ptxas [--quick] [--json]   # no GPU: every GEMM tile and quantization kernel,
+                                                           # compiled for sm_90a: registers, spills, wgmma, TMA
+
+Sections (each prints a table; every row also goes to --out as one JSON line, with the GPU name and date):
+  parity  the Triton GEMM per scaling mode against fp8_matmul_ref, and every quantization kernel bit-exact against
+          fp8_quantize_ref, on the GPU (the hardware fp8 cast; the CPU tests check the interpreter's)
+  gemm    TFLOP/s at 8192^3 and at the training GEMMs of gpt_1b (8 x 1024 tokens, C = 2048) and gpt2_124m
+          (32 x 1024 tokens, C = 768): each Linear's forward (M, N, K), dgrad (M, K, N) and wgrad (N, K, M).
+          Ours: tensor, row, block (1x128 x 128x128; wgrad 1x128 x 1x128). cuBLAS: bf16 torch.mm, and
+          torch._scaled_mm tensorwise, rowwise and (if this torch has it) blockwise 1x128 x 128x128. Ratios: tensor
+          vs cuBLAS tensorwise, row vs rowwise (goal >= 0.9x), block vs rowwise (goal >= 0.8x) and vs blockwise.
+          Accumulation: fast (the forward's) by default; --accum precise compares promote-every-128 on both sides.
+  quant   GB/s of each quantization kernel (bytes in + out) at the models' activation and weight shapes, and as
+          % of the measured device-to-device copy bandwidth
+  linear  FP8Linear forward + backward against the model's bf16 Linear under autocast (fp32 master weight), per
+          mode, at each Linear of both models; the weight's cast is amortised over micro-batches (reused), and
+          also shown paid every call ("+cast": one micro-batch per optimizer step)
+Timing: triton.testing.do_bench medians. The first use of each (shape, mode) tunes the GEMM (kernels/tuning.py
+keeps the pick per GPU in ~/.cache/nanopara/tuned.json; `python -m kernels.tuning --export` ships it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+# (model, tokens per micro-step, C); its Linears (out, in): c_attn (3C, C), attn.c_proj (C, C), c_fc (4C, C),
+# mlp.c_proj (C, 4C)
+MODELS = [("gpt_1b", 8 * 1024, 2048), ("gpt2_124m", 32 * 1024, 768)]
+
+
+def linears(C):
+    return [("c_attn", 3 * C, C), ("attn.c_proj", C, C), ("c_fc", 4 * C, C), ("mlp.c_proj", C, 4 * C)]
+
+
+def gemm_shapes(quick):
+    """(label, M, N, K) of out (M, N) = A (M, K) B (N, K)^T."""
+    shapes = [("square", 8192, 8192, 8192)]
+    for model, M, C in MODELS[:1] if quick else MODELS:
+        for name, N, K in linears(C):
+            shapes.append((f"{model} {name} fwd", M, N, K))
+            if not quick:
+                shapes += [(f"{model} {name} dgrad", M, K, N), (f"{model} {name} wgrad", N, K, M)]
+    return shapes
+
+
+def _bench(fn, grad_to_none=None):
+    import triton
+    return triton.testing.do_bench(fn, warmup=10, rep=50, grad_to_none=grad_to_none, return_mode="median")
+
+
+def _emit(out, row):
+    if out:
+        out.write(json.dumps(dict(row, gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"))) + "\n")
+        out.flush()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# operands
+
+
+def _operands(M, N, K, mode, wgrad=False, a_dtype=E4M3):
+    """Quantized A (M, K), B (N, K) and scales for a mode, made by our kernels from bf16 data."""
+    from kernels.fp8_quant import fp8_quantize
+    a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.05
+    if mode == "tensor":
+        A, B = fp8_quantize(a, a_dtype, "tensor"), fp8_quantize(b, E4M3, "tensor")
+    elif mode == "row":
+        A, B = fp8_quantize(a, a_dtype, "row"), fp8_quantize(b, E4M3, "row")
+    else:
+        A, B = fp8_quantize(a, a_dtype, "1x128"), fp8_quantize(b, E4M3, "1x128" if wgrad else "128x128")
+    return A.q, B.q, A.s, B.s
+
+
+def _scaled_mm_fn(a, b, sa, sb, kind, fast):
+    """A callable running torch._scaled_mm on our operands in its layout (B column-major), or a reason string."""
+    M, N = a.shape[0], b.shape[0]
+    bt = b.t()  # (K, N), column-major: the layout cuBLAS wants for the second operand
+    if kind == "tensor":
+        args = (sa.reshape(()), sb.reshape(()))
+    elif kind == "row":
+        args = (sa.reshape(M, 1).contiguous(), sb.reshape(1, N).contiguous())
+    else:  # blockwise: A 1x128 scales (M, K/128) with stride (1, M) (ours); B's 128x128 grid given transposed
+        args = (sa, sb.t())
+    try:
+        fn = lambda: torch._scaled_mm(a, bt, *args, out_dtype=torch.bfloat16, use_fast_accum=fast)  # noqa: E731
+        fn()
+        return fn
+    except Exception as e:  # noqa: BLE001
+        if kind == "block":  # cuBLAS wants the 128x128 grid's rows padded to a multiple of 4 K-blocks (some versions)
+            kb = sa.shape[1]
+            pad = torch.zeros(sb.shape[0], (kb + 3) // 4 * 4, device="cuda")
+            pad[:, :kb] = sb
+            try:
+                fn = lambda: torch._scaled_mm(a, bt, sa, pad[:, :kb].t(), out_dtype=torch.bfloat16,  # noqa: E731
+                                              use_fast_accum=fast)
+                fn()
+                return fn
+            except Exception as e2:  # noqa: BLE001
+                e = e2
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sections
+
+
+def parity(out):
+    from kernels.fp8_matmul import fp8_matmul_ref, fp8_matmul_triton
+    from kernels.fp8_quant import GRANULARITIES, fp8_quantize
+    torch.manual_seed(0)
+    print("parity (GPU): quantization kernels bit-exact vs reference; GEMM max |err| / max |ref|")
+    bad = 0
+    for M, K in ((1031, 770), (4096, 2048)):
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16) * torch.logspace(-4, 4, K, device="cuda")
+        for dt in (E4M3, E5M2):
+            for pow2 in (False, True):
+                for g in GRANULARITIES:
+                    tr = g in ("tensor", "1x128", "128x128")
+                    got = fp8_quantize(x, dt, g, pow2, transpose=tr)
+                    ref = fp8_quantize(x.cpu(), dt, g, pow2, transpose=tr)
+                    for name, u, v in zip(got._fields, got, ref):
+                        if u is None or name == "amax":
+                            continue
+                        same = (torch.equal(u.cpu().view(torch.uint8), v.view(torch.uint8)) if u.element_size() == 1
+                                else torch.equal(u.cpu(), v))
+                        if not same:
+                            bad += 1
+                            print(f"  MISMATCH {M}x{K} {dt} pow2={pow2} {g} {name}")
+    print(f"  quantization: {'all bit-exact' if not bad else f'{bad} mismatches'}")
+    for mode, wgrad in (("tensor", False), ("row", False), ("block", False), ("block", True)):
+        for M, N, K in ((1000, 1030, 1100), (8192, 2048, 2048)):
+            a, b, sa, sb = _operands(M, N, K, mode, wgrad)
+            bias = torch.randn(N, device="cuda")
+            for fast in (True, False):
+                y = fp8_matmul_triton(a, b, sa, sb, bias, torch.float32, fast_accum=fast)
+                r = fp8_matmul_ref(a, b, sa, sb, bias, torch.float32)
+                err = ((y - r).abs().max() / r.abs().max()).item()
+                print(f"  gemm {mode}{' 1x128 B' if wgrad else ''} {M}x{N}x{K} fast_accum={fast}: {err:.2e}")
+                _emit(out, dict(section="parity", mode=mode, M=M, N=N, K=K, fast_accum=fast, rel_err=err))
+    _emit(out, dict(section="parity", quant_mismatches=bad))
+
+
+def gemm(out, quick, accum):
+    from kernels.fp8_matmul import fp8_matmul_triton
+    print(f"\n{'GEMM (M, N, K)':>34} {'bf16':>6} | {'tensor':>6} {'cuBLAS':>6} {'x':>5} | {'row':>6} {'cuBLAS':>6} "
+          f"{'x':>5} | {'block':>6} {'x row':>5} {'cuBLAS':>6} {'x':>5}   (TFLOP/s)")
+    fasts = {"fast": [True], "precise": [False], "both": [True, False]}[accum]
+    for label, M, N, K in gemm_shapes(quick):
+        wgrad = label.endswith("wgrad")
+        flop = 2 * M * N * K
+        tf = lambda ms: flop / ms / 1e9  # noqa: E731
+        a16 = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        b16 = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+        t_bf16 = tf(_bench(lambda: torch.mm(a16, b16.t())))
+        del a16, b16
+        for fast in fasts:
+            row = dict(section="gemm", shape=label, M=M, N=N, K=K, fast_accum=fast, bf16_tflops=t_bf16)
+            for mode in ("tensor", "row", "block"):
+                a, b, sa, sb = _operands(M, N, K, mode, wgrad)
+                row[f"{mode}_tflops"] = tf(_bench(lambda: fp8_matmul_triton(a, b, sa, sb, None, torch.bfloat16,
+                                                                              fast_accum=fast)))
+                cu = _scaled_mm_fn(a, b, sa, sb, mode, fast) if not (mode == "block" and wgrad) else "1x128 B"
+                if callable(cu):
+                    row[f"cublas_{mode}_tflops"] = tf(_bench(cu))
+                else:
+                    row[f"cublas_{mode}_error"] = cu
+                del a, b, sa, sb
+            for mode, base in (("tensor", "tensor"), ("row", "row"), ("block", "row"), ("block", "block")):
+                if f"cublas_{base}_tflops" in row:
+                    row[f"{mode}_vs_cublas_{base}"] = row[f"{mode}_tflops"] / row[f"cublas_{base}_tflops"]
+            g = lambda k: row.get(k, float("nan"))  # noqa: E731
+            print(f"{label + (' precise' if not fast else ''):>34} {t_bf16:6.0f} | {g('tensor_tflops'):6.0f} "
+                  f"{g('cublas_tensor_tflops'):6.0f} {g('tensor_vs_cublas_tensor'):4.2f}x | {g('row_tflops'):6.0f} "
+                  f"{g('cublas_row_tflops'):6.0f} {g('row_vs_cublas_row'):4.2f}x | {g('block_tflops'):6.0f} "
+                  f"{g('block_vs_cublas_row'):4.2f}x {g('cublas_block_tflops'):6.0f} "
+                  f"{g('block_vs_cublas_block'):4.2f}x")
+            _emit(out, row)
+    print("goals: tensor and row >= 0.90x cuBLAS (same scaling); block >= 0.80x cuBLAS rowwise. cuBLAS blockwise: "
+          "NaN = unavailable in this torch (reason in the JSON line); wgrad's 1x128 x 1x128 has no cuBLAS column")
+
+
+def _copy_gbs():
+    src = torch.empty(256 * 2**20, dtype=torch.float32, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / _bench(lambda: dst.copy_(src)) / 1e6
+
+
+def quant(out, quick):
+    from kernels import fp8_quant as fq
+    copy = _copy_gbs()
+    print(f"\nquantization ({torch.cuda.get_device_name()}: copy {copy:.0f} GB/s)")
+    print(f"{'kernel':>34} {'shape':>14} {'us':>8} {'GB/s':>6} {'%copy':>6}")
+    cases = []
+    for model, M, C in MODELS[:1] if quick else MODELS:
+        x = torch.randn(M, C, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(4 * C, C, device="cuda") * 0.02  # fp32 master weight (c_fc)
+        R, K = x.shape
+        cases += [
+            (f"{model} X tensor (+X^T)", (R, K), lambda x=x: fq.quantize_tensor(x, transpose=True),
+             R * K * (2 + 2 + 2)),
+            (f"{model} X tensor delayed (+X^T)", (R, K),
+             lambda x=x: fq.quantize_tensor(x, amax=torch.ones(1, device="cuda"), transpose=True), R * K * (2 + 2)),
+            (f"{model} X rows", (R, K), lambda x=x: fq.quantize_rows(x), R * K * 3),
+            (f"{model} X cols (X^T)", (R, K), lambda x=x: fq.quantize_cols_t(x), R * K * (2 + 2 + 1)),
+            (f"{model} X 1x128 (+X^T)", (R, K), lambda x=x: fq.quantize_1x128(x, transpose=True), R * K * 4),
+            (f"{model} dY e5m2 1x128 (+dY^T)", (R, K), lambda x=x: fq.quantize_1x128(x, E5M2, transpose=True),
+             R * K * 4),
+            (f"{model} W fp32 128x128 (+W^T)", tuple(w.shape),
+             lambda w=w: fq.quantize_128x128(w, transpose=True), w.numel() * 6),
+            (f"{model} W fp32 tensor (+W^T)", tuple(w.shape),
+             lambda w=w: fq.quantize_tensor(w, transpose=True), w.numel() * (4 + 4 + 2)),
+        ]
+    for name, shape, fn, nbytes in cases:
+        us = _bench(fn) * 1e3
+        gbs = nbytes / us / 1e3
+        print(f"{name:>34} {f'{shape[0]}x{shape[1]}':>14} {us:8.1f} {gbs:6.0f} {100 * gbs / copy:5.0f}%")
+        _emit(out, dict(section="quant", kernel=name, shape=list(shape), us=us, gbs=gbs, pct_copy=100 * gbs / copy,
+                        copy_gbs=copy))
+    print("bytes = what must move: input reads (2 for the two-pass kernels), fp8 outputs (2 with the transpose); "
+          "scales not counted")
+
+
+def linear(out, quick):
+    from nanopara.fp8 import FP8Linear, FP8Recipe, FP8State
+    from nanopara.model import Linear
+    print(f"\n{'FP8Linear fwd+bwd (M, N, K)':>34} {'bf16 ms':>8} | " + " | ".join(
+        f"{m:>6} ms {'x':>5} {'+cast x':>7}" for m in ("tensor", "row", "block")))
+    for model, M, C in MODELS[:1] if quick else MODELS:
+        for name, N, K in linears(C):
+            torch.manual_seed(0)
+            base = Linear(K, N).to("cuda")
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+
+            def step(lin, state=None):
+                if state is not None:
+                    state.step()
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    y = lin(x)
+                y.backward(dy)
+            params = [x, base.weight, base.bias]  # grads set to None before each call: no accumulation adds
+            t16 = _bench(lambda: step(base), params)
+            row = dict(section="linear", model=model, linear=name, M=M, N=N, K=K, bf16_ms=t16)
+            cells = []
+            for mode in ("tensor", "row", "block"):
+                state = FP8State(FP8Recipe(mode=mode))
+                lin = FP8Linear.from_linear(base, state)
+                step(lin)  # tune
+                t = _bench(lambda: step(lin), params)
+                tc = _bench(lambda: step(lin, state), params)
+                row.update({f"{mode}_ms": t, f"{mode}_speedup": t16 / t, f"{mode}_cast_speedup": t16 / tc})
+                cells.append(f"{t:9.3f} {t16 / t:4.2f}x {t16 / tc:6.2f}x")
+            print(f"{f'{model} {name} ({M}, {N}, {K})':>34} {t16:8.3f} | " + " | ".join(cells))
+            _emit(out, row)
+    print("x = bf16 ms / fp8 ms with the weight cast reused (micro-batches 2.. of a step); +cast x: cast every call")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --ptxas: what every candidate compiles to on sm_90a, no GPU needed
+
+
+def ptxas_report(quick=False, log=sys.stdout):
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels import fp8_matmul as fm
+    from kernels import fp8_quant as fq
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+    def build(fn, sig, consts, warps, stages, divisible):
+        names = list(fn.arg_names)
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+        src = ASTSource(fn, {**sig, **{c: "constexpr" for c in consts}}, constexprs=consts, attrs=attrs)
+        c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+        ptx = c.asm["ptx"]
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+            f.write(ptx)
+            f.flush()
+            log = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                                 text=True, check=True).stderr
+        return dict(regs=int(re.search(r"Used (\d+) registers", log).group(1)),
+                    spill_bytes=int(re.search(r"(\d+) bytes spill stores", log).group(1)), smem=c.metadata.shared,
+                    wgmma=ptx.count("wgmma.mma_async"), tma_ops=ptx.count("cp.async.bulk.tensor"))
+
+    rows = []
+    mm = fm._fp8_matmul_kernel.fn
+    sig = dict(A="*fp8e4nv", B="*fp8e4nv", C="*bf16", BIAS="*fp32", SA="*fp32", SB="*fp32", M="i32", N="i32",
+               K="i32", M_BUCKET="i32", stride_am="i32", stride_bn="i32", stride_cm="i32", stride_sam="i32",
+               stride_sak="i32", stride_sbn="i32", stride_sbk="i32")
+    div = [n for n, t in sig.items() if t.startswith("*")] + ["N", "K", "stride_am", "stride_bn", "stride_cm"]
+    modes = [("tensor", False, 1, True, "*fp8e4nv", "*bf16"), ("tensor precise", False, 1, False, "*fp8e5", "*fp32"),
+             ("block 128x128", True, 128, True, "*fp8e4nv", "*bf16"), ("block 1x128", True, 1, True, "*fp8e5", "*fp32")]
+    for name, block_scaled, b_rows, fast, a_ty, c_ty in modes:
+        tiles = [t for t in fm._TILES if (not block_scaled or t[2] == fq.BLOCK) and fm.tile_fits(
+            *t, block_scaled or not fast, block_scaled and b_rows == 1, 4 if c_ty == "*fp32" else 2)]
+        for m, n, k, stages, warps in tiles[:1] if quick else tiles:  # quick: the first candidate of each mode
+            for tma in (True,) if quick else (True, False):
+                consts = dict(BLOCK_SCALED=block_scaled, B_SCALE_ROWS=b_rows, HAS_BIAS=True, TMA=tma,
+                              FAST_ACCUM=fast, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, PERSISTENT=True)
+                r = build(mm, dict(sig, A=a_ty, C=c_ty), consts, warps, stages, div)
+                rows.append(dict(kernel=f"gemm {name} {m}x{n}x{k} s{stages} w{warps}{' tma' if tma else ''}", **r))
+                print(f"{rows[-1]['kernel']:>48}: {r['regs']:3d} regs, spills {r['spill_bytes']:4d} B, "
+                      f"smem {r['smem']:6d} B, wgmma {r['wgmma']}, TMA ops {r['tma_ops']}", file=log, flush=True)
+    fmt = dict(FP8_MAX=448.0, MANT=3, BIAS=7, POW2=True, SOFT=False)
+    qsig = dict(X="*bf16", Q="*fp8e4nv", QT="*fp8e4nv", S="*fp32", ST="*fp32", AMAX="*fp32", AMAX_OUT="*i32",
+                M="i32", K="i32", stride_xm="i32", stride_qm="i32", stride_qtk="i32", stride_sm="i32",
+                stride_sk="i32", stride_stk="i32", stride_stm="i32")
+    bm, bk = fq.TILE
+    quants = [("amax per tensor", fq._amax_kernel, dict(PER_COL=False, BLOCK_M=bm, BLOCK_K=bk), {"AMAX": "*i32"},
+               fq.WARPS),
+              ("cast tensor +T", fq._cast_kernel, dict(PER_COL=False, WRITE_Q=True, WRITE_QT=True, RECORD=True, **fmt,
+                                                       BLOCK_M=bm, BLOCK_K=bk), {}, fq.WARPS),
+              ("cast per column (T)", fq._cast_kernel, dict(PER_COL=True, WRITE_Q=False, WRITE_QT=True, RECORD=False,
+                                                            **fmt, BLOCK_M=bm, BLOCK_K=bk), {}, fq.WARPS),
+              ("rows 8192", fq._rows_kernel, dict(**fmt, BLOCK_M=1, BLOCK_K=8192), {}, 8),
+              ("1x128", fq._blocks_kernel, dict(TILE_SCALE=False, WRITE_QT=False, **fmt, BLOCK_M=64, BLOCK_K=128), {},
+               fq.WARPS),
+              ("1x128 +T", fq._blocks_kernel, dict(TILE_SCALE=False, WRITE_QT=True, **fmt, BLOCK_M=128, BLOCK_K=128),
+               {}, fq.BLOCK_WARPS),
+              ("128x128 +T fp32 in", fq._blocks_kernel, dict(TILE_SCALE=True, WRITE_QT=True, **fmt, BLOCK_M=128,
+                                                              BLOCK_K=128), {"X": "*fp32"}, fq.BLOCK_WARPS)]
+    for name, fn, consts, over, warps in quants:
+        s = {n: {**qsig, **over}[n] for n in fn.arg_names if n not in consts}
+        r = build(fn, s, consts, warps, 3, list(s))  # model shapes: every size and stride a multiple of 16
+        rows.append(dict(kernel=f"quant {name}", **r))
+        print(f"{rows[-1]['kernel']:>48}: {r['regs']:3d} regs, spills {r['spill_bytes']:4d} B, smem {r['smem']:6d} B",
+              file=log, flush=True)
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="8192^3 and gpt_1b's forward GEMMs only")
+    p.add_argument("--only", default="parity,gemm,quant,linear", help="comma-separated sections")
+    p.add_argument("--accum", default="fast", choices=("fast", "precise", "both"), help="GEMM accumulation")
+    p.add_argument("--out", help="append JSON lines here")
+    p.add_argument("--ptxas", action="store_true", help="compile the kernels for sm_90a (no GPU) and report")
+    p.add_argument("--json", action="store_true", help="--ptxas: one JSON list on stdout (the table on stderr)")
+    args = p.parse_args()
+    if args.ptxas:
+        if os.environ.get("TRITON_INTERPRET", "0") == "1":
+            raise SystemExit("--ptxas compiles real kernels: run it without TRITON_INTERPRET=1")
+        rows = ptxas_report(args.quick, sys.stderr if args.json else sys.stdout)
+        if args.json:
+            print(json.dumps(rows))
+        if args.out:
+            with open(args.out, "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("the benchmark needs a CUDA GPU (CPU: pytest tests/test_fp8.py; --ptxas compiles without one)")
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | {time.strftime('%Y-%m-%d %H:%M')}")
+    out = open(args.out, "a") if args.out else None
+    sections = args.only.split(",")
+    t0 = time.time()
+    if "parity" in sections:
+        parity(out)
+    if "gemm" in sections:
+        gemm(out, args.quick, args.accum)
+    if "quant" in sections:
+        quant(out, args.quick)
+    if "linear" in sections:
+        linear(out, args.quick)
+    print(f"\n{time.time() - t0:.0f} s")
+    if out:
+        out.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,471 @@
+"""FP8 quantization: amax -> scale -> saturating cast, per tensor, per row, per column (written transposed), per
+1x128 and per 128x128 block, in one pass over memory each (per tensor and per column: an amax pass first).
+
+Math, for a group G of elements of x (the whole tensor, a row, a column, 1x128 or 128x128 elements):
+    amax  = max_{i in G} |x_i|                 NaNs ignored: they stay NaN in q (and in any GEMM they reach)
+    qs    = FP8_MAX / max(amax, AMAX_EPS)      fp32, correctly rounded; all-zero groups get a finite scale
+    qs    = 2^floor(log2(qs)) if pow2          (mantissa bits cleared: exact, and s * q is exact in fp32)
+    s     = 1 / qs                             the dequantization scale the GEMMs multiply by (x ~= q * s)
+    q     = fp8(clamp(x * qs, -FP8_MAX, FP8_MAX))   round to nearest even, saturating at the format's maximum
+FP8_MAX: 448 (float8_e4m3fn: activations and weights), 57344 (float8_e5m2: gradients). Scales are fp32 grids of
+shape (ceil(R / br), ceil(C / bc)) for a block of br x bc: tensor (1, 1), rows (R, 1), columns (1, C), 1x128
+(R, ceil(C/128)), 128x128 (ceil(R/128), ceil(C/128)). `fp8_quantize_ref` is that math for any block shape, and every
+kernel here is bit-exact against it (tests/test_fp8.py).
+Delayed scaling: `quantize_tensor(x, amax=a)` takes the scale from a given amax (e.g. the max of an amax history)
+instead of x's own, saturates what no longer fits, and still records x's amax for the history (nanopara/fp8.py).
+
+Kernels (memory bound):
+  _amax_kernel    tile amax, folded with atomic_max into one fp32 (per tensor) or one per column, as int32 bits
+                  (amax >= 0, so int order is float order)
+  _cast_kernel    per-tensor / per-column scales from those amaxes (or a given amax), cast, store q and/or q^T
+                  (the transposed copy is what the weight-gradient GEMM reads: both its operands K-major)
+  _rows_kernel    per-row amax and cast in one program per BLOCK_M rows (whole rows in registers up to MAX_ROW)
+  _blocks_kernel  1x128 (with q^T's 1x128 blocks along the rows from the same 128x128 tile) or 128x128 (q and
+                  q^T from one tile: a 128x128 block is a block of the transpose too; DeepSeek-V3's weights)
+Callers: nanopara/fp8.py (FP8 linear), kernels/fp8_matmul.py (dequantization in its reference). Public
+`fp8_quantize` takes the Triton path on CUDA and the reference elsewhere; the `quantize_*` launchers force Triton
+(CPU: TRITON_INTERPRET=1).
+Casts: the GPU casts with the hardware's cvt.rn.satfinite; Triton's interpreter rounds fp8 casts wrongly (half up,
+no carry into the exponent), so under TRITON_INTERPRET the kernels round to nearest even with integer arithmetic.
+Run: `python -m kernels.fp8_quant` (= `bench/bench_fp8.py --only parity,quant`: GB/s against copy bandwidth).
+"""
+import os
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.launch import fast
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+_FORMAT = {E4M3: (3, 7), E5M2: (2, 15)}  # (mantissa bits, exponent bias): the interpreter's exact cast
+AMAX_EPS = 1e-12  # all-zero groups: scale from this amax (finite, no NaN; pytorch/ao#3356 was a NaN from amax = 0)
+_AMAX_EPS = tl.constexpr(AMAX_EPS)
+BLOCK = 128  # DeepSeek-V3's block: 1x128 for activations and gradients, 128x128 for weights
+MAX_ROW = 8192  # rows up to this width are quantized from registers; wider ones are read twice (L2)
+
+
+class FP8Tensors(NamedTuple):
+    """A quantized operand: q (R, C) with its scale grid s, and/or its transpose qt (C, R) with st (the scale grid
+    of qt, as the GEMM reads it); amax: the group amaxes of the input (per-tensor: (1, 1)), or None."""
+    q: Optional[torch.Tensor]
+    s: Optional[torch.Tensor]
+    qt: Optional[torch.Tensor] = None
+    st: Optional[torch.Tensor] = None
+    amax: Optional[torch.Tensor] = None
+
+
+def scales_from_amax_ref(amax, dtype, pow2=False):
+    """(qs, s): the quantization multiplier and the dequantization scale for these amaxes (fp32, same shape)."""
+    a = amax.float().clamp_min(AMAX_EPS)  # NaN stays NaN
+    qs = torch.full_like(a, FP8_MAX[dtype]) / a  # not `448.0 / a`: torch computes that as a.reciprocal() * 448
+    if pow2:
+        qs = (qs.view(torch.int32) & 0x7F800000).view(torch.float32)
+    return qs, torch.ones_like(qs) / qs
+
+
+def fp8_quantize_ref(x, dtype=E4M3, block=None, pow2=False, amax=None):
+    """Quantize a 2-D x in blocks of block = (br, bc) elements (None: the whole tensor) -> (q, s, group amax).
+    amax (delayed scaling): a scale grid's worth of amaxes to take the scales from instead of x's own."""
+    R, C = x.shape
+    br, bc = (R, C) if block is None else (min(block[0], max(R, 1)), min(block[1], max(C, 1)))
+    gr, gc = triton.cdiv(R, br), triton.cdiv(C, bc)
+    xf = x.float()
+    pad = torch.zeros(gr * br, gc * bc, dtype=torch.float32, device=x.device)
+    pad[:R, :C] = xf
+    tiles = pad.view(gr, br, gc, bc)  # (row block, row, column block, column)
+    group_amax = tiles.abs().nan_to_num(nan=0.0).amax(dim=(1, 3)) if R * C else torch.zeros(gr, gc, device=x.device)
+    qs, s = scales_from_amax_ref(group_amax if amax is None else amax.view(gr, gc), dtype, pow2)
+    m = FP8_MAX[dtype]
+    q = (tiles * qs[:, None, :, None]).clamp(-m, m).view(gr * br, gc * bc)[:R, :C].to(dtype)
+    return q, s, group_amax
+
+
+def fp8_dequantize_ref(q, s, block):
+    """q (R, C) fp8 times its scale grid s expanded over blocks of block = (br, bc) -> fp32 (R, C)."""
+    R, C = q.shape
+    br, bc = block
+    full = s.float().repeat_interleave(br, 0)[:R].repeat_interleave(bc, 1)[:, :C]
+    return q.float() * full
+
+
+def block_of(s, R, C):
+    """The block (br, bc) a scale grid s (gr, gc) stands for over an (R, C) operand, in this file's conventions:
+    rows 1 (gr == R), all (gr == 1) or 128 (gr == ceil(R/128)); columns all (gc == 1) or 128 (gc == ceil(C/128))."""
+    gr, gc = s.shape
+    if gr not in (R, 1, triton.cdiv(R, BLOCK)) or gc not in (1, triton.cdiv(C, BLOCK)):
+        raise ValueError(f"fp8: a scale grid of shape {tuple(s.shape)} fits no block of an ({R}, {C}) operand: "
+                         f"rows ({R}, 1 or {triton.cdiv(R, BLOCK)}) x columns (1 or {triton.cdiv(C, BLOCK)})")
+    br = 1 if gr == R else (max(R, 1) if gr == 1 else BLOCK)
+    return br, (max(C, 1) if gc == 1 else BLOCK)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Triton helpers: NaN-propagating max, scales, the saturating cast
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _amax(x, axis):
+    """max |x| along axis (None: all), NaN elements ignored (as they are by fp8_quantize_ref): explicit, so the
+    result does not depend on how a max instruction treats NaN."""
+    return tl.max(tl.where(x == x, tl.abs(x), 0.0), axis)
+
+
+@triton.jit
+def _scales(amax, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
+    """(qs, s) from amax, exactly as scales_from_amax_ref (correctly rounded divisions, not div.full)."""
+    qs = tl.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), _max_nan(amax, _AMAX_EPS))
+    if POW2:
+        qs = (qs.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    return qs, tl.div_rn(tl.full(qs.shape, 1.0, tl.float32), qs)
+
+
+@triton.jit
+def _to_fp8(x, DTYPE: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
+            SOFT: tl.constexpr):
+    """Saturate at +-FP8_MAX (NaN stays NaN) and round to nearest even into DTYPE. SOFT: integer arithmetic instead
+    of the hardware cast (the interpreter's own cast is wrong)."""
+    x = _max_nan(tl.minimum(x, FP8_MAX, propagate_nan=tl.PropagateNan.ALL), -FP8_MAX)
+    if SOFT:
+        a = tl.abs(x)
+        bits = a.to(tl.int32, bitcast=True)
+        SHIFT: tl.constexpr = 23 - MANT
+        # normal: round the fp32 mantissa to MANT bits (RNE; a carry moves into the exponent), rebias the exponent
+        normal = ((bits + ((1 << (SHIFT - 1)) - 1) + ((bits >> SHIFT) & 1)) >> SHIFT) - ((127 - BIAS) << MANT)
+        # subnormal: a / 2^(1 - BIAS - MANT) rounded to an integer by the fp32 adder (RNE); 2^MANT = min normal
+        small = a < 2.0 ** (1 - BIAS)
+        sub = ((tl.where(small, a, 0.0) * 2.0 ** (BIAS + MANT - 1) + 8388608.0) - 8388608.0).to(tl.int32)
+        out = tl.where(small, sub, normal)
+        out = tl.where(x != x, 0x7F, out) | ((x.to(tl.int32, bitcast=True) >> 24) & 0x80)
+        return out.to(tl.uint8).to(DTYPE, bitcast=True)
+    return x.to(DTYPE)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def _amax_kernel(X, AMAX, M, K, stride_xm, PER_COL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Fold the amax of one (BLOCK_M, BLOCK_K) tile into AMAX (int32 bits of fp32, zeroed): one value, or one per
+    column (PER_COL)."""
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    x = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if PER_COL:
+        tl.atomic_max(AMAX + cols, _amax(x, 0).to(tl.int32, bitcast=True), mask=cols < K, sem="relaxed")
+    else:
+        tl.atomic_max(AMAX, _amax(x, None).to(tl.int32, bitcast=True), sem="relaxed")
+
+
+@triton.jit
+def _cast_kernel(X, Q, QT, S, AMAX, AMAX_OUT, M, K, stride_xm, stride_qm, stride_qtk,
+                 PER_COL: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr, RECORD: tl.constexpr,
+                 FP8_MAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, POW2: tl.constexpr,
+                 SOFT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Cast one tile with the scale(s) of AMAX (fp32: one, or one per column), store it as q (M, K) and/or as
+    q^T (K, M). Programs of the first row of tiles write the scales S. RECORD: fold the tile's amax into AMAX_OUT
+    (delayed scaling: the scale came from history, the amax of this x goes into it)."""
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    rmask, cmask = rows < M, cols < K
+    mask = rmask[:, None] & cmask[None, :]
+    x = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if PER_COL:
+        qs, s = _scales(tl.load(AMAX + cols, mask=cmask, other=0.0), FP8_MAX, POW2)
+        y = _to_fp8(x * qs[None, :], Q.dtype.element_ty, FP8_MAX, MANT, BIAS, SOFT)
+        if pid_m == 0:
+            tl.store(S + cols, s, mask=cmask)
+    else:
+        qs, s = _scales(tl.load(AMAX), FP8_MAX, POW2)
+        y = _to_fp8(x * qs, Q.dtype.element_ty, FP8_MAX, MANT, BIAS, SOFT)
+        if (pid_m == 0) & (pid_k == 0):
+            tl.store(S, s)
+    if RECORD:
+        tl.atomic_max(AMAX_OUT, _amax(x, None).to(tl.int32, bitcast=True), sem="relaxed")
+    if WRITE_Q:
+        tl.store(Q + rows[:, None] * stride_qm + cols[None, :], y, mask=mask)
+    if WRITE_QT:
+        tl.store(QT + cols[:, None].to(tl.int64) * stride_qtk + rows[None, :], tl.trans(y), mask=tl.trans(mask))
+
+
+@triton.jit
+def _rows_kernel(X, Q, S, M, K, stride_xm, stride_qm,
+                 FP8_MAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, POW2: tl.constexpr,
+                 SOFT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Per-row scales: rows [pid * BLOCK_M, +BLOCK_M), amax walk then cast walk (one walk if K <= BLOCK_K)."""
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rmask = rows < M
+    cols = tl.arange(0, BLOCK_K)
+    x_rows = X + rows[:, None] * stride_xm
+    if K <= BLOCK_K:  # whole rows in registers: one read
+        mask = rmask[:, None] & (cols < K)[None, :]
+        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        qs, s = _scales(_amax(x, 1), FP8_MAX, POW2)
+        tl.store(Q + rows[:, None] * stride_qm + cols[None, :],
+                 _to_fp8(x * qs[:, None], Q.dtype.element_ty, FP8_MAX, MANT, BIAS, SOFT), mask=mask)
+    else:  # the second walk reads the rows again, mostly from L2
+        amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            mask = rmask[:, None] & ((k0 + cols) < K)[None, :]
+            x = tl.load(x_rows + k0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, _amax(x, 1))
+        qs, s = _scales(amax, FP8_MAX, POW2)
+        for k0 in range(0, K, BLOCK_K):
+            mask = rmask[:, None] & ((k0 + cols) < K)[None, :]
+            x = tl.load(x_rows + k0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            tl.store(Q + rows[:, None] * stride_qm + k0 + cols[None, :],
+                     _to_fp8(x * qs[:, None], Q.dtype.element_ty, FP8_MAX, MANT, BIAS, SOFT), mask=mask)
+    tl.store(S + rows, s, mask=rmask)
+
+
+@triton.jit
+def _blocks_kernel(X, Q, S, QT, ST, M, K, stride_xm, stride_qm, stride_qtk, stride_sm, stride_sk, stride_stk,
+                   stride_stm, TILE_SCALE: tl.constexpr, WRITE_QT: tl.constexpr,
+                   FP8_MAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, POW2: tl.constexpr,
+                   SOFT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One (BLOCK_M, BLOCK_K = 128) tile. TILE_SCALE (128x128, BLOCK_M = 128): one scale, S[pid_m, pid_k]; q and
+    (WRITE_QT) q^T share it. Else 1x128: a scale per row, S[m, pid_k]; with WRITE_QT (BLOCK_M = 128) also a scale
+    per column for q^T's 1x128 blocks along the rows, ST[k, pid_m]."""
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    rmask, cmask = rows < M, cols < K
+    mask = rmask[:, None] & cmask[None, :]
+    x = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if TILE_SCALE:
+        qs, s = _scales(_amax(x, None), FP8_MAX, POW2)
+        y = _to_fp8(x * qs, Q.dtype.element_ty, FP8_MAX, MANT, BIAS, SOFT)
+        tl.store(S + pid_m * stride_sm + pid_k * stride_sk, s)
+        tl.store(Q + rows[:, None] * stride_qm + cols[None, :], y, mask=mask)
+        if WRITE_QT:
+            tl.store(QT + cols[:, None].to(tl.int64) * stride_qtk + rows[None, :], tl.trans(y), mask=tl.trans(mask))
+    else:
+        qs, s = _scales(_amax(x, 1), FP8_MAX, POW2)
+        tl.store(Q + rows[:, None] * stride_qm + cols[None, :],
+                 _to_fp8(x * qs[:, None], Q.dtype.element_ty, FP8_MAX, MANT, BIAS, SOFT), mask=mask)
+        tl.store(S + rows * stride_sm + pid_k * stride_sk, s, mask=rmask)
+        if WRITE_QT:
+            qs_t, s_t = _scales(_amax(x, 0), FP8_MAX, POW2)
+            yt = _to_fp8(x * qs_t[None, :], QT.dtype.element_ty, FP8_MAX, MANT, BIAS, SOFT)
+            tl.store(QT + cols[:, None].to(tl.int64) * stride_qtk + rows[None, :], tl.trans(yt),
+                     mask=tl.trans(mask))
+            tl.store(ST + cols * stride_stk + pid_m * stride_stm, s_t, mask=cmask)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launchers. Tiles: the casts move 2 (bf16) or 4 (fp32) bytes in and 1 or 2 out per element and are memory bound:
+# what counts is tiles in flight per SM, so registers. ptxas, sm_90a (`bench/bench_fp8.py --ptxas`): the per-tensor
+# cast with its transposed store and amax record takes 75 registers at 32 x 128 on 8 warps (3 programs per SM), 143
+# at 64 x 128; a 128 x 128 block tile with its transpose 98 (1x128) / 55 (128x128) on 16 warps, ~200 on 8.
+# The interpreter runs small tiles (several per test shape).
+
+_amax_k, _cast_k, _rows_k, _blocks_k = fast(_amax_kernel), fast(_cast_kernel), fast(_rows_kernel), fast(_blocks_kernel)
+TILE = (16, 32) if _INTERPRET else (32, 128)  # (BLOCK_M, BLOCK_K) of the amax and cast kernels, 8 warps
+WARPS = 8
+BLOCK_WARPS = 16  # warps of a 128 x 128 block tile (1x128 with its transpose, 128x128)
+
+
+def _as_rows(x):
+    """x as (R, C) with unit column stride (copies only a strided last dim)."""
+    if x.dim() != 2:
+        raise ValueError(f"fp8 quantize: expected a 2-D tensor, got shape {tuple(x.shape)}")
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _check_dtype(x, dtype):
+    if dtype not in FP8_MAX:
+        raise ValueError(f"fp8 quantize: dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"fp8 quantize: input must be fp32, bf16 or fp16, got {x.dtype}")
+
+
+def _fmt(dtype, pow2):
+    mant, bias = _FORMAT[dtype]
+    return dict(FP8_MAX=FP8_MAX[dtype], MANT=mant, BIAS=bias, POW2=bool(pow2), SOFT=_INTERPRET)
+
+
+def _amax_bits(n, device):
+    """Zeroed int32 buffer for the atomic amax (bits of non-negative fp32: 0 is +0.0)."""
+    return torch.zeros(n, dtype=torch.int32, device=device)
+
+
+def quantize_tensor(x, dtype=E4M3, pow2=False, amax=None, write_q=True, transpose=False):
+    """Per-tensor scale. amax=None: x's own (an amax pass, then the cast); else the given fp32 amax (delayed
+    scaling), and x's amax is recorded for the history in one pass. Returns FP8Tensors(q or None, s (1, 1),
+    qt (K, M) or None, st = s, amax (1, 1) of x)."""
+    _check_dtype(x, dtype)
+    x = _as_rows(x)
+    M, K = x.shape
+    q = torch.empty(M, K, dtype=dtype, device=x.device) if write_q else None
+    qt = torch.empty(K, M, dtype=dtype, device=x.device) if transpose else None
+    s = torch.empty(1, 1, dtype=torch.float32, device=x.device)
+    bits = _amax_bits(1, x.device)
+    bm, bk = TILE
+    grid = (triton.cdiv(M, bm), triton.cdiv(K, bk))
+    if M * K and amax is None:
+        _amax_k[grid](x, bits, M, K, x.stride(0), PER_COL=False, BLOCK_M=bm, BLOCK_K=bk, num_warps=WARPS)
+    own = bits.view(torch.float32).view(1, 1)
+    given = own if amax is None else amax.float().reshape(1).contiguous()
+    if M * K:
+        _cast_k[grid](x, q if write_q else qt, qt, s, given, bits, M, K, x.stride(0), K, M, PER_COL=False,
+                      WRITE_Q=write_q, WRITE_QT=transpose, RECORD=amax is not None, **_fmt(dtype, pow2),
+                      BLOCK_M=bm, BLOCK_K=bk, num_warps=WARPS)
+    else:
+        s.copy_(scales_from_amax_ref(given.view(1, 1), dtype, pow2)[1])
+    return FP8Tensors(q, s, qt, s if transpose else None, own)
+
+
+def quantize_cols_t(x, dtype=E4M3, pow2=False):
+    """Per-column scales, written transposed: FP8Tensors(None, None, qt (K, M), st (K, 1)) (rows of qt = columns of
+    x). Two passes: the column amaxes need every row first."""
+    _check_dtype(x, dtype)
+    x = _as_rows(x)
+    M, K = x.shape
+    qt = torch.empty(K, M, dtype=dtype, device=x.device)
+    st = torch.empty(K, 1, dtype=torch.float32, device=x.device)
+    bits = _amax_bits(K, x.device)
+    bm, bk = TILE
+    grid = (triton.cdiv(M, bm), triton.cdiv(K, bk))
+    if M * K:
+        _amax_k[grid](x, bits, M, K, x.stride(0), PER_COL=True, BLOCK_M=bm, BLOCK_K=bk, num_warps=WARPS)
+        _cast_k[grid](x, qt, qt, st, bits.view(torch.float32), bits, M, K, x.stride(0), K, M, PER_COL=True,
+                      WRITE_Q=False, WRITE_QT=True, RECORD=False, **_fmt(dtype, pow2), BLOCK_M=bm, BLOCK_K=bk,
+                      num_warps=WARPS)
+    else:
+        st.copy_(scales_from_amax_ref(torch.zeros(K, 1, device=x.device), dtype, pow2)[1])
+    return FP8Tensors(None, None, qt, st, bits.view(torch.float32).view(1, K))
+
+
+def quantize_rows(x, dtype=E4M3, pow2=False):
+    """Per-row scales: FP8Tensors(q (M, K), s (M, 1))."""
+    _check_dtype(x, dtype)
+    x = _as_rows(x)
+    M, K = x.shape
+    q = torch.empty(M, K, dtype=dtype, device=x.device)
+    s = torch.empty(M, 1, dtype=torch.float32, device=x.device)
+    if M == 0:
+        return FP8Tensors(q, s)
+    block_k = min(triton.next_power_of_2(max(K, 1)), 64 if _INTERPRET else MAX_ROW)
+    block_m = max(1, min(16 if _INTERPRET else 8, (4096 if not _INTERPRET else 512) // block_k))
+    _rows_k[(triton.cdiv(M, block_m),)](x, q, s, M, K, x.stride(0), q.stride(0), **_fmt(dtype, pow2),
+                                        BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4 if block_k <= 1024 else 8)
+    return FP8Tensors(q, s)
+
+
+def _scale_grid_kmajor(R, nb, device):
+    """An (R, nb) fp32 scale grid stored block-column-major (stride (1, R)): the GEMM's K loop reads the R scales
+    of one K block as one contiguous vector (DeepGEMM's layout for activation scales)."""
+    return torch.empty(nb, R, dtype=torch.float32, device=device).t()
+
+
+def quantize_1x128(x, dtype=E4M3, pow2=False, transpose=False):
+    """1x128 blocks along the rows: FP8Tensors(q (M, K), s (M, ceil(K/128))); with transpose also q^T (K, M) in
+    1x128 blocks along ITS rows (128 consecutive rows of x), st (K, ceil(M/128)). One pass over 128x128 tiles."""
+    _check_dtype(x, dtype)
+    x = _as_rows(x)
+    M, K = x.shape
+    kb, mb = triton.cdiv(K, BLOCK), triton.cdiv(M, BLOCK)
+    q = torch.empty(M, K, dtype=dtype, device=x.device)
+    s = _scale_grid_kmajor(M, kb, x.device)
+    qt = torch.empty(K, M, dtype=dtype, device=x.device) if transpose else None
+    st = _scale_grid_kmajor(K, mb, x.device) if transpose else None
+    block_m = BLOCK if transpose else (32 if _INTERPRET else 64)
+    if M * K:
+        _blocks_k[(triton.cdiv(M, block_m), kb)](
+            x, q, s, qt, st, M, K, x.stride(0), q.stride(0), M, s.stride(0), s.stride(1),
+            0 if st is None else st.stride(0), 0 if st is None else st.stride(1), TILE_SCALE=False,
+            WRITE_QT=transpose, **_fmt(dtype, pow2), BLOCK_M=block_m, BLOCK_K=BLOCK,
+            num_warps=BLOCK_WARPS if transpose else WARPS)
+    return FP8Tensors(q, s, qt, st)
+
+
+def quantize_128x128(x, dtype=E4M3, pow2=False, transpose=False):
+    """128x128 blocks: FP8Tensors(q (N, K), s (ceil(N/128), ceil(K/128))); with transpose also q^T (K, N) and
+    st = s^T (the same blocks, seen from the transpose). One pass."""
+    _check_dtype(x, dtype)
+    x = _as_rows(x)
+    M, K = x.shape
+    mb, kb = triton.cdiv(M, BLOCK), triton.cdiv(K, BLOCK)
+    q = torch.empty(M, K, dtype=dtype, device=x.device)
+    s = torch.empty(mb, kb, dtype=torch.float32, device=x.device)
+    qt = torch.empty(K, M, dtype=dtype, device=x.device) if transpose else None
+    if M * K:
+        _blocks_k[(mb, kb)](x, q, s, qt, None, M, K, x.stride(0), q.stride(0), M, s.stride(0), s.stride(1), 0, 0,
+                            TILE_SCALE=True, WRITE_QT=transpose, **_fmt(dtype, pow2), BLOCK_M=BLOCK, BLOCK_K=BLOCK,
+                            num_warps=BLOCK_WARPS)
+    return FP8Tensors(q, s, qt, s.t() if transpose else None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public op: one name per granularity, Triton on CUDA, the reference elsewhere
+
+GRANULARITIES = ("tensor", "row", "col", "1x128", "128x128")
+
+
+def _ref(x, dtype, granularity, pow2, transpose, amax):
+    """The reference behind fp8_quantize, returning what the matching launcher returns."""
+    M, K = x.shape
+    if granularity == "tensor":
+        q, s, own = fp8_quantize_ref(x, dtype, None, pow2, amax)
+        return FP8Tensors(q, s, q.t().contiguous() if transpose else None, s if transpose else None, own)
+    if granularity == "row":
+        q, s, _ = fp8_quantize_ref(x, dtype, (1, K), pow2)
+        return FP8Tensors(q, s)
+    if granularity == "col":
+        qt, st, own = fp8_quantize_ref(x.t(), dtype, (1, M), pow2)
+        return FP8Tensors(None, None, qt, st, own.t())
+    if granularity == "1x128":
+        q, s, _ = fp8_quantize_ref(x, dtype, (1, BLOCK), pow2)
+        if not transpose:
+            return FP8Tensors(q, s)
+        qt, st, _ = fp8_quantize_ref(x.t(), dtype, (1, BLOCK), pow2)
+        return FP8Tensors(q, s, qt, st)
+    q, s, _ = fp8_quantize_ref(x, dtype, (BLOCK, BLOCK), pow2)
+    return FP8Tensors(q, s, q.t().contiguous() if transpose else None, s.t() if transpose else None)
+
+
+def fp8_quantize(x, dtype=E4M3, granularity="tensor", pow2=False, transpose=False, amax=None, triton_path=None):
+    """Quantize a 2-D x. granularity: tensor | row | col (per column, returned transposed as qt) | 1x128 | 128x128;
+    transpose: also q^T (tensor, 1x128, 128x128); amax: delayed scaling (tensor only). triton_path: None = Triton
+    on CUDA, the reference elsewhere; True forces the kernels (CPU: TRITON_INTERPRET=1)."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"fp8_quantize: granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if amax is not None and granularity != "tensor":
+        raise ValueError("fp8_quantize: delayed scaling (amax=) is per tensor only")
+    if transpose and granularity in ("row", "col"):
+        raise ValueError("fp8_quantize: per-row scales of x are per-column scales of x^T: use granularity='col'")
+    if not (x.is_cuda if triton_path is None else triton_path):
+        _check_dtype(x, dtype)
+        return _ref(x, dtype, granularity, pow2, transpose, amax)
+    if granularity == "tensor":
+        return quantize_tensor(x, dtype, pow2, amax, transpose=transpose)
+    if granularity == "row":
+        return quantize_rows(x, dtype, pow2)
+    if granularity == "col":
+        return quantize_cols_t(x, dtype, pow2)
+    if granularity == "1x128":
+        return quantize_1x128(x, dtype, pow2, transpose)
+    return quantize_128x128(x, dtype, pow2, transpose)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parity + benchmark: python -m kernels.fp8_quant [--quick] [--out FILE]: bench/bench_fp8.py --only parity,quant
+
+if __name__ == "__main__":
+    import runpy
+    import sys
+    sys.argv = [sys.argv[0], "--only", "parity,quant", *sys.argv[1:]]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    runpy.run_path(os.path.join(root, "bench", "bench_fp8.py"), run_name="__main__")

@@ -1,0 +1,260 @@
+"""FP8 training of the model's Linear layers: an FP8 linear (autograd Function + module) and `apply_fp8`.
+
+    model = apply_fp8(GPT(cfg), "tensor")        # or "row" | "block" | "none"; lm_head stays bf16 by default
+    ...  loss.backward(); engine.step(...); model.fp8.step()    # after every optimizer step: re-cast the weights
+
+The three GEMMs of Y = X W^T + b, each on FP8 operands with fp32 accumulation (kernels/fp8_matmul.py):
+    forward   Y  = X  W^T      X e4m3 (M, K),      W e4m3 (N, K)          -> Y in the autocast dtype (or x's)
+    dgrad     dX = dY W        dY e5m2 (M, N),     W^T e4m3 (K, N)        -> dX in x's dtype
+    wgrad     dW = dY^T X      dY^T e5m2 (N, M),   X^T e4m3 (K, M)        -> dW fp32 (the master weight's dtype)
+Both operands of every GEMM are K-major, so each quantization also writes the transposed copy the other GEMM needs
+(kernels/fp8_quant.py). Scaling per `mode`:
+    tensor  one scale per tensor (X, X^T, W, W^T, dY, dY^T share their tensor's scale); `delayed=True` takes X's
+            and dY's scales from the max of an amax history (length `history`) instead of a pass over them
+    row     X, dY per row (token) and W per output row; the transposed copies per row of the transpose (X^T per
+            input feature over tokens, W^T per input column, dY^T per output feature over tokens)
+    block   X, dY in 1x128 blocks along K (and X^T, dY^T in 1x128 blocks along the tokens); W in 128x128 blocks,
+            which are also the blocks of W^T (DeepSeek-V3's recipe, arXiv 2412.19437 3.3)
+dY is e5m2 (range for gradients) unless `grad_dtype="e4m3"` (its own scale: more mantissa, less range). Scales
+are powers of two by default (`pow2`: x * 2^k is exact, so the only rounding is fp8's own). Accumulation: the
+forward GEMM uses the tensor core's fast accumulation, the two backward GEMMs promote to fp32 every 128 K
+(torchao's defaults); block scaling promotes every 128 K always.
+
+The weight is quantized once per optimizer step and reused by every micro-batch: the module keeps its FP8 copies
+keyed by (the weight's version counter, its storage, the model's fp8 generation). A torch in-place update bumps
+the version; nanopara's fused AdamW writes the flat buffers through a Triton kernel and bumps no version, so the
+trainer calls `model.fp8.step()` after each optimizer step (which bumps the generation). Master weights, their
+grads and optimizer state stay fp32; no FP8 state is a parameter or buffer, so checkpoints are the bf16 run's.
+Where a data-parallel engine set `weight.grad_into` (engine.py), the wgrad GEMM writes dW straight into that view.
+CPU tensors run the PyTorch references of the same quantizations and GEMMs (the same FP8 numerics; CPU training
+and tests); `interpret=True` runs the Triton kernels on CPU under TRITON_INTERPRET=1 (tests).
+"""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+
+import torch
+import torch.nn as nn
+
+from kernels.fp8_matmul import fp8_matmul_ref, fp8_matmul_triton, triton_supported
+from kernels.fp8_quant import E4M3, E5M2, FP8Tensors, fp8_quantize
+from nanopara.model import Linear
+
+MODES = ("none", "tensor", "row", "block")
+DEFAULT_EXCLUDE = ("lm_head",)  # the tied output head stays in bf16 (its logits feed the loss directly)
+
+
+@dataclasses.dataclass
+class FP8Recipe:
+    mode: str = "tensor"          # tensor | row | block
+    grad_dtype: str = "e5m2"      # dY's format: e5m2 (range) | e4m3 (precision, own scale)
+    pow2: bool = True             # scales rounded down to powers of two: exact scaling
+    delayed: bool = False         # tensor mode: X and dY scales from an amax history instead of a pass over them
+    history: int = 16             # amax history length (delayed scaling)
+    fast_accum_fwd: bool = True   # forward GEMM: no fp32 promotion inside the tensor core's accumulation
+    fast_accum_bwd: bool = False  # dgrad / wgrad: promote every 128 K
+
+    def __post_init__(self):
+        if self.mode not in MODES[1:]:
+            raise ValueError(f"fp8: mode must be one of {MODES[1:]}, got {self.mode!r}")
+        if self.grad_dtype not in ("e5m2", "e4m3"):
+            raise ValueError(f"fp8: grad_dtype must be e5m2 or e4m3, got {self.grad_dtype!r}")
+        if self.delayed and self.mode != "tensor":
+            raise ValueError("fp8: delayed scaling needs one scale per tensor (mode='tensor')")
+        if self.history < 1:
+            raise ValueError(f"fp8: history must be >= 1, got {self.history}")
+
+
+class FP8State:
+    """What the FP8 modules of one model share: the recipe, the weight-cache generation (`step()`), whether CPU
+    tensors take the Triton kernels (interpreter tests) and counters (`casts`: weight quantizations so far)."""
+
+    def __init__(self, recipe: FP8Recipe, interpret: bool = False):
+        self.recipe, self.interpret = recipe, interpret
+        self.generation = 0
+        self.casts = 0
+
+    def step(self) -> None:
+        """The weights changed (call after every optimizer step): the next forward re-quantizes them."""
+        self.generation += 1
+
+    def triton_path(self, t: torch.Tensor) -> bool:
+        return self.interpret or triton_supported(t.device)
+
+
+class AmaxHistory:
+    """The last `length` amaxes of one tensor, on its device (no host sync): scale from their max (delayed
+    scaling, Micikevicius et al. 2022); the first call has no history and scales from the tensor itself."""
+
+    def __init__(self, length: int):
+        self.length, self.buf = length, None
+
+    def amax(self):
+        return None if self.buf is None else self.buf.amax().view(1, 1)
+
+    def push(self, amax: torch.Tensor) -> None:
+        a = amax.detach().float().reshape(1)
+        if self.buf is None:
+            self.buf = a.repeat(self.length)
+        else:
+            self.buf = torch.cat([a, self.buf[:-1]])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# quantization of each operand per mode: FP8Tensors(q, s, qt, st); q / qt None where not needed
+
+def _quantize_act(x2, dtype, recipe, triton, want_q=True, want_qt=True, history=None):
+    """X or dY (M, C): q (M, C) scaled along C for the GEMM that contracts C, qt (C, M) scaled along the tokens
+    for the weight-gradient GEMM."""
+    if recipe.mode == "tensor":
+        amax = history.amax() if history is not None else None
+        out = fp8_quantize(x2, dtype, "tensor", recipe.pow2, transpose=want_qt, amax=amax, triton_path=triton)
+        if history is not None:
+            history.push(out.amax)
+        return out
+    if recipe.mode == "row":
+        q = fp8_quantize(x2, dtype, "row", recipe.pow2, triton_path=triton) if want_q else FP8Tensors(None, None)
+        t = fp8_quantize(x2, dtype, "col", recipe.pow2, triton_path=triton) if want_qt else FP8Tensors(None, None)
+        return FP8Tensors(q.q, q.s, t.qt, t.st)
+    return fp8_quantize(x2, dtype, "1x128", recipe.pow2, transpose=want_qt, triton_path=triton)
+
+
+def _quantize_weight(w, recipe, triton):
+    """W (N, K) fp32 master -> q (N, K) for the forward, qt = W^T (K, N) for dgrad, both e4m3."""
+    if recipe.mode == "tensor":
+        return fp8_quantize(w, E4M3, "tensor", recipe.pow2, transpose=True, triton_path=triton)
+    if recipe.mode == "row":
+        q = fp8_quantize(w, E4M3, "row", recipe.pow2, triton_path=triton)
+        t = fp8_quantize(w, E4M3, "col", recipe.pow2, triton_path=triton)
+        return FP8Tensors(q.q, q.s, t.qt, t.st)
+    return fp8_quantize(w, E4M3, "128x128", recipe.pow2, transpose=True, triton_path=triton)
+
+
+def _gemm(a, b, sa, sb, bias, out_dtype, fast_accum, triton, out=None):
+    if triton:
+        return fp8_matmul_triton(a, b, sa, sb, bias, out_dtype, fast_accum, out=out)
+    y = fp8_matmul_ref(a, b, sa, sb, bias, out_dtype)
+    return y if out is None else out.copy_(y)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# autograd
+
+class FP8LinearFunction(torch.autograd.Function):
+    """fwd: Y = X W^T + b on e4m3 operands; bwd: dX = dY W and dW = dY^T X on e5m2 (or e4m3) dY. Saves X^T and
+    W^T in FP8 (half the bytes of a bf16 X), nothing in high precision."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer):
+        state, recipe = layer.fp8_state, layer.fp8_state.recipe
+        dev = x.device.type
+        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        triton = state.triton_path(x)
+        with torch.autocast(dev, enabled=False):  # dtypes are explicit below (the reference path matmuls in fp32)
+            K = x.shape[-1]
+            x2 = x.reshape(-1, K)  # (M, K)
+            w8 = layer.weight_fp8(weight, triton)
+            x8 = _quantize_act(x2, E4M3, recipe, triton, want_qt=ctx.needs_input_grad[1],
+                               history=layer.hist_x if recipe.delayed else None)
+            y = _gemm(x8.q, w8.q, x8.s, w8.s, bias, out_dtype, recipe.fast_accum_fwd, triton)  # (M, N)
+        ctx.save_for_backward(x8.qt, x8.st, w8.qt, w8.st)
+        ctx.layer, ctx.triton, ctx.x_dtype, ctx.has_bias = layer, triton, x.dtype, bias is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        # the engine's gradient destination (model.matmul_weight's rule): asked for in backward
+        ctx.weight = weight if (getattr(weight, "grad_into", None) is not None and weight.grad is None
+                                and not torch.compiler.is_compiling()) else None
+        ctx.w_dtype = weight.dtype
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        xqt, xst, wqt, wst = ctx.saved_tensors
+        layer, triton = ctx.layer, ctx.triton
+        recipe = layer.fp8_state.recipe
+        N = dy.shape[-1]
+        dy2 = dy.reshape(-1, N)  # (M, N)
+        gdt = E5M2 if recipe.grad_dtype == "e5m2" else E4M3
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        with torch.autocast(dy.device.type, enabled=False):
+            g8 = _quantize_act(dy2, gdt, recipe, triton, want_q=need_dx, want_qt=need_dw,
+                               history=layer.hist_dy if recipe.delayed else None)
+            dx = dw = db = None
+            if need_dx:  # (M, N) x (K, N)^T -> (M, K)
+                dx = _gemm(g8.q, wqt, g8.s, wst, None, ctx.x_dtype, recipe.fast_accum_bwd, triton)
+                dx = dx.view(*dy.shape[:-1], dx.shape[-1])
+            if need_dw:  # (N, M) x (K, M)^T -> (N, K), straight into the engine's buffer view where it gave one
+                dest = ctx.weight.grad_into(ctx.weight) if ctx.weight is not None else None
+                direct = dest is not None and dest.dtype in (torch.float32, torch.bfloat16) and dest.stride(-1) == 1
+                dw = _gemm(g8.qt, xqt, g8.st, xst, None, ctx.w_dtype, recipe.fast_accum_bwd, triton,
+                           out=dest if direct else None)
+                if dest is not None and not direct:
+                    dw = dest.copy_(dw)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        return dx, dw, db, None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# module and model surgery
+
+class FP8Linear(Linear):
+    """model.Linear whose three GEMMs run in FP8 (same parameters and state-dict keys as the Linear it replaces)."""
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear, state: FP8State) -> "FP8Linear":
+        new = cls(lin.in_features, lin.out_features, bias=lin.bias is not None, device="meta")
+        new.weight, new.bias = lin.weight, lin.bias  # the same Parameter objects (ties, optimizer, engine views)
+        new.fp8_state = state
+        new._w8, new._w8_key = None, None
+        new.hist_x = new.hist_dy = None
+        if state.recipe.delayed:
+            new.hist_x, new.hist_dy = AmaxHistory(state.recipe.history), AmaxHistory(state.recipe.history)
+        return new
+
+    def weight_fp8(self, w: torch.Tensor, triton: bool) -> FP8Tensors:
+        """The FP8 weight and its transpose, quantized at most once per (weight version, generation)."""
+        key = (w._version, w.data_ptr(), w.device, self.fp8_state.generation, triton)
+        if self._w8_key != key:
+            self._w8 = _quantize_weight(w.detach(), self.fp8_state.recipe, triton)
+            self._w8_key = key
+            self.fp8_state.casts += 1
+        return self._w8
+
+    @torch.compiler.disable  # under torch.compile: one graph break per FP8 linear, run eagerly (Python-side cache)
+    def forward(self, x):
+        return FP8LinearFunction.apply(x, self.weight, self.bias, self)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", fp8={self.fp8_state.recipe.mode}"
+
+
+def _selector(filter):
+    """filter -> predicate(name): None = every Linear but DEFAULT_EXCLUDE; a string = comma-separated fnmatch
+    patterns of module names to convert (e.g. "*.mlp.*,*.attn.c_attn"); a callable(name, module) as is."""
+    if filter is None:
+        return lambda name, mod: name.rpartition(".")[2] not in DEFAULT_EXCLUDE
+    if isinstance(filter, str):
+        pats = [p.strip() for p in filter.split(",") if p.strip()]
+        return lambda name, mod: any(fnmatch.fnmatchcase(name, p) for p in pats)
+    return filter
+
+
+def apply_fp8(model: nn.Module, mode: str = "tensor", filter=None, recipe: FP8Recipe | None = None,
+              interpret: bool = False) -> nn.Module:
+    """Swap the model's nn.Linear modules (model.Linear included) that `filter` selects for FP8Linear, in place;
+    returns the model with `model.fp8` (the FP8State: call `.step()` after each optimizer step). mode "none":
+    unchanged. recipe: overrides beyond the mode (grad_dtype, pow2, delayed, ...)."""
+    if mode not in MODES:
+        raise ValueError(f"apply_fp8: mode must be one of {MODES}, got {mode!r}")
+    if mode == "none":
+        return model
+    recipe = dataclasses.replace(recipe, mode=mode) if recipe is not None else FP8Recipe(mode=mode)
+    state = FP8State(recipe, interpret)
+    keep = _selector(filter)
+    for name, mod in list(model.named_modules()):
+        if type(mod) in (nn.Linear, Linear) and keep(name, mod):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, FP8Linear.from_linear(mod, state))
+    model.fp8 = state
+    return model
