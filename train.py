@@ -3,6 +3,7 @@
     python train.py --preset=tiny --device=cpu                  # CPU, a few minutes
     python train.py --preset=gpt2_124m --data.dataset=books     # one GPU
     torchrun --nproc_per_node=8 train.py --parallel.zero=1      # eight GPUs, ZeRO-1
+    torchrun --nproc_per_node=8 train.py --parallel.pp=2 --parallel.tp=2 --train.tokens_per_step=524288  # 3D, m=8
     make train NGPU=8 ARGS="--train.steps=100"                  # the same through make
 
 Every key is listed by nanopara/config.py; unknown keys and bad values stop the run before any work. Parallelism is
@@ -28,7 +29,7 @@ from nanopara.graph import GraphedMicroStep
 from nanopara.mesh import Mesh, MeshError
 from nanopara.model import GPT, from_hf_state_dict
 from nanopara.optim import LossScaler, lr_at
-from nanopara.parallel import check_layout, parallelize
+from nanopara.parallel import check_layout, parallelize, pipeline_eval, pipeline_step
 from nanopara.report import Metrics, StepReporter, TrainingError, flops_per_token
 
 
@@ -102,14 +103,18 @@ def build_model(cfg: Config, resuming: bool, log) -> GPT:
 def evaluate(engine, loader: TokenLoader, steps: int, mesh: Mesh, amp) -> float:
     engine.model.eval()
     loader.reset()
-    total = torch.zeros((), device=mesh.device)
     steps = min(steps, len(loader))  # never wrap around and count the same tokens twice
-    for _ in range(steps):
-        x, y = next(loader)
-        with amp():
-            total += engine.model(x.to(mesh.device), y.to(mesh.device))[1].float()
+    if engine.pipeline is not None:  # pp > 1: forwards only, through the stages
+        mean = pipeline_eval(engine, [next(loader) for _ in range(steps)])
+    else:
+        total = torch.zeros((), device=mesh.device)
+        for _ in range(steps):
+            x, y = next(loader)
+            with amp():
+                total += engine.model(x.to(mesh.device), y.to(mesh.device))[1].float()
+        mean = total / steps
     engine.model.train()
-    return mean_over(total / steps, mesh).item()
+    return mean_over(mean, mesh).item()
 
 
 @torch.no_grad()
@@ -154,6 +159,8 @@ def train(cfg: Config) -> dict:
     model = build_model(cfg, resume_path is not None, log)
     n_params = model.num_params()
     engine = parallelize(model, mesh, cfg)
+    if engine.pipeline is not None:
+        model = None  # each rank keeps its stage (engine.model): the rest of the GPT goes
     amp, dtype = autocast(cfg, mesh.device)
     scaler = LossScaler(enabled=dtype == torch.float16)
     start = checkpoint.restore_training(resume_path, mesh, engine, loader, scaler) if resume_path else 0
@@ -178,23 +185,27 @@ def train(cfg: Config) -> dict:
     for step in range(start, t.steps):
         reporter.begin_step()
         lr = lr_at(step, t)
-        loss_sum = torch.zeros((), device=mesh.device)
-        for micro in range(accum):
-            x, y = (b.to(mesh.device, non_blocking=True) for b in next(loader))
-            if graphed is not None:  # one GPU: no communication to skip or launch
-                loss = graphed(x, y)
-            else:
-                with engine.no_sync(micro < accum - 1):
-                    with amp():
-                        _, loss = engine.model(x, y)
-                    engine.backward(loss.float() * (scaler.scale / accum))
-            loss_sum += loss.detach().float()
+        if engine.pipeline is not None:  # pp > 1: the schedule runs the step's micro-batches (parallel.py)
+            step_loss = pipeline_step(engine, [next(loader) for _ in range(accum)], scaler.scale)
+        else:
+            loss_sum = torch.zeros((), device=mesh.device)
+            for micro in range(accum):
+                x, y = (b.to(mesh.device, non_blocking=True) for b in next(loader))
+                if graphed is not None:  # one GPU: no communication to skip or launch
+                    loss = graphed(x, y)
+                else:
+                    with engine.no_sync(micro < accum - 1):
+                        with amp():
+                            _, loss = engine.model(x, y)
+                        engine.backward(loss.float() * (scaler.scale / accum))
+                loss_sum += loss.detach().float()
+            step_loss = loss_sum / accum
         norm = engine.step(lr, grad_scale=scaler.scale, sync=not reporter.defer)  # NaN loss -> NaN norm: skipped
         last = step == t.steps - 1
         do_val = val_loader is not None and ((step + 1) % t.val_every == 0 or last)
-        do_sample = t.sample_every > 0 and (step + 1) % t.sample_every == 0 and not last
+        do_sample = t.sample_every > 0 and (step + 1) % t.sample_every == 0 and not last and model is not None
         do_save = (cfg.ckpt.every > 0 and (step + 1) % cfg.ckpt.every == 0) or (last and cfg.ckpt.final)
-        reporter.end_step(step, lr, mean_over(loss_sum / accum, mesh), norm, must_report=last)
+        reporter.end_step(step, lr, mean_over(step_loss, mesh), norm, must_report=last)
         if do_val or do_sample or do_save:
             reporter.pause()
         if do_val:
@@ -212,7 +223,9 @@ def train(cfg: Config) -> dict:
                     raise
                 log(f"warning: {e}; training goes on and the next save tries again")
 
-    text = sample(model, mesh.device, t.sample_tokens, cfg.seed, amp) if t.sample_tokens > 0 else ""
+    if t.sample_tokens > 0 and model is None:  # pp > 1: no rank holds the whole model
+        log(f"sample: skipped under pipeline parallel; python sample.py --out_dir={cfg.out_dir} reads the checkpoint")
+    text = sample(model, mesh.device, t.sample_tokens, cfg.seed, amp) if t.sample_tokens and model is not None else ""
     if text:
         log(f"sample: {text!r}")
     mesh.destroy()

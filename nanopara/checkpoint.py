@@ -2,7 +2,7 @@
 
     <out_dir>/config.json, run_info.txt, metrics.jsonl    the run's settings, environment and log (appended)
     <out_dir>/ckpt/step_000100/                           one complete checkpoint (renamed into place when whole)
-        meta.json                                         step, layout, config, every shard's size, write time
+        meta.json                                         step, layout, config, shard sizes, write time, pp chunks
         rank_00000.pt ...                                 each rank's model/optimizer shard, loader, RNG, scaler
     <out_dir>/ckpt/latest                                 names the newest complete checkpoint (replaced atomically)
 
@@ -97,7 +97,7 @@ def prepare_run_dir(out_dir: str, resume: bool, overwrite: bool, is_main: bool) 
         for p in reversed(made):
             if os.path.isdir(p) and not os.listdir(p):
                 os.rmdir(p)
-    if overwrite:
+    if overwrite and os.path.isdir(_ckpt_root(out_dir)):  # (a fresh out_dir was removed again above)
         for d in os.listdir(_ckpt_root(out_dir)):
             p = os.path.join(_ckpt_root(out_dir), d)
             shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
@@ -269,6 +269,9 @@ def save_training(out_dir: str, step: int, mesh: Mesh, engine, loader, scaler, m
     state = {"model": engine.model_state_dict(), "engine": engine.state_dict(), "loader": loader.state_dict(),
              "scaler": scaler.state_dict(), "rng": rng_state(mesh.device), "mesh": dict(mesh.coords),
              "tp_shards": getattr(engine, "tp_shards", {})}  # which global slice of each tp-sharded tensor it holds
+    if getattr(engine, "pp_layers", None) is not None:  # pp > 1: every chunk's global blocks; this rank's chunks
+        meta = {**meta, "pp_layers": engine.pp_layers}
+        state["pp_chunks"] = {c: engine.pp_layers[c] for c in sorted(engine.pipeline.chunks)}
     try:
         return save(out_dir, step, mesh, state, meta, keep=keep)
     except OSError as e:
@@ -293,6 +296,10 @@ def check_model_matches(path: str, model_cfg: dict) -> dict:
 def restore_training(path: str, mesh: Mesh, engine, loader, scaler) -> int:
     """Load this rank's shard into the engine, loader, scaler and RNGs; returns the step to continue from."""
     state, meta = load(path, mesh)
+    if meta.get("pp_layers") != getattr(engine, "pp_layers", None):
+        raise CheckpointError(f"checkpoint {path} holds pipeline chunks of blocks {meta.get('pp_layers')}, this run "
+                              f"splits {getattr(engine, 'pp_layers', None)}: resume with the saved run's "
+                              f"parallel.pp_virtual and parallel.pp_layers")
     try:
         engine.load_model_state_dict(state["model"])
         engine.load_state_dict(state["engine"])

@@ -49,12 +49,14 @@ class ModelConfig:
 class ParallelConfig:
     dp: int = -1                 # data parallel degree; -1 = whatever is left of the world size
     tp: int = 1                  # tensor parallel degree (Megatron column/row)
-    pp: int = 1                  # pipeline stages: not built yet (issue open), must be 1
+    pp: int = 1                  # pipeline stages (pp.py); the step's micro-batches (tokens_per_step) run through them
     cp: int = 1                  # context parallel (ring attention): not built yet (issue open), must be 1
     ep: int = 1                  # expert parallel (carved out of dp x cp): not built yet (issue open), must be 1
     zero: int = 0                # 0 = DDP, 1/2/3 = ZeRO stage
     sp: bool = False             # sequence parallel (needs tp > 1)
-    pp_schedule: str = "1f1b"    # gpipe | 1f1b | interleaved (with pipeline parallel, issue open)
+    pp_schedule: str = "1f1b"    # gpipe | 1f1b | interleaved (needs pp_virtual >= 2) | zb (ZB-H1, zero bubble)
+    pp_virtual: int = 1          # model chunks per pp rank (interleaved 1F1B's v): bubble (p-1)/(v*m), v x the p2p
+    pp_layers: str = ""          # blocks per chunk, comma-separated in model order (e.g. "7,6,6,5"); "" = even split
     bucket_mb: float = 25.0      # DDP gradient bucket size
     reduce_dtype: str = "fp32"   # DDP gradient all-reduce in fp32 | bf16 (half the bytes; grads stay fp32)
     grad_dests: str = "auto"     # Linear weight grads written straight into DDP/ZeRO-2 buffers (dp._set_grad_dests):
@@ -88,6 +90,7 @@ class TrainConfig:
     sample_every: int = 0        # steps between text samples (0 = only at the end)
     sample_tokens: int = 64      # tokens generated per sample
     max_bad_steps: int = 5       # consecutive non-finite losses before the run stops
+    activation_checkpointing: str = "none"  # none | full (recompute each block in backward) | selective
 
 
 @dataclass
@@ -135,7 +138,9 @@ class Config:
                                     ("train.dtype", t.dtype, ("auto", "bf16", "fp16", "fp32")),
                                     ("parallel.reduce_dtype", p.reduce_dtype, ("fp32", "bf16")),
                                     ("parallel.grad_dests", p.grad_dests, ("auto", "on", "off")),
-                                    ("parallel.pp_schedule", p.pp_schedule, ("gpipe", "1f1b", "interleaved"))):
+                                    ("parallel.pp_schedule", p.pp_schedule, ("gpipe", "1f1b", "interleaved", "zb")),
+                                    ("train.activation_checkpointing", t.activation_checkpointing,
+                                     ("none", "full", "selective"))):
             if value not in choices:
                 raise ConfigError(f"{key} must be {'|'.join(choices)}, got {value!r}")
         if not self.out_dir.strip():
@@ -168,15 +173,69 @@ class Config:
             raise ConfigError(f"the MLP width 4*model.n_embd={4 * m.n_embd} is not divisible by parallel.tp={p.tp}")
         if p.sp and t.seq_len % p.tp:
             raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by parallel.tp={p.tp} (needed by sp)")
-        if p.pp > 1 or p.cp > 1 or p.ep > 1:
-            raise ConfigError("parallel.pp/cp/ep > 1 are not implemented yet (their issues are open); "
-                              "use dp, tp, sp and zero")
+        if p.cp > 1 or p.ep > 1:
+            raise ConfigError("parallel.cp/ep > 1 are not implemented yet (their issues are open); "
+                              "use dp, tp, pp, sp and zero")
+        self._check_pipeline()
         if t.cuda_graph and t.dtype == "fp16":
             raise ConfigError("train.cuda_graph=true does not support train.dtype=fp16 (the loss scale changes between "
                               "steps); use bf16")
         if t.cuda_graph and t.compile:
             raise ConfigError("train.cuda_graph=true and train.compile=true: use one (torch.compile's own graphs are "
                               "mode='reduce-overhead')")
+
+    def _check_pipeline(self) -> None:
+        """The pipeline checks that need no world size (those that need m, the micro-batches per step, are in
+        parallel.check_layout: m = tokens_per_step / (micro_batch * seq_len * dp))."""
+        p, t, n_layer = self.parallel, self.train, self.model.n_layer
+        layers = pp_layers_list(p.pp_layers)
+        if p.pp == 1:
+            if p.pp_virtual > 1 or layers:
+                key = f"pp_virtual={p.pp_virtual}" if p.pp_virtual > 1 else f"pp_layers={p.pp_layers!r}"
+                raise ConfigError(f"parallel.{key} applies to pipeline parallel only: set parallel.pp > 1")
+            return
+        if p.pp_schedule == "interleaved" and p.pp_virtual < 2:
+            raise ConfigError("parallel.pp_schedule=interleaved needs parallel.pp_virtual >= 2 (model chunks per rank)")
+        if p.pp_virtual > 1 and p.pp_schedule != "interleaved":
+            raise ConfigError(f"parallel.pp_virtual={p.pp_virtual} needs parallel.pp_schedule=interleaved (the other "
+                              f"schedules run one chunk per rank)")
+        n = p.pp * p.pp_virtual
+        if n_layer < n:
+            raise ConfigError(f"model.n_layer={n_layer} is fewer blocks than the parallel.pp*parallel.pp_virtual = "
+                              f"{p.pp}*{p.pp_virtual} = {n} chunks: every chunk needs at least one")
+        if layers is None and n_layer % n:
+            raise ConfigError(f"model.n_layer={n_layer} is not divisible by parallel.pp*parallel.pp_virtual = "
+                              f"{p.pp}*{p.pp_virtual} = {n}: set parallel.pp_layers (blocks per chunk, e.g. "
+                              f"\"{','.join(str(n_layer // n + (i < n_layer % n)) for i in range(n))}\") to split "
+                              f"unevenly")
+        if layers is not None and (len(layers) != n or sum(layers) != n_layer):
+            raise ConfigError(f"parallel.pp_layers={p.pp_layers!r} must give the blocks of each of the "
+                              f"pp*pp_virtual = {n} chunks, summing to model.n_layer={n_layer}")
+        if p.zero >= 2:
+            raise ConfigError(f"parallel.zero={p.zero} with parallel.pp > 1: ZeRO-2/3 reduce-scatter (ZeRO-3 also "
+                              f"re-gathers) per micro-batch in model order, while a pipeline interleaves the "
+                              f"micro-batches' forwards and backwards chunk by chunk; use parallel.zero=1 (sharded "
+                              f"optimizer states, as Megatron-LM and DeepSpeed's pipeline engine do)")
+        if t.cuda_graph:
+            raise ConfigError("train.cuda_graph=true with parallel.pp > 1: a graph cannot hold the pipeline's "
+                              "send/recv schedule; use one or the other")
+        if t.compile:
+            raise ConfigError("train.compile=true with parallel.pp > 1 is not supported: the pipeline runs its chunks "
+                              "eagerly between sends and receives")
+
+
+def pp_layers_list(text: str) -> list[int] | None:
+    """parallel.pp_layers as blocks per chunk ("7,6,6,5" -> [7, 6, 6, 5]); None for "" (an even split)."""
+    if not text.strip():
+        return None
+    try:
+        layers = [int(s) for s in text.split(",")]
+    except ValueError:
+        layers = []
+    if not layers or min(layers) < 1:
+        raise ConfigError(f"parallel.pp_layers={text!r}: expected positive block counts separated by commas, "
+                          f"one per chunk (e.g. \"7,6,6,5\")")
+    return layers
 
 
 def _positive(v) -> bool:
@@ -203,7 +262,7 @@ _RULES = [
     ("train.beta2", "in [0, 1)", lambda v: 0 <= v < 1),
     ("train.eps", "in (0, 1)", lambda v: 0 < v < 1),
     ("parallel.dp", ">= 1, or -1 (whatever is left of the world size)", lambda v: v >= 1 or v == -1),
-    *[(f"parallel.{k}", ">= 1", _positive) for k in ("tp", "pp", "cp", "ep", "timeout_s")],
+    *[(f"parallel.{k}", ">= 1", _positive) for k in ("tp", "pp", "pp_virtual", "cp", "ep", "timeout_s")],
     ("parallel.zero", "0, 1, 2 or 3", lambda v: v in (0, 1, 2, 3)),
     ("parallel.bucket_mb", "> 0", lambda v: v > 0),
     ("parallel.zero3_unit_blocks", ">= 1 (or 0: auto)", _non_negative),

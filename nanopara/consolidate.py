@@ -5,14 +5,15 @@
 
 A checkpoint is meta.json (config, layout = mesh sizes) plus rank_NNNNN.pt per rank, each holding that rank's
 "model" state, its grid coordinates ("mesh") and, under TP, which global slices its tensors hold ("tp_shards").
-Ranks sit on the grid [pp, dp, cp, tp], tp fastest (mesh.py). Reassembly, per tp rank t:
+Ranks sit on the grid [pp, dp, cp, tp], tp fastest (mesh.py). Reassembly, per pipeline stage s and tp rank t:
   replicated over dp x cp (one process, DDP, ZeRO-1/2): {name: tensor} of the (dp 0, cp 0) rank;
   ZeRO-3: every dp x cp rank's "flat_shard" joined by zero.unshard_model;
 then over tp: each sharded tensor's pieces placed at the slices its tp_shards entry names (c_attn's q, k, v
-blocks are split per head, so a piece is several slices), and the vocab-parallel wte/lm_head's TP padding rows
-dropped to the model's padded vocabulary. The result is checked key by key against the model the config builds.
-Shards are memory-mapped: the optimizer states in them are never read. pp > 1 (not written by the trainer yet) is
-refused with one line.
+blocks are split per head, so a piece is several slices); then over pp: the stages' tensors keep their
+single-device names (pp.Stage), so they are merged, and the last stage's copy of the tied weight (lm_head.weight,
+the same values as the first stage's wte) is dropped. The vocab-parallel wte's TP padding rows are dropped to the
+model's padded vocabulary, and the result is checked key by key against the model the config builds.
+Shards are memory-mapped: the optimizer states in them are never read.
 
 Called by sample.py; tested by tests/test_sample.py against the running engines' own gathers.
 """
@@ -79,8 +80,6 @@ def _layout(meta: dict, path: str) -> dict:
     sizes = {ax: lay[ax] for ax in AXES}
     if sizes["pp"] * sizes["dp"] * sizes["cp"] * sizes["tp"] != lay["world"]:
         raise CheckpointError(f"checkpoint {path}: layout {lay} does not multiply to its world size")
-    if sizes["pp"] > 1:
-        raise CheckpointError(f"checkpoint {path}: pipeline-parallel layout (pp={sizes['pp']}) is not supported")
     return sizes
 
 
@@ -140,29 +139,39 @@ def _place(name: str, pieces: list[torch.Tensor], metas: list[dict], tp: int) ->
     return full
 
 
+def _stage_full(path: str, states: list, sizes: dict, s: int) -> dict:
+    """{name: full tensor} of pipeline stage s: each tp rank's dp x cp shards joined, then the tp pieces placed."""
+    tp, world = sizes["tp"], len(states)
+    per_tp, tp_meta = [], []
+    for t in range(tp):
+        ranks = [r for r in range(world) if _coords(r, sizes)["tp"] == t and _coords(r, sizes)["pp"] == s]  # dp x cp
+        file = os.path.join(path, f"rank_{ranks[0]:05d}.pt")
+        per_tp.append(_dp_full([states[r]["model"] for r in ranks], file))
+        tp_meta.append(states[ranks[0]].get("tp_shards") or {})
+    if tp > 1 and not tp_meta[0]:
+        raise CheckpointError(f"checkpoint {path}: tp={tp} but its shards carry no tp_shards metadata")
+    return {name: _place(name, [p[name] for p in per_tp], [m[name] for m in tp_meta], tp) if name in tp_meta[0]
+            else t0 for name, t0 in per_tp[0].items()}  # else: replicated over tp
+
+
 def full_model_state(ckpt_path: str) -> tuple[dict, ModelConfig]:
     """(state dict of a single-device GPT, its ModelConfig) from a run, ckpt/ or step directory of any layout."""
     path, _ = resolve(ckpt_path)
     meta = checkpoint.check_complete(path)  # meta.json readable, every shard of the size written
     cfg = model_config(meta, path)
     sizes = _layout(meta, path)
-    tp, world = sizes["tp"], sizes["pp"] * sizes["dp"] * sizes["cp"] * sizes["tp"]
+    world = sizes["pp"] * sizes["dp"] * sizes["cp"] * sizes["tp"]
     states = [_load_shard(path, r, sizes) for r in range(world)]  # every shard opened: a broken one is reported
     try:
-        per_tp, tp_meta = [], []
-        for t in range(tp):
-            ranks = [r for r in range(world) if _coords(r, sizes)["tp"] == t]  # dp x cp order
-            file = os.path.join(path, f"rank_{ranks[0]:05d}.pt")
-            per_tp.append(_dp_full([states[r]["model"] for r in ranks], file))
-            tp_meta.append(states[ranks[0]].get("tp_shards") or {})
-        if tp > 1 and not tp_meta[0]:
-            raise CheckpointError(f"checkpoint {path}: tp={tp} but its shards carry no tp_shards metadata")
         full = {}
-        for name, t0 in per_tp[0].items():
-            if name in tp_meta[0]:
-                full[name] = _place(name, [p[name] for p in per_tp], [m[name] for m in tp_meta], tp)
-            else:
-                full[name] = t0  # replicated over tp
+        for s in range(sizes["pp"]):  # pipeline stages: disjoint names, but for the tied copy
+            stage = _stage_full(path, states, sizes, s)
+            if s > 0:
+                stage.pop("lm_head.weight", None)  # the last stage's copy of the tied wte
+            twice = sorted(set(stage) & set(full))
+            if twice:
+                raise CheckpointError(f"checkpoint {path}: pipeline stage {s} holds {twice[:3]} too")
+            full.update(stage)
         return _check_against_model(full, cfg, path), cfg
     except CheckpointError:
         raise

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from nanopara.config import Config
-from nanopara.engine import BucketHooks, Engine, check_fp32, param_kind, split_buckets, views
+from nanopara.engine import BucketHooks, Engine, check_fp32, grad_buckets, param_kind, views
 from nanopara.mesh import Mesh
 from nanopara.optim import build_adamw
 
@@ -83,7 +83,7 @@ class DDP(BucketHooks, Engine):
             dist.broadcast(p.data, src=src, group=self.group)
         self.optimizer = build_adamw(model.named_parameters(), cfg.train, mesh.device)
         self.reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.parallel.reduce_dtype]
-        self.buckets = split_buckets(self.params[::-1], int(cfg.parallel.bucket_mb * 2 ** 20) // 4)
+        self.buckets = grad_buckets(self.params, int(cfg.parallel.bucket_mb * 2 ** 20) // 4)
         self.bufs = [torch.zeros(sum(p.numel() for p in b), device=self.device) for b in self.buckets]
         self._slot = {id(p): g.view_as(p) for b, buf in zip(self.buckets, self.bufs)  # p's slice of its bucket
                       for p, g in zip(b, views(buf, [p.numel() for p in b]))}

@@ -14,7 +14,10 @@ done in exactly one place: `backward` scales the loss by 1/N, and every reductio
 Precision: parameters are fp32 master weights, compute runs under autocast (bf16 on GPU, fp32 on CPU), gradients
 and AdamW's m, v are fp32. Bytes per rank: `Engine.memory_bytes` (ZeRO paper Fig. 1).
 Clipping uses the global norm: squares of the grads this rank holds, summed over dp x cp when they are shards
-(ZeRO), the part of parameters sharded over tp (`p.tp_dim`) summed over tp, tp-replicated ones counted once.
+(ZeRO), the part of parameters sharded over tp (`p.tp_dim`) summed over tp, tp-replicated ones counted once, and
+over pp (the last stage's copy of the tied weight, `p.pp_tied_copy`, skipped). Pipeline parallel: the backwards run
+in pp.Pipeline under no_sync, and its hook `sync_from_now` lets a chunk's buckets reduce from its last backward on;
+the tied weight (`p.pp_tied`) is alone in the last bucket, reduced after pp.sync_tied_grads (Megatron-LM#844).
 Grads of `p.sp_partial` parameters are partial sums over tp (tp.py): every engine sums them first.
 Checkpoints: model_state_dict()/state_dict() return this rank's part. Replicated parameters: {name: tensor};
 an unsharded optimizer: {"format": "full", "step", "state": {name: {"exp_avg", "exp_avg_sq"}}}; ZeRO's sharded
@@ -37,11 +40,15 @@ from nanopara.config import Config
 from nanopara.mesh import Mesh
 from nanopara.optim import clip_coef
 
-REPLICATED, TP_SHARDED, SP_PARTIAL = 0, 1, 2
+REPLICATED, TP_SHARDED, SP_PARTIAL, PP_COPY = 0, 1, 2, 3
 
 
 def param_kind(p: torch.Tensor) -> int:
-    """How a parameter relates to tp (tp.py's contract): sharded (tp_dim), partial grads (sp_partial), replicated."""
+    """How a parameter relates to tp (tp.py's contract): sharded (tp_dim), partial grads (sp_partial), replicated;
+    PP_COPY: the last pipeline stage's copy of the tied weight (pp.py), left out of the norm (the first stage's
+    copy has the same gradient)."""
+    if getattr(p, "pp_tied_copy", False):
+        return PP_COPY
     if hasattr(p, "tp_dim"):
         return TP_SHARDED
     return SP_PARTIAL if getattr(p, "sp_partial", False) else REPLICATED
@@ -153,6 +160,10 @@ class Engine:
         self.n = mesh.dp * mesh.cp
         self.r = mesh.ranks["dp_cp"].index(mesh.rank) if "dp_cp" in mesh.ranks else 0
         self.tp_group = mesh.groups.get("tp") if mesh.tp > 1 else None
+        self.pp_group = mesh.groups.get("pp") if mesh.pp > 1 else None
+        self.pipeline = None  # pp.Pipeline of this rank's stage (parallel.parallelize sets it for pp > 1)
+        self.pp_layers = None  # pp > 1: every chunk's global block indices (checkpoint metadata)
+        self._live = set()  # ids of parameters whose next gradient is the step's last (sync_from_now)
         self.tp_shards = {}  # name -> this rank's global slices of tp-sharded tensors (parallelize sets it)
         self.async_step = self.device.type == "cuda"  # step(): needs the fused AdamW that engines build on GPU
         self._sync = True
@@ -202,6 +213,12 @@ class Engine:
         finally:
             self._sync = prev
 
+    def sync_from_now(self, params) -> None:
+        """pp.Pipeline's on_last_backward: the gradients `params` get from now on are the step's last, so their
+        buckets may reduce as soon as they are complete, overlapping the backwards still to run; the rest of the
+        step stays under no_sync. Never the tied weight: its halves are summed across stages first."""
+        self._live.update(id(p) for p in params if not getattr(p, "pp_tied", False))
+
     def backward(self, loss: torch.Tensor) -> None:
         self._before_backward()
         (loss / self.n if self.n > 1 else loss).backward()  # THE place where gradients are averaged over dp x cp
@@ -220,6 +237,7 @@ class Engine:
         while the host issued the clip and the update (124M's clip + update: 2.4-2.6 ms of GPU time that way,
         2.1 ms now; 2 x H100, B=16). CPU: the norm is read first and the for-loop AdamW runs as before."""
         self._finish_grads()
+        self._live = set()
         pieces = self._grad_pieces()  # [(grad, kind)]: every gradient (or shard) this rank holds
         sum_over([g for g, k in pieces if k == SP_PARTIAL], self.tp_group)
         sq = self._global_sq(pieces)
@@ -250,7 +268,7 @@ class Engine:
 
     def _global_sq(self, pieces) -> torch.Tensor:
         """The squared global norm of the gradients: fp32, 0-dim, on the device (no host sync)."""
-        sq = torch.stack([sum_sq([g for g, k in pieces if k != TP_SHARDED], self.device),  # tp-replicated
+        sq = torch.stack([sum_sq([g for g, k in pieces if k in (REPLICATED, SP_PARTIAL)], self.device),  # tp-repl.
                           sum_sq([g for g, k in pieces if k == TP_SHARDED], self.device)])  # tp-sharded; (2,)
         if self.sharded_grads and self.group is not None:
             dist.all_reduce(sq, group=self.group)
@@ -258,7 +276,10 @@ class Engine:
             tp_part = sq[1:].clone()
             dist.all_reduce(tp_part, group=self.tp_group)
             sq = torch.cat([sq[:1], tp_part])
-        return sq.sum()
+        sq = sq.sum()
+        if self.pp_group is not None:  # every stage holds other parameters (PP_COPY left out above)
+            dist.all_reduce(sq, group=self.pp_group)
+        return sq
 
     def memory_bytes(self) -> dict:
         """Bytes of parameters, gradients and optimizer state (m and v; not AdamW's 0-dim step counters) this rank
@@ -320,6 +341,15 @@ class Engine:
 # ----------------------------------------------------------------------------------------------------------------
 # gradient buckets (DDP, ZeRO-1/2)
 
+def grad_buckets(params, cap_elems: int) -> list[list]:
+    """Buckets of `params` in reverse registration order (about the order backward produces gradients), except the
+    pipeline's tied weight (`pp_tied`), alone in the last bucket: its two halves are summed between the first and
+    the last stage (pp.sync_tied_grads) before a reduction may touch it, and every other bucket may go first."""
+    tied = [p for p in params if getattr(p, "pp_tied", False)]
+    rest = [p for p in params[::-1] if not getattr(p, "pp_tied", False)]
+    return split_buckets(rest, cap_elems) + ([tied] if tied else [])
+
+
 def split_buckets(params, cap_elems: int) -> list[list]:
     """Consecutive runs of `params` of at most cap_elems elements each (a larger parameter gets its own)."""
     out, cur, size = [], [], 0
@@ -344,11 +374,11 @@ class BucketHooks:
             for p in b:
                 self._handles.append(p.register_post_accumulate_grad_hook(weak_method(self, "_on_grad")))
 
-    def _counts_now(self) -> bool:
-        return self._sync
+    def _counts_now(self, p) -> bool:
+        return self._sync or id(p) in self._live
 
     def _on_grad(self, p):
-        if self._counts_now():
+        if self._counts_now(p):
             self._ready[self._bucket_of[id(p)]] += 1
             self._launch_ready()
 

@@ -4,28 +4,35 @@ DESIGN.md section 4's order, one call per step:
 
     1. TP (+SP)                  tp.apply_tp: column/row-parallel Linears, vocab-parallel embedding + loss
     2. CP                        context parallel (ring attention): the next step here
-    3. PP split                  this rank's pipeline stage: the next step here
-    4. activation checkpointing  the next step here
+    3. PP split                  pp.split_model: this rank's chunks as one pp.Stage, and their pp.Pipeline
+    4. activation checkpointing  recompute.apply_activation_checkpointing on this rank's blocks (none|full|selective)
     5. DP / ZeRO                 build_engine: SingleDevice, DDP (dp.py), ZeRO-1/2 (zero.py), ZeRO-3 (zero3.py)
 
-The model comes built on the host with identical weights on every rank (same seed); TP slices it before it moves
-to mesh.device, so no GPU ever holds more than its shard. The engine owns the optimizer and the gradient
-reduction over dp x cp (engine.py's interface); `engine.tp_shards` says which global slice of each tp-sharded
-tensor this rank holds (checkpoint metadata; {} without TP).
+The model comes built on the host with identical weights on every rank (same seed); TP slices it and PP keeps this
+rank's stage before it moves to mesh.device, so no GPU ever holds more than its shard. The engine owns the optimizer
+and the gradient reduction over dp x cp (engine.py's interface); `engine.tp_shards` says which global slice of each
+tp-sharded tensor this rank holds (checkpoint metadata; {} without TP). Under pp > 1 the engine wraps the stage
+and `engine.pipeline` runs the step's micro-batches: `pipeline_step` (training) and `pipeline_eval` (validation).
 
 check_layout(cfg, world, device_type) -> micro-steps per optimizer step: the checks that need the world size or the
-device (degrees, batch arithmetic, CUDA graphs), cheap and run before any process group exists (train.py, and
-`make train` before it launches N processes). Config.check has run before it.
+device (degrees, batch arithmetic, the pipeline's micro-batches, CUDA graphs), cheap and run before any process
+group exists (train.py, and `make train` before it launches N processes). Config.check has run before it.
 
-Callers: train.py; tests/test_parallel_train.py runs every layout end to end through it.
+Callers: train.py, bench/bench_pp.py; tests/test_parallel_train.py and tests/test_pp.py run every layout end to end.
 """
 from __future__ import annotations
 
+import contextlib
+
+import torch
 import torch.nn as nn
 
-from nanopara.config import Config, ConfigError
+from nanopara.config import Config, ConfigError, pp_layers_list
 from nanopara.dp import DDP, SingleDevice
+from nanopara.engine import compute_dtype, weak_method
 from nanopara.mesh import Mesh, check_degrees
+from nanopara.pp import Pipeline, Stage, build_schedule, embedding_group, split_layers, split_model, sync_tied_grads
+from nanopara.recompute import apply_activation_checkpointing
 from nanopara.tp import apply_tp, shard_metadata
 from nanopara.zero import Zero
 from nanopara.zero3 import Zero3
@@ -46,7 +53,14 @@ def check_layout(cfg: Config, world: int, device_type: str) -> int:
     if t.cuda_graph and world > 1:
         raise ConfigError("train.cuda_graph=true supports one GPU only (dp = tp = 1): data/tensor parallel engines "
                           "launch communication from Python hooks that a graph replay would skip")
-    return tokens_per_step // per_micro
+    m = tokens_per_step // per_micro
+    if p.pp > 1:  # the micro-batches are the pipeline's: 1F1B-type schedules need m >= pp, interleaved m % pp == 0
+        try:
+            build_schedule(p.pp_schedule, p.pp, m, p.pp_virtual)
+        except ValueError as e:
+            raise ConfigError(f"{e} (micro-batches per step = tokens_per_step / (micro_batch*seq_len*dp) = "
+                              f"{tokens_per_step} / {per_micro})") from None
+    return m
 
 
 def build_engine(model: nn.Module, mesh: Mesh, cfg: Config):
@@ -62,19 +76,72 @@ def build_engine(model: nn.Module, mesh: Mesh, cfg: Config):
 
 def parallelize(model: nn.Module, mesh: Mesh, cfg: Config):
     """Apply the mesh's parallelism to a single-device model, in DESIGN's order; returns its engine."""
+    p = cfg.parallel
     # 1. tensor parallel (+ sequence parallel): each rank keeps its slices of the full weights
     if mesh.tp > 1:
-        model = apply_tp(model, mesh, sp=cfg.parallel.sp)
-    tp_shards = shard_metadata(model, mesh)
+        model = apply_tp(model, mesh, sp=p.sp)
     # 2. context parallel: the sequence split over the cp group goes here (ring attention)
     if mesh.cp > 1:
         raise NotImplementedError("context parallel (parallel.cp > 1) is not implemented yet")
-    # 3. pipeline parallel: the split into this rank's stage goes here
+    # 3. pipeline parallel: this rank's chunks (pp_virtual of them under interleaved 1F1B) replace the model; the
+    #    caller drops the GPT, so the other stages' weights go
+    chunks = None
     if mesh.pp > 1:
-        raise NotImplementedError("pipeline parallel (parallel.pp > 1) is not implemented yet")
-    # 4. activation checkpointing of the blocks goes here
+        chunks = split_model(model, mesh.pp, mesh.pp_rank, p.pp_virtual, pp_layers_list(p.pp_layers))
+        model = Stage(chunks)
+    # 4. activation checkpointing of this rank's blocks (GPT: a ModuleList; a Stage: a ModuleDict by global index)
+    if cfg.train.activation_checkpointing != "none":
+        apply_activation_checkpointing(list(model.transformer["h"].children()), cfg.train.activation_checkpointing)
     model.to(mesh.device)
+    tp_shards = shard_metadata(model, mesh)  # after the split: this stage's names
     # 5. data parallel / ZeRO over dp x cp: the engine owns the optimizer and the gradient reduction
     engine = build_engine(model, mesh, cfg)
     engine.tp_shards = tp_shards
+    if chunks is not None:
+        engine.pipeline = build_pipeline(engine, chunks, mesh, cfg)
+        engine.pp_layers = [list(r) for r in split_layers(cfg.model.n_layer, mesh.pp, p.pp_virtual,
+                                                          pp_layers_list(p.pp_layers))]
     return engine
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# pipeline parallel: the step and validation through this rank's stage
+
+def build_pipeline(engine, chunks: list, mesh: Mesh, cfg: Config) -> Pipeline:
+    """The Pipeline of this rank's chunks, with the engine's gradient reduction hooked to each chunk's last backward
+    and the embedding group of the tied weight (collective: every rank of the mesh calls it)."""
+    t, dtype = cfg.train, compute_dtype(cfg, mesh.device)
+    amp = (lambda: torch.autocast(mesh.device.type, dtype=dtype)) if dtype != torch.float32 else contextlib.nullcontext
+    # every message: the residual stream of one micro-batch, fp32 under autocast, sharded along T under SP
+    act = (t.micro_batch, t.seq_len // mesh.tp if cfg.parallel.sp else t.seq_len, cfg.model.n_embd)
+    sync = weak_method(engine, "sync_from_now")
+    pipe = Pipeline(chunks, mesh, cfg.parallel.pp_schedule, check_layout(cfg, mesh.world, mesh.device.type), act,
+                    torch.float32, on_last_backward=lambda chunk: sync(chunk.parameters()), amp=amp)
+    pipe.tied_group = embedding_group(mesh)
+    return pipe
+
+
+def stage_data(pipe: Pipeline, batches: list, device) -> tuple[list | None, list | None]:
+    """The first stage reads the token ids, the last the targets; every pp rank of a dp index reads the same batches
+    (the loader is per dp rank), so the loader states in its checkpoints agree."""
+    xs = [x.to(device, non_blocking=True) for x, _ in batches] if pipe.first else None
+    ys = [y.to(device, non_blocking=True) for _, y in batches] if pipe.last else None
+    return xs, ys
+
+
+def pipeline_step(engine, batches: list, scale: float = 1.0) -> torch.Tensor:
+    """One optimizer step's forwards and backwards, batches = [(x, y)] of its micro-batches; the gradients are left
+    for engine.step(). Returns the mean loss (0-dim) on every pp rank."""
+    pipe = engine.pipeline
+    xs, ys = stage_data(pipe, batches, engine.device)
+    with engine.no_sync():  # the reduction starts per chunk at its last backward (on_last_backward)
+        loss = pipe.step(xs, ys, scale / engine.n)  # engine.backward's 1/(dp*cp) averaging, here
+    sync_tied_grads(pipe.chunks.values(), pipe.tied_group)  # before step() reduces the tied weight's bucket
+    return loss
+
+
+@torch.no_grad()
+def pipeline_eval(engine, batches: list) -> torch.Tensor:
+    """The mean loss of batches = [(x, y)], forwards only; on every pp rank."""
+    xs, ys = stage_data(engine.pipeline, batches, engine.device)
+    return engine.pipeline.evaluate(xs, ys, len(batches))

@@ -1,6 +1,7 @@
 """Pipeline parallelism: split a GPT into stages, give every rank a schedule, run one step over send/recv.
 
     chunks = split_model(model, mesh.pp, mesh.pp_rank, virtual=v)  # this rank's chunks; drop `model` after
+    stage = Stage(chunks)                            # one module under single-device names: for the DP engine
     tied = embedding_group(mesh)                     # collective, once: first + last stage of each replica
     pipe = Pipeline(chunks, mesh, "1f1b", m, act_shape=(B, T, C))  # collective over the pp group
     loss = pipe.step(inputs, targets)                # m micro-batches; grads accumulate; mean loss on every rank
@@ -9,8 +10,8 @@
 Split: the n_layer blocks go into pp*v chunks; chunk c lives on pp rank c % pp (Megatron-LM's interleaved
 placement; v = 1: one chunk per rank). Chunk 0 adds wte + wpe, the last chunk ln_f + lm_head + loss; parameter
 names stay the single-device model's ("transformer.h.5.attn.c_attn.weight"). The tied wte/lm_head weight is held
-twice, by the first stage (wte) and the last (lm_head, a copy marked `pp_tied_copy`); their gradients are summed
-over a 2-rank embedding group every step (Megatron-LM), so both copies take identical updates.
+twice, by the first stage (wte) and the last (lm_head, a copy marked `pp_tied_copy`; both marked `pp_tied`); their
+gradients are summed over a 2-rank embedding group every step (Megatron-LM), so both copies take identical updates.
 
 Schedules (one function each) give every rank a list of actions (op, micro-batch, chunk), built once: F runs a
 chunk's forward, B its backward; under ZB-H1 B is the input gradient only and W the weight gradient. F receives
@@ -20,11 +21,13 @@ handshake: every message is act_shape of act_dtype), waits (just before a receiv
 `simulate` runs all ranks' programs together under the strictest pairing NCCL allows (each rank's batches
 complete in posting order, a message once both ends are posted), so a schedule it accepts cannot hang
 (nccl#479); `bubble` gives a schedule's idle share at unit costs, to set beside measured bubbles.
+`forward_only` (validation: `Pipeline.evaluate`) is the forwards of interleaved 1F1B's order, any m.
 
-Called by tests/test_pp.py; parallel.py / train.py plug it in (the DP hook: `Pipeline(on_last_backward=...)`).
+Called by parallel.py (parallelize, pipeline_step, pipeline_eval); tested by tests/test_pp.py.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import types
@@ -123,16 +126,46 @@ def split_model(model: GPT, pp: int, pp_rank: int, virtual: int = 1, layers=None
     if model.lm_head.weight is model.transformer.wte.weight:
         for ch in chunks:
             ch.is_tied = ch.first or ch.last
+            if ch.first and pp > 1:
+                ch.tied.pp_tied = True  # engines reduce it last, after sync_tied_grads (engine.grad_buckets)
         last = chunks[-1]
         if last.last and not last.first:  # the last stage's own copy of the tied weight
             old = model.lm_head.weight
             w = nn.Parameter(old.detach().clone(), requires_grad=old.requires_grad)
             w.__dict__.update(old.__dict__)  # tp.py's shard attributes (tp_dim, tp_parts, ...)
-            w.pp_tied_copy = True  # grad norms count the tied weight once: skip this copy
+            w.pp_tied, w.pp_tied_copy = True, True  # grad norms count the tied weight once: skip this copy
             last.lm_head = copy.copy(model.lm_head)
             last.lm_head._parameters = dict(last.lm_head._parameters)
             last.lm_head.weight = w
     return chunks
+
+
+class Stage(nn.Module):
+    """This rank's chunks as one module, for the data-parallel engine and checkpoints: the parameters under their
+    single-device names (transformer.wte/wpe on the first stage, transformer.h.N, transformer.ln_f and lm_head.weight,
+    the tied copy, on the last). It runs only through its Pipeline."""
+
+    def __init__(self, chunks: list[Chunk]):
+        super().__init__()
+        self.chunks = list(chunks)  # a plain list, not submodules: each parameter is registered once, by name
+        self.layers = {ch.index: list(ch.layers) for ch in self.chunks}  # global block indices, for checkpoints
+        self.transformer = nn.ModuleDict()
+        for ch in self.chunks:
+            for name in ("wte", "wpe"):
+                if name in ch.transformer:
+                    self.transformer[name] = ch.transformer[name]
+        self.transformer["h"] = nn.ModuleDict({i: b for ch in self.chunks for i, b in ch.transformer["h"].items()})
+        for ch in self.chunks:
+            if ch.last:
+                self.transformer["ln_f"], self.lm_head = ch.transformer["ln_f"], ch.lm_head
+
+    def train(self, mode: bool = True):
+        for ch in self.chunks:  # the first chunk's embedding dropout reads the chunk's own flag
+            ch.train(mode)
+        return super().train(mode)
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a pipeline stage runs through its Pipeline (parallel.pipeline_step / pipeline_eval)")
 
 
 def embedding_group(mesh):
@@ -232,6 +265,17 @@ def zb_h1(p: int, m: int, rank: int, v: int = 1) -> list[Action]:
     return acts + [_act("W", i, rank, p, p) for i in range(m - rank, m)]
 
 
+def forward_only(p: int, m: int, rank: int, v: int = 1) -> list[Action]:
+    """Validation: interleaved 1F1B's forwards in its order (v = 1: GPipe's), micro-batches in groups of p; the
+    last group may be partial, so any m >= 1 works. Nothing is kept for a backward."""
+    acts = []
+    for k in range(-(-m // p) * p * v):
+        j, mb = (k % (p * v)) // p, (k // (p * v)) * p + k % p
+        if mb < m:
+            acts.append(_act("F", mb, j * p + rank, p, p * v))
+    return acts
+
+
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb": zb_h1}
 
 
@@ -314,7 +358,7 @@ def simulate(actions: list[list[Action]]) -> list[tuple[int, Action]]:
         if sent.get(ch, []) != recvd.get(ch, []):
             raise ValueError(f"messages from rank {ch[0]} to rank {ch[1]} do not pair up: sent {sent.get(ch, [])}, "
                              f"received {recvd.get(ch, [])}")
-    ops = "FBW" if any(a.op == "W" for acts in actions for a in acts) else "FB"
+    ops = "".join(op for op in "FBW" if any(a.op == op for acts in actions for a in acts))  # F only: validation
     queue, pc, done, ran = [deque() for _ in range(p)], [0] * p, set(), []
     progress = True
     while progress:
@@ -387,23 +431,32 @@ class Pipeline:
     stream's dtype; (B, T/tp, C) under sequence parallel). on_last_backward(chunk) is called right before the
     action that adds the last gradient of the step to the chunk's weights (its last B; ZB-H1: its last W): the
     point where a data-parallel engine turns its gradient reduction on for that chunk's parameters, so the
-    reduction overlaps the backwards still to run on this rank and downstream."""
+    reduction overlaps the backwards still to run on this rank and downstream. amp: the autocast context of the
+    forwards. It is entered once per step, so its cast of each weight to bf16 is made once and shared by all the
+    micro-batches in flight (GPipe holds m of them), and left for every backward, as in a plain training loop.
+    clock: None, or a function returning a timestamp (a recorded CUDA event, bench/bench_pp.py); then `trace`
+    collects (action, start, end) per action."""
 
     def __init__(self, chunks: list[Chunk], mesh, schedule: str, n_micro: int, act_shape: tuple,
-                 act_dtype: torch.dtype = torch.float32, on_last_backward: Callable[[Chunk], None] | None = None):
+                 act_dtype: torch.dtype = torch.float32, on_last_backward: Callable[[Chunk], None] | None = None,
+                 amp: Callable = contextlib.nullcontext):
+        self.p, self.rank, self.v = mesh.pp, mesh.pp_rank, len(chunks)
         self.actions = build_schedule(schedule, mesh.pp, n_micro, len(chunks))[mesh.pp_rank]
         self.program = program(self.actions)
         self.chunks = {ch.index: ch for ch in chunks}
         if {a.chunk for a in self.actions} != set(self.chunks):
             raise ValueError(f"pp rank {mesh.pp_rank} holds chunks {sorted(self.chunks)}, but the schedule runs "
                              f"{sorted({a.chunk for a in self.actions})}: split with the same pp and pp_virtual")
+        self.first, self.last = 0 in self.chunks, any(ch.last for ch in chunks)
         self.m, self.split = n_micro, any(a.op == "W" for a in self.actions)
         self.act_shape, self.act_dtype, self.device = torch.Size(act_shape), act_dtype, mesh.device
-        self.on_last_backward = on_last_backward
+        self.on_last_backward, self.amp = on_last_backward, amp
+        self.clock, self.trace = None, []
         grad_op = "W" if self.split else "B"
         self.last_grad = {a.chunk: a for a in self.actions if a.op == grad_op}
         self.group = mesh.groups.get("pp") if mesh.pp > 1 else None
         self.ranks = [mesh.rank_of(pp=i) for i in range(mesh.pp)]  # pp index (as in Action) -> global rank
+        self._eval_programs = {}  # n -> program of forward_only
         if self.group is not None:
             dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
 
@@ -411,13 +464,34 @@ class Pipeline:
         """Forward and backward m micro-batches: inputs[i] token ids (B, T) of micro-batch i (read on the first
         stage), targets[i] (B, T) (read on the last). Each micro-batch backpropagates loss * loss_scale / m; the
         chunks' .grad accumulate over the step. Returns the mean loss (0-dim, unscaled) on every pp rank."""
-        for name, given, needed in (("inputs", inputs, 0 in self.chunks),
-                                    ("targets", targets, any(ch.last for ch in self.chunks.values()))):
-            if needed and (given is None or len(given) != self.m):
-                raise ValueError(f"this pipeline stage needs {name} for all {self.m} micro-batches of the step")
-        data = dict(inputs=inputs, targets=targets, scale=loss_scale)
+        self._check(inputs, targets, self.m)
+        return self._execute(self.program, dict(inputs=inputs, targets=targets, scale=loss_scale, train=True))
+
+    @torch.no_grad()
+    def evaluate(self, inputs=None, targets=None, n: int = 1) -> torch.Tensor:
+        """The mean loss of n micro-batches, forwards only (`forward_only`; any n), on every pp rank."""
+        self._check(inputs, targets, n)
+        if n not in self._eval_programs:
+            self._eval_programs[n] = program(forward_only(self.p, n, self.rank, self.v))
+        return self._execute(self._eval_programs[n], dict(inputs=inputs, targets=targets, train=False))
+
+    def _check(self, inputs, targets, n: int) -> None:
+        for name, given, needed in (("inputs", inputs, self.first), ("targets", targets, self.last)):
+            if needed and (given is None or len(given) != n):
+                raise ValueError(f"this pipeline stage needs {name} for all {n} micro-batches of the step")
+
+    def _execute(self, prog: list, data: dict) -> torch.Tensor:
         saved, losses, received, outgoing, inflight = {}, {}, {}, {}, []  # messages keyed by label
-        for step in self.program:
+        with self.amp():
+            self._loop(prog, data, saved, losses, received, outgoing, inflight)
+        loss = torch.stack([losses[i] for i in sorted(losses)]).mean() if losses else \
+            torch.zeros((), device=self.device)
+        if self.group is not None:  # the last stage's loss, for every rank's log line
+            dist.broadcast(loss, self.ranks[-1], group=self.group)
+        return loss
+
+    def _loop(self, prog, data, saved, losses, received, outgoing, inflight) -> None:
+        for step in prog:
             if step[0] == "post":
                 ops = [dist.P2POp(dist.isend, outgoing.pop(label), self.ranks[peer], self.group)
                        for peer, label in step[1]]
@@ -431,40 +505,42 @@ class Pipeline:
                 a = step[1]
                 if self.on_last_backward is not None and self.last_grad[a.chunk] == a:
                     self.on_last_backward(self.chunks[a.chunk])
+                t0 = self.clock() if self.clock else None
                 sent = self._run(a, received.pop(_label(a, "recv"), None), saved, losses, data)
+                if self.clock:
+                    self.trace.append((a, t0, self.clock()))
                 if a.send is not None:
                     outgoing[_label(a, "send")] = sent
         _wait(inflight)
-        loss = torch.stack([losses[i] for i in sorted(losses)]).mean() if losses else \
-            torch.zeros((), device=self.device)
-        if self.group is not None:  # the last stage's loss, for every rank's log line
-            dist.broadcast(loss, self.ranks[-1], group=self.group)
-        return loss
 
     def _run(self, a: Action, got, saved: dict, losses: dict, data: dict):
         """One action; returns the tensor to send (F: the activation; B: the input's gradient) or None."""
         ch, key = self.chunks[a.chunk], (a.chunk, a.mb)
         if a.op == "F":
-            x = data["inputs"][a.mb] if ch.first else got.requires_grad_()
+            x = data["inputs"][a.mb] if ch.first else got.requires_grad_(data["train"])
             y = ch(x, data["targets"][a.mb] if ch.last else None)
             if ch.last:
-                losses[a.mb] = y.detach()
+                losses[a.mb] = y.detach().float()
+                if not data["train"]:
+                    return None
                 y = y * data["scale"] / self.m  # the loss is scaled once, here
             elif y.shape != self.act_shape or y.dtype != self.act_dtype:
                 raise ValueError(f"chunk {a.chunk} returns {tuple(y.shape)} {y.dtype}, but the pipeline was "
                                  f"built for messages of {tuple(self.act_shape)} {self.act_dtype}")
-            saved[key] = (x, y)
+            if data["train"]:
+                saved[key] = (x, y)
             return None if ch.last else y.detach()
-        if a.op == "W":  # the weight gradients of a micro-batch whose input gradient B already sent
-            x, y, grad = saved.pop(key)
-            torch.autograd.backward(y, grad, inputs=[p for p in ch.parameters() if p.requires_grad])
-            return None
-        x, y = saved.pop(key)
-        if not self.split:  # stage-boundary backward: input and weight gradients in one pass
-            torch.autograd.backward(y, got)
-            return None if ch.first else x.grad
-        saved[key] = (x, y, got)  # ZB: B is the input gradient only; the graph stays for W
-        return None if ch.first else torch.autograd.grad(y, x, got, retain_graph=True)[0]
+        with torch.autocast(self.device.type, enabled=False):  # backwards outside autocast; its weight casts kept
+            if a.op == "W":  # the weight gradients of a micro-batch whose input gradient B already sent
+                x, y, grad = saved.pop(key)
+                torch.autograd.backward(y, grad, inputs=[p for p in ch.parameters() if p.requires_grad])
+                return None
+            x, y = saved.pop(key)
+            if not self.split:  # stage-boundary backward: input and weight gradients in one pass
+                torch.autograd.backward(y, got)
+                return None if ch.first else x.grad
+            saved[key] = (x, y, got)  # ZB: B is the input gradient only; the graph stays for W
+            return None if ch.first else torch.autograd.grad(y, x, got, retain_graph=True)[0]
 
 
 def _wait(inflight: list) -> list:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from nanopara.config import Config
-from nanopara.engine import BucketHooks, Engine, Flat, check_fp32, split_buckets, views
+from nanopara.engine import BucketHooks, Engine, Flat, check_fp32, grad_buckets, views
 from nanopara.mesh import Mesh
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -87,7 +87,7 @@ class Zero(BucketHooks, Engine):
         """One Flat per gradient bucket; the module's parameters become views of the flat parameter buffers."""
         if self.stage not in (1, 2):
             raise ValueError("ZeRO-3 is zero3.Zero3 (parallel.build_engine picks it for parallel.zero=3)")
-        groups = split_buckets(self.params[::-1], int(self.cfg.parallel.bucket_mb * 2 ** 20) // 4)
+        groups = grad_buckets(self.params, int(self.cfg.parallel.bucket_mb * 2 ** 20) // 4)
         self.flats = [Flat(f"bucket{i}", b, [self.names[id(p)] for p in b], self.n, self.r)
                       for i, b in enumerate(groups)]
         for f in self.flats:
@@ -145,8 +145,8 @@ class Zero(BucketHooks, Engine):
         return f.param[f.lo:f.hi]
 
     # ---- gradients: one reduce-scatter per bucket
-    def _counts_now(self) -> bool:
-        return self._sync or self.stage == 2
+    def _counts_now(self, p) -> bool:
+        return super()._counts_now(p) or self.stage == 2
 
     def _launch(self, i):
         f = self.flats[i]

@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 
 from nanopara import pp
-from nanopara.config import ModelConfig
+from nanopara.config import ConfigError, ModelConfig, parse_args
 from nanopara.mesh import Mesh
+from nanopara.parallel import check_layout
 from nanopara.model import GPT
 from tests.distributed import spawn
 
@@ -80,6 +81,16 @@ def test_schedules_simulate_without_deadlock_and_hit_their_bubble(name, v, p):
                 assert peak <= (p if name == "zb" else p - r)
         units = {"gpipe": m, "1f1b": m, "interleaved": v * m, "zb": 3 * m}[name]
         assert pp.bubble(acts) == pytest.approx((p - 1) / (units + p - 1), abs=1e-12), (name, p, m)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_forward_only_schedule_runs_any_m_without_deadlock(p):
+    """Validation's schedule: interleaved 1F1B's forwards (GPipe's at v = 1), a partial last group of micro-batches."""
+    for v in (1, 2, 3):
+        for m in range(1, 2 * p + 2):
+            acts = [pp.forward_only(p, m, r, v) for r in range(p)]
+            ran = pp.simulate(acts)
+            assert len(ran) == m * p * v and all(a.op == "F" for _, a in ran), (p, v, m)
 
 
 def test_simulator_detects_deadlock_and_mismatched_messages():
@@ -159,6 +170,74 @@ def test_split_keeps_names_layers_and_a_tied_copy():
     only, = pp.split_model(model, 1, 0)
     assert only.lm_head.weight is only.transformer["wte"].weight
     assert dict(only.named_parameters()).keys() == full.keys()
+
+
+def test_stage_holds_its_chunks_under_single_device_names():
+    """pp.Stage is what the engines and checkpoints see: the chunks' parameters once each, by their GPT names."""
+    torch.manual_seed(0)
+    model = GPT(_cfg(4))
+    full = dict(model.named_parameters())
+    stages = [pp.Stage(pp.split_model(model, 2, r, virtual=2)) for r in range(2)]  # chunks {0, 2} and {1, 3}
+    names = [dict(st.named_parameters()) for st in stages]
+    assert names[0].keys() == {n for n in full if not n.startswith(("transformer.h.1.", "transformer.h.3.",
+                                                                    "transformer.ln_f"))}
+    assert names[1].keys() == {n for n in full if n.startswith(("transformer.h.1.", "transformer.h.3.",
+                                                                "transformer.ln_f"))} | {"lm_head.weight"}
+    assert all(names[0][n] is full[n] for n in names[0])  # the modules themselves, not copies
+    assert (stages[0].layers, stages[1].layers) == ({0: [0], 2: [2]}, {1: [1], 3: [3]})
+    assert names[0]["transformer.wte.weight"].pp_tied and names[1]["lm_head.weight"].pp_tied_copy
+    stages[0].eval()
+    assert not stages[0].chunks[0].training and not stages[0].transformer["h"]["2"].training
+    with pytest.raises(RuntimeError, match="runs through its Pipeline"):
+        stages[0](torch.zeros(1, T, dtype=torch.long))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--parallel.pp=2", "--model.n_layer=7"], r"n_layer=7 is not divisible by parallel.pp\*parallel.pp_virtual = "
+                                               r'2\*1 = 2: set parallel.pp_layers .* e.g. "4,3"'),
+    (["--parallel.pp=2", "--parallel.pp_layers=7,6"], r"pp_layers='7,6' must give the blocks of each of the "
+                                                      r"pp\*pp_virtual = 2 chunks, summing to model.n_layer=12"),
+    (["--parallel.pp=2", "--parallel.pp_layers=4,4,4"], "must give the blocks of each of the pp.pp_virtual = 2"),
+    (["--parallel.pp=2", "--parallel.pp_layers=6,x"], "expected positive block counts separated by commas"),
+    (["--parallel.pp=2", "--parallel.pp_layers=12,0"], "expected positive block counts"),
+    (["--parallel.pp=2", "--parallel.pp_schedule=interleaved"], "interleaved needs parallel.pp_virtual >= 2"),
+    (["--parallel.pp=2", "--parallel.pp_virtual=2"], "pp_virtual=2 needs parallel.pp_schedule=interleaved"),
+    (["--parallel.pp=2", "--parallel.pp_virtual=0"], r"pp_virtual=0 is out of range: it must be >= 1"),
+    (["--parallel.pp=2", "--parallel.pp_schedule=zbv"], "pp_schedule must be gpipe.1f1b.interleaved.zb"),
+    (["--parallel.pp=4", "--parallel.pp_schedule=interleaved", "--parallel.pp_virtual=2"],
+     r"n_layer=12 is not divisible by parallel.pp\*parallel.pp_virtual = 4\*2 = 8"),
+    (["--preset=tiny", "--parallel.pp=4", "--parallel.pp_schedule=interleaved", "--parallel.pp_virtual=2"],
+     r"n_layer=4 is fewer blocks than the parallel.pp\*parallel.pp_virtual = 4\*2 = 8 chunks"),
+    (["--parallel.pp_virtual=2", "--parallel.pp_schedule=interleaved"], "applies to pipeline parallel only"),
+    (["--parallel.pp_layers=6,6"], "pp_layers='6,6' applies to pipeline parallel only"),
+    (["--parallel.pp=2", "--parallel.zero=2"], "ZeRO-2/3 reduce-scatter .* use parallel.zero=1"),
+    (["--parallel.pp=2", "--parallel.zero=3"], "parallel.zero=3 with parallel.pp > 1"),
+    (["--parallel.pp=2", "--train.compile=true"], "compile=true with parallel.pp > 1 is not supported"),
+    (["--parallel.pp=2", "--train.cuda_graph=true"], "cuda_graph=true with parallel.pp > 1"),
+    (["--parallel.cp=2"], "cp/ep > 1 are not implemented yet"),
+    (["--train.activation_checkpointing=some"], "activation_checkpointing must be none.full.selective"),
+])
+def test_bad_pipeline_config_is_one_clear_error(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_args(argv)
+
+
+def test_check_layout_counts_the_pipelines_micro_batches():
+    """m = tokens_per_step / (micro_batch * seq_len * dp), before any process group: 1F1B-type schedules need
+    m >= pp, interleaved m % pp == 0; GPipe runs any m."""
+    base = ["--preset=tiny", "--train.micro_batch=4", "--train.seq_len=64", "--train.tokens_per_step=2048"]
+    assert check_layout(parse_args(base + ["--parallel.pp=2"]), 4, "cpu") == 4  # dp 2: 2048 / (4 * 64 * 2)
+    assert check_layout(parse_args(base + ["--parallel.pp=4", "--parallel.pp_schedule=gpipe"]), 8, "cpu") == 4
+    assert check_layout(parse_args(base + ["--parallel.pp=4", "--parallel.pp_schedule=gpipe"]), 16, "cpu") == 2
+    with pytest.raises(ConfigError, match=r"'1f1b' needs at least parallel.pp=4 micro-batches per step, got 2: .*"
+                                          r"= 2048 / 1024\)"):
+        check_layout(parse_args(base + ["--parallel.pp=4"]), 16, "cpu")
+    with pytest.raises(ConfigError, match="groups of parallel.pp=4: 6 micro-batches per step is not a multiple"):
+        check_layout(parse_args(base[:-1] + ["--train.tokens_per_step=1536", "--parallel.pp=4", "--model.n_layer=12",
+                                             "--parallel.pp_schedule=interleaved", "--parallel.pp_virtual=3"]),
+                     4, "cpu")
+    with pytest.raises(ConfigError, match="'zb' needs at least parallel.pp=2 micro-batches per step, got 1"):
+        check_layout(parse_args(["--preset=tiny", "--parallel.pp=2", "--parallel.pp_schedule=zb"]), 2, "cpu")
 
 
 def test_pp1_pipeline_is_the_single_process_step():

@@ -1,11 +1,12 @@
 """sample.py and nanopara/consolidate.py on checkpoints that train.py wrote, the way a user makes them.
 
-Each layout (one process, tp=2 + sp, dp=2 x ZeRO-3, tp=2 x dp=2 x ZeRO-3) trains a tiny model for 2 steps. While
-it saves, the test asks the running engine for its own full weights (engine.full_model_state_dict(), then the tp
-pieces gathered over the tp group and joined by tp.unshard): the consolidated state dict must equal them exactly,
-and sample.py must print the same text from the checkpoint as a single-device GPT holding those weights.
-`--model.vocab_multiple=1` makes the vocabulary 50257 rows, odd, so tp=2 pads it to 50258 and the TP padding row
-must be dropped. Errors a user can cause are one line on stderr and exit code 2.
+Each layout (one process, tp=2 + sp, dp=2 x ZeRO-3, tp=2 x dp=2 x ZeRO-3, pp=2 x tp=2) trains a tiny model for 2
+steps. While it saves, the test asks the running engine for its own full weights (engine.full_model_state_dict(),
+then the tp pieces gathered over the tp group and joined by tp.unshard, then the pp stages' names merged): the
+consolidated state dict must equal them exactly, and sample.py must print the same text from the checkpoint as a
+single-device GPT holding those weights. `--model.vocab_multiple=1` makes the vocabulary 50257 rows, odd, so tp=2
+pads it to 50258 and the TP padding row must be dropped. Errors a user can cause are one line on stderr and exit
+code 2.
 """
 import dataclasses
 import gc
@@ -36,6 +37,7 @@ LAYOUTS = {  # name: (processes, extra train.py keys)
     "tp2_sp": (2, ["--parallel.tp=2", "--parallel.sp=true"]),
     "dp2_zero3": (2, ["--parallel.zero=3"]),
     "tp2_dp2_zero3": (4, ["--parallel.tp=2", "--parallel.zero=3"]),
+    "pp2_tp2": (4, ["--parallel.pp=2", "--parallel.pp_schedule=gpipe", "--parallel.tp=2"]),  # stages merged
 }
 
 
@@ -83,6 +85,10 @@ def capture_engine_weights(ref_file):
             full = {name: t if name not in state["tp_shards"] else
                     tp.unshard([p[name] for p in pieces], state["tp_shards"][name]["dim"],
                                state["tp_shards"][name]["parts"]) for name, t in local.items()}
+        if mesh.pp > 1:  # each stage holds its own names; the last stage's copy of the tied wte is dropped
+            stages = [None] * mesh.pp
+            dist.all_gather_object(stages, full, group=mesh.pp_group)
+            full = {k: v for st in stages for k, v in st.items() if k != "lm_head.weight"}
         if mesh.rank == 0:
             torch.save({k: v.detach().clone() for k, v in full.items()}, ref_file)
         return orig(*args, **kwargs)
@@ -170,7 +176,7 @@ def test_run_ckpt_and_step_directories_give_the_same_state(run):
 SAMPLE_ARGS = ["--prompt=The quick brown fox", "--tokens=12", "--seed=7", "--temperature=1.0", "--top_k=50"]
 
 
-@pytest.mark.parametrize("name", ["tp2_sp", "dp2_zero3", "tp2_dp2_zero3"])
+@pytest.mark.parametrize("name", ["tp2_sp", "dp2_zero3", "tp2_dp2_zero3", "pp2_tp2"])
 def test_sample_from_sharded_checkpoint_equals_single_device_model(run, name, capsys):
     out, ref = run(name)
     code, text, err = sample_main([f"--out_dir={out}", *SAMPLE_ARGS, "--num_samples=2"], capsys)
@@ -322,7 +328,7 @@ def _edit_meta(step, fn):
     ("truncate", ["rank_00001.pt"]),
     ("remove", ["rank_00001.pt"]),
     ("no_meta", ["meta.json"]),
-    ("layout_pp", ["pipeline-parallel"]),
+    ("layout_pp", ["no shard for rank 2"]),  # a layout of more ranks than the shards written
     ("layout_garbage", ["unknown layout"]),
     ("format", ["unknown model state format", "'zigzag'"]),
 ])
