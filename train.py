@@ -28,6 +28,7 @@ from nanopara.data import TokenLoader, find_shards, get_tokenizer
 from nanopara.graph import GraphedMicroStep
 from nanopara.mesh import Mesh, MeshError
 from nanopara.model import GPT, from_hf_state_dict
+from nanopara.moe import TrainHook
 from nanopara.optim import LossScaler, lr_at
 from nanopara.parallel import check_layout, parallelize, pipeline_eval, pipeline_step
 from nanopara.report import Metrics, StepReporter, TrainingError, flops_per_token
@@ -168,6 +169,7 @@ def train(cfg: Config) -> dict:
         engine.model = torch.compile(engine.model)
     graphed = GraphedMicroStep(engine.model, amp, scaler.scale / accum, engine) if t.cuda_graph else None
 
+    moe = TrainHook(engine, mesh.groups.get("dp_cp")) if cfg.model.moe_experts else None  # nanopara/moe.py
     metrics = Metrics(cfg.out_dir, mesh.is_main)
     if mesh.is_main:
         os.makedirs(cfg.out_dir, exist_ok=True)
@@ -185,6 +187,8 @@ def train(cfg: Config) -> dict:
     for step in range(start, t.steps):
         reporter.begin_step()
         lr = lr_at(step, t)
+        if moe is not None:  # the aux loss's gradient gets the factor the LM loss gets below
+            moe.begin_step(scaler.scale / accum)
         if engine.pipeline is not None:  # pp > 1: the schedule runs the step's micro-batches (parallel.py)
             step_loss = pipeline_step(engine, [next(loader) for _ in range(accum)], scaler.scale)
         else:
@@ -205,7 +209,8 @@ def train(cfg: Config) -> dict:
         do_val = val_loader is not None and ((step + 1) % t.val_every == 0 or last)
         do_sample = t.sample_every > 0 and (step + 1) % t.sample_every == 0 and not last and model is not None
         do_save = (cfg.ckpt.every > 0 and (step + 1) % cfg.ckpt.every == 0) or (last and cfg.ckpt.final)
-        reporter.end_step(step, lr, mean_over(step_loss, mesh), norm, must_report=last)
+        moe_stats = moe.end_step() if moe is not None else None  # expert-bias update; stats for metrics.jsonl
+        reporter.end_step(step, lr, mean_over(step_loss, mesh), norm, must_report=last, extra=moe_stats)
         if do_val or do_sample or do_save:
             reporter.pause()
         if do_val:

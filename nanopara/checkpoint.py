@@ -265,10 +265,17 @@ def set_rng_state(s: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(s["cuda"], device)
 
 
+def model_buffers(model) -> dict:
+    """The persistent buffers of the model (state_dict entries that are not parameters: MoE's expert_bias)."""
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if k not in params}
+
+
 def save_training(out_dir: str, step: int, mesh: Mesh, engine, loader, scaler, meta: dict, keep: int) -> str:
     state = {"model": engine.model_state_dict(), "engine": engine.state_dict(), "loader": loader.state_dict(),
              "scaler": scaler.state_dict(), "rng": rng_state(mesh.device), "mesh": dict(mesh.coords),
-             "tp_shards": getattr(engine, "tp_shards", {})}  # which global slice of each tp-sharded tensor it holds
+             "tp_shards": getattr(engine, "tp_shards", {}),  # which global slice of each tp-sharded tensor it holds
+             "buffers": model_buffers(engine.model)}  # MoE's expert_bias: replicated, not in the engine's state
     if getattr(engine, "pp_layers", None) is not None:  # pp > 1: every chunk's global blocks; this rank's chunks
         meta = {**meta, "pp_layers": engine.pp_layers}
         state["pp_chunks"] = {c: engine.pp_layers[c] for c in sorted(engine.pipeline.chunks)}
@@ -305,6 +312,9 @@ def restore_training(path: str, mesh: Mesh, engine, loader, scaler) -> int:
         engine.load_state_dict(state["engine"])
     except (RuntimeError, ValueError, KeyError) as e:
         raise CheckpointError(f"checkpoint {path} does not fit this run: {e}") from None
+    with torch.no_grad():
+        for name, buf in state.get("buffers", {}).items():
+            engine.model.get_buffer(name).copy_(buf)
     loader.load_state_dict(state["loader"])
     scaler.load_state_dict(state["scaler"])
     set_rng_state(state["rng"], mesh.device)

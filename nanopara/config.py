@@ -34,6 +34,17 @@ class ModelConfig:
     dropout: float = 0.0         # residual/embedding dropout (GPT-2 pre-training uses none at this scale)
     bias: bool = True            # GPT-2 has biases in Linear and LayerNorm
     kernels: str = "auto"        # auto: Triton kernels on CUDA, PyTorch elsewhere | triton | torch (SDPA, F.*)
+    # Mixture of Experts (nanopara/moe.py, notes/moe.md); moe_experts = 0: dense GPT-2
+    moe_experts: int = 0         # E experts (GPT-2 MLPs) per MoE layer; 0 = dense (no MoE layer)
+    moe_every: int = 2           # block i gets the MoE MLP when i % moe_every == moe_every - 1 (2: every other one)
+    moe_top_k: int = 2           # experts per token
+    moe_score: str = "softmax"   # router scores: softmax | sigmoid (DeepSeek-V3; needs moe_renorm)
+    moe_renorm: bool = True      # gates renormalised over the chosen k (False: Switch's k = 1 gate)
+    moe_capacity: float = 0.0    # capacity factor: an expert keeps ceil(cf * tokens * k / E) assignments, 0 = dropless
+    moe_aux_coef: float = 0.01   # Switch/GShard load-balancing loss weight; 0 = off
+    moe_z_coef: float = 0.001    # router z-loss weight (ST-MoE); 0 = off
+    moe_bias_rate: float = 0.0   # aux-loss-free balancing bias step (DeepSeek-V3: 0.001); 0 = off
+    moe_impl: str = "auto"       # auto (triton on CUDA, sorted on CPU) | triton | grouped_mm | sorted | loop
 
     @property
     def padded_vocab(self) -> int:
@@ -91,6 +102,8 @@ class TrainConfig:
     sample_tokens: int = 64      # tokens generated per sample
     max_bad_steps: int = 5       # consecutive non-finite losses before the run stops
     activation_checkpointing: str = "none"  # none | full (recompute each block in backward) | selective
+    fp8: str = "none"            # none | tensor | row | block: Linears' GEMMs in FP8 (nanopara/fp8.py; lm_head stays)
+    fp8_filter: str = ""         # comma-separated globs of Linear names to put in FP8 ("" = every one but lm_head)
 
 
 @dataclass
@@ -140,7 +153,8 @@ class Config:
                                     ("parallel.grad_dests", p.grad_dests, ("auto", "on", "off")),
                                     ("parallel.pp_schedule", p.pp_schedule, ("gpipe", "1f1b", "interleaved", "zb")),
                                     ("train.activation_checkpointing", t.activation_checkpointing,
-                                     ("none", "full", "selective"))):
+                                     ("none", "full", "selective")),
+                                    ("train.fp8", t.fp8, ("none", "tensor", "row", "block"))):
             if value not in choices:
                 raise ConfigError(f"{key} must be {'|'.join(choices)}, got {value!r}")
         if not self.out_dir.strip():
@@ -177,12 +191,51 @@ class Config:
             raise ConfigError("parallel.cp/ep > 1 are not implemented yet (their issues are open); "
                               "use dp, tp, pp, sp and zero")
         self._check_pipeline()
+        self._check_moe()
+        self._check_fp8()
         if t.cuda_graph and t.dtype == "fp16":
             raise ConfigError("train.cuda_graph=true does not support train.dtype=fp16 (the loss scale changes between "
                               "steps); use bf16")
         if t.cuda_graph and t.compile:
             raise ConfigError("train.cuda_graph=true and train.compile=true: use one (torch.compile's own graphs are "
                               "mode='reduce-overhead')")
+
+    def _check_fp8(self) -> None:
+        """FP8 (nanopara/fp8.py) with the layouts it is not built for; compile is fine (one graph break per FP8
+        Linear, whose forward runs eagerly), and so are DDP, ZeRO-1/2/3 and pp (every rank converts its own part)."""
+        t, p = self.train, self.parallel
+        if t.fp8 == "none":
+            if t.fp8_filter.strip():
+                raise ConfigError("train.fp8_filter applies to FP8 training only: set train.fp8=tensor|row|block")
+            return
+        if p.tp > 1:
+            raise ConfigError(f"train.fp8={t.fp8} with parallel.tp > 1: FP8 with TP is not built yet (tp.apply_tp "
+                              f"replaces the Linears with column/row-parallel ones, which have no FP8 path)")
+        if t.cuda_graph:
+            raise ConfigError(f"train.fp8={t.fp8} with train.cuda_graph=true: the FP8 weight cast is cached on the "
+                              f"Python side (once per optimizer step), which a graph replay would skip; use one")
+
+    def _check_moe(self) -> None:
+        """MoE (moe_experts > 0) where it is built: one device or dp/ZeRO; expert parallel is the next step."""
+        m, p, t = self.model, self.parallel, self.train
+        if m.moe_experts == 0:
+            return
+        from nanopara.moe import IMPLS, check_moe_config  # lazy: moe.py imports torch
+        if m.moe_impl not in IMPLS:
+            raise ConfigError(f"model.moe_impl must be {'|'.join(IMPLS)}, got {m.moe_impl!r}")
+        try:
+            check_moe_config(m)
+        except ValueError as e:
+            raise ConfigError(f"model.{e}") from None
+        if p.tp > 1:
+            raise ConfigError("model.moe_experts > 0 with parallel.tp > 1: tp.apply_tp has no plan for the expert "
+                              "weights (E, out, in) or the router yet (notes/moe.md, integration item 8)")
+        if p.pp > 1:
+            raise ConfigError("model.moe_experts > 0 with parallel.pp > 1: the pipeline schedules do not set the "
+                              "aux-loss gradient scale per micro-batch yet (notes/moe.md, integration item 4)")
+        if t.cuda_graph:
+            raise ConfigError("model.moe_experts > 0 with train.cuda_graph=true: the MoE stats and the bias load are "
+                              "set from Python per forward, which a graph replay would skip; use one")
 
     def _check_pipeline(self) -> None:
         """The pipeline checks that need no world size (those that need m, the micro-batches per step, are in
@@ -252,6 +305,9 @@ _RULES = [
     *[(f"model.{k}", ">= 1", _positive) for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size",
                                                     "vocab_multiple")],
     ("model.dropout", "in [0, 1)", lambda v: 0 <= v < 1),
+    *[(f"model.{k}", ">= 1", _positive) for k in ("moe_every", "moe_top_k")],
+    *[(f"model.{k}", ">= 0", _non_negative) for k in ("moe_experts", "moe_capacity", "moe_aux_coef", "moe_z_coef",
+                                                        "moe_bias_rate")],
     *[(f"train.{k}", ">= 1", _positive) for k in ("steps", "micro_batch", "seq_len", "val_steps", "log_every",
                                                     "max_bad_steps")],
     *[(f"train.{k}", ">= 0", _non_negative) for k in ("tokens_per_step", "warmup_steps", "weight_decay",
@@ -314,7 +370,23 @@ def tiny() -> Config:
     return c
 
 
-PRESETS = {f.__name__: f for f in (tiny, gpt2_124m, gpt2_350m, gpt2_774m, gpt2_1558m, gpt_1b)}
+def gpt2_moe() -> Config:
+    """GPT-2 124M width with 8 experts, top-2, in every other block (aux 0.01, z-loss 0.001): 124M + 6 x 7 x 4.7M
+    = ~322M parameters, ~153M active per token (moe.active_params: 2 of 8 experts)."""
+    c = Config(preset="gpt2_moe")
+    c.model.moe_experts, c.model.moe_top_k, c.model.moe_every = 8, 2, 2
+    return c
+
+
+def tiny_moe() -> Config:
+    """tiny with 4 experts, top-2, every other block: the CPU MoE run."""
+    c = tiny()
+    c.preset, c.out_dir = "tiny_moe", "runs/tiny_moe"
+    c.model.moe_experts, c.model.moe_top_k, c.model.moe_every = 4, 2, 2
+    return c
+
+
+PRESETS = {f.__name__: f for f in (tiny, gpt2_124m, gpt2_350m, gpt2_774m, gpt2_1558m, gpt_1b, gpt2_moe, tiny_moe)}
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -172,6 +172,7 @@ def full_model_state(ckpt_path: str) -> tuple[dict, ModelConfig]:
             if twice:
                 raise CheckpointError(f"checkpoint {path}: pipeline stage {s} holds {twice[:3]} too")
             full.update(stage)
+        full.update(states[0].get("buffers") or {})  # replicated persistent buffers (MoE's expert_bias)
         return _check_against_model(full, cfg, path), cfg
     except CheckpointError:
         raise

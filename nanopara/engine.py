@@ -39,6 +39,7 @@ import torch.nn as nn
 from nanopara.config import Config
 from nanopara.mesh import Mesh
 from nanopara.optim import clip_coef
+from nanopara.optim import decays
 
 REPLICATED, TP_SHARDED, SP_PARTIAL, PP_COPY = 0, 1, 2, 3
 
@@ -172,6 +173,7 @@ class Engine:
         self.params = [p for _, p in named]
         self.optimizer = None
         self._handles = []  # hook handles, removed by close()
+        self.step_hooks = []  # callables run after each optimizer update (parallel.py: the FP8 weight cache's step)
         self._dest_params, self._given = [], set()  # parameters with a gradient destination; ids given one this round
         self.copied = 0  # gradient elements copied into communication buffers (what the destinations avoid)
 
@@ -248,6 +250,8 @@ class Engine:
                 self.optimizer.found_inf = (~torch.isfinite(norm)).float()                          # divides
                 self._update(lr)
             self._after_step()
+            for hook in self.step_hooks:
+                hook()
             self._zero_grads()  # stream-ordered after the update; the host work is done before the one sync
             return norm.item() if sync else norm
         norm = math.sqrt(sq.item()) / grad_scale
@@ -258,6 +262,8 @@ class Engine:
             if self.optimizer is not None:
                 self._update(lr)
             self._after_step()
+            for hook in self.step_hooks:
+                hook()
         self._zero_grads()
         return norm
 
@@ -410,7 +416,7 @@ class Flat:
     """
 
     def __init__(self, name: str, params: list, names: list, n: int, r: int):
-        order = sorted(range(len(params)), key=lambda i: (params[i].dim() < 2, param_kind(params[i])))  # stable
+        order = sorted(range(len(params)), key=lambda i: (not decays(names[i], params[i]), param_kind(params[i])))
         self.name, self.params, self.names = name, [params[i] for i in order], [names[i] for i in order]
         self.shapes = [tuple(p.shape) for p in self.params]
         self.sizes = [p.numel() for p in self.params]
@@ -420,8 +426,8 @@ class Flat:
         self.shard = self.padded // n
         self.lo, self.hi = r * self.shard, (r + 1) * self.shard
         self.classes = []  # [start, end, decay, kind]
-        for p, off, size in zip(self.params, self.offsets, self.sizes):
-            key = [p.dim() >= 2, param_kind(p)]
+        for p, nm, off, size in zip(self.params, self.names, self.offsets, self.sizes):
+            key = [decays(nm, p), param_kind(p)]
             if self.classes and self.classes[-1][2:] == key:
                 self.classes[-1][1] = off + size
             else:

@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanopara.config import ModelConfig
+from nanopara.moe import MoEMLP, active_params  # moe.py imports nothing of nanopara: no cycle
 
 
 def split_qkv(qkv, n_head):
@@ -214,13 +215,18 @@ class MLP(nn.Module):
         return F.dropout(ops.mlp(x, self.c_fc, self.c_proj), self.dropout, self.training)
 
 
+def is_moe_block(cfg: ModelConfig, i: int) -> bool:
+    """Block i's MLP is a MoEMLP (nanopara/moe.py): every moe_every-th block, the last of each group."""
+    return cfg.moe_experts > 0 and i % cfg.moe_every == cfg.moe_every - 1
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, i: int = 0):
         super().__init__()
         self.ln_1 = LayerNorm(cfg.n_embd, cfg.bias)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = LayerNorm(cfg.n_embd, cfg.bias)
-        self.mlp = MLP(cfg)
+        self.mlp = MoEMLP(cfg) if is_moe_block(cfg, i) else MLP(cfg)  # same forward(x, ops)
 
     def forward(self, x, ops, kv_cache=None, m=None):
         """x: the residual stream; m: the previous block's MLP output, not yet added to it (None for block 0).
@@ -262,7 +268,7 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(cfg.padded_vocab, cfg.n_embd),
             wpe=nn.Embedding(cfg.block_size, cfg.n_embd),
-            h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
+            h=nn.ModuleList([Block(cfg, i) for i in range(cfg.n_layer)]),
             ln_f=LayerNorm(cfg.n_embd, cfg.bias),
         ))
         self.lm_head = Linear(cfg.n_embd, cfg.padded_vocab, bias=False)
@@ -289,7 +295,9 @@ class GPT(nn.Module):
         return self._ops[device.type]
 
     def num_params(self, non_embedding: bool = True) -> int:
-        n = sum(p.numel() for p in self.parameters())
+        """Active parameters: with MoE layers, a token passes through k of E experts, so only k/E of the expert
+        weights count (moe.active_params); train.py's 6N FLOPs per token and MFU use this, so MoE MFU is honest."""
+        n = active_params(self)  # = all parameters for a dense model
         return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
     # ------------------------------------------------------------------------------------------------------------

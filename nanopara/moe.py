@@ -364,3 +364,32 @@ def active_params(model) -> int:
     for m in moe_layers(model):
         n -= sum(p.numel() for p in m.experts.parameters()) * (m.n_experts - m.top_k) // m.n_experts
     return n
+
+
+def step_stats(model) -> dict:
+    """collect_stats' fields as 0-dim device tensors, no host sync (the step reporter reads them with the loss)."""
+    stats = [m.stats for m in moe_layers(model) if m.stats]
+    if not stats:
+        return {}
+    v = torch.stack([torch.stack([s[k].float() for k in ("aux", "z", "drop", "load_min", "load_max")]) for s in stats])
+    return dict(moe_aux=v[:, 0].mean(), moe_z=v[:, 1].mean(), moe_drop=v[:, 2].mean(), moe_load_min=v[:, 3].min(),
+                moe_load_max=v[:, 4].max())
+
+
+class TrainHook:
+    """train.py's MoE calls in one place. begin_step(f) before a step's forwards, f = the factor train.py puts on
+    the loss (loss scale / micro-steps; engine.backward divides by dp*cp as well, so the aux gradient does too);
+    end_step() after the optimizer step: the aux-loss-free bias update (loads summed over `group`, the dp group, so
+    replicas agree) and this rank's last micro-batch's stats for the log line."""
+
+    def __init__(self, engine, group=None):
+        import torch.distributed as dist
+        self.engine = engine  # engine.model is read each time: torch.compile may wrap it later
+        self.all_reduce = (lambda t: dist.all_reduce(t, group=group)) if group is not None else None
+
+    def begin_step(self, loss_factor: float) -> None:
+        set_aux_grad_scale(self.engine.model, loss_factor / self.engine.n)
+
+    def end_step(self) -> dict:
+        update_expert_bias(self.engine.model, self.all_reduce)
+        return step_stats(self.engine.model)

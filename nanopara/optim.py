@@ -15,14 +15,22 @@ import torch
 from nanopara.config import TrainConfig
 
 
+def decays(name: str, p: torch.Tensor) -> bool:
+    """Weight decay for 2-D weights (matmuls, embeddings, MoE expert weights), never for a parameter named *bias
+    (MoE expert biases are (E, out)); the ZeRO flat buffers (engine.Flat) use the same rule."""
+    return p.dim() >= 2 and not name.endswith("bias")
+
+
 def param_groups(named_params, weight_decay: float) -> list[dict]:
-    """Split parameters into decayed (dim >= 2) and non-decayed groups; tied parameters appear once."""
+    """Split parameters into decayed (dim >= 2 weights) and non-decayed groups; tied parameters appear once. A
+    parameter named *bias is never decayed: MoE expert biases are (E, out), 2-D (dense GPT-2's biases are 1-D, so
+    its groups are the same as by dim alone)."""
     seen, decay, no_decay = set(), [], []
-    for _, p in named_params:
+    for name, p in named_params:
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        (decay if p.dim() >= 2 else no_decay).append(p)
+        (decay if decays(name, p) else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

@@ -83,17 +83,21 @@ class StepReporter:
                 self.prev_end = torch.cuda.Event(enable_timing=True)
                 self.prev_end.record()
 
-    def end_step(self, step: int, lr: float, loss: torch.Tensor, norm, must_report: bool):
-        numbers = torch.stack([loss.float(), torch.as_tensor(norm, dtype=torch.float32, device=loss.device)])
+    def end_step(self, step: int, lr: float, loss: torch.Tensor, norm, must_report: bool, extra: dict | None = None):
+        """extra: more 0-dim tensors for the record (MoE stats), read with the loss, one step late."""
+        extra = extra or {}
+        numbers = torch.stack([loss.float(), torch.as_tensor(norm, dtype=torch.float32, device=loss.device),
+                               *[v.float().to(loss.device) for v in extra.values()]])
         if self.cuda:  # to pinned host memory behind the step's work, read once `end` has passed
-            numbers = torch.empty(2, pin_memory=True).copy_(numbers, non_blocking=True)
+            numbers = torch.empty(len(numbers), pin_memory=True).copy_(numbers, non_blocking=True)
             end = torch.cuda.Event(enable_timing=True)
             end.record()
         else:
             end = time.perf_counter()
         if self.pending is not None:
             self._report(self.pending)  # the previous step, while this one runs on the GPU
-        self.pending = {"step": step, "lr": lr, "numbers": numbers, "start": self.prev_end, "end": end}
+        self.pending = {"step": step, "lr": lr, "numbers": numbers, "start": self.prev_end, "end": end,
+                        "extra": list(extra)}
         self.prev_end = end
         if must_report or not self.defer:
             self.flush()
@@ -113,7 +117,7 @@ class StepReporter:
             dt = p["start"].elapsed_time(p["end"]) / 1e3
         else:
             dt = p["end"] - p["start"]
-        loss, grad_norm = p["numbers"].tolist()
+        loss, grad_norm, *extra = p["numbers"].tolist()
         self.scaler.update(math.isfinite(grad_norm))
         if math.isfinite(loss):
             self.bad_streak = 0
@@ -138,6 +142,7 @@ class StepReporter:
                "tflops": tflops, "mfu": tflops * 1e12 / self.peak if self.peak else 0.0, "peak_mem_gb": mem,
                "step_time_s": slow, "fastest_step_time_s": fast, "skipped": not (math.isfinite(loss) and
                                                                                math.isfinite(grad_norm))}
+        rec.update(zip(p["extra"], extra))
         line = None
         if p["step"] % self.log_every == 0 or p["step"] == self.last_step:
             line = (f"step {p['step']:5d} | loss {loss:.4f} | lr {p['lr']:.2e} | norm {grad_norm:.3f} | "
