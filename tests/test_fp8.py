@@ -79,6 +79,7 @@ def test_cast_rounds_to_nearest_even_and_saturates(dtype):
     ((37, 300), torch.bfloat16, E4M3, True),    # K not a multiple of 128 (partial last block), prime M
     ((130, 257), torch.float32, E5M2, False),   # two row blocks, the second of 2 rows; 3 column blocks
     ((5, 7), torch.float16, E4M3, False),       # smaller than every tile
+    ((384, 256), torch.bfloat16, E5M2, True),   # 3 x 2 full 128x128 blocks, M != K, no masked tail (GPU bug shape class)
 ])
 def test_quantize_kernels_bit_exact(granularity, shape, x_dtype, dtype, pow2):
     x = _data(*shape, x_dtype)
@@ -393,3 +394,22 @@ def test_gpu_cast_and_gemm_parity():
         want = fp8_matmul_ref(a, b, sa, sb, None, torch.float32)
         got = fp8_matmul(a, b, sa, sb, out_dtype=torch.float32, fast_accum=False)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1031, 770), (4096, 2048), (2048, 4096)])
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_gpu_quantize_bit_exact_large(shape, pow2, dtype):
+    """bench_fp8.py's parity check as a test: every granularity (with its transposed copy) at the shapes where the
+    128x128 qt mismatched on an H100 (4096 x 2048: every size a multiple of 16, full tiles, vectorized stores)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    M, K = shape
+    x = (torch.randn(M, K, device="cuda", generator=g) * torch.logspace(-4, 4, K, device="cuda")).to(torch.bfloat16)
+    for gran in fq.GRANULARITIES:
+        tr = gran in ("tensor", "1x128", "128x128")
+        got = fp8_quantize(x, dtype, gran, pow2, transpose=tr)
+        _assert_same(type(got)(*[None if t is None else t.cpu() for t in got]),
+                     fp8_quantize(x.cpu(), dtype, gran, pow2, transpose=tr), f"{gran} {shape}")
+        if gran == "128x128":  # q^T must be q transposed, whatever the reference says
+            assert torch.equal(got.qt.view(torch.uint8), got.q.t().contiguous().view(torch.uint8)), shape
