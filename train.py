@@ -17,14 +17,15 @@ import os
 import random
 import subprocess
 import sys
+import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from nanopara import checkpoint
+from nanopara import checkpoint, evals
 from nanopara.config import Config, ConfigError, describe, help_text, parse_args
-from nanopara.data import TokenLoader, find_shards, get_tokenizer
+from nanopara.data import TokenLoader, default_mirror, find_shards, get_tokenizer
 from nanopara.graph import GraphedMicroStep
 from nanopara.mesh import Mesh, MeshError
 from nanopara.model import GPT, from_hf_state_dict
@@ -118,6 +119,39 @@ def evaluate(engine, loader: TokenLoader, steps: int, mesh: Mesh, amp) -> float:
     return mean_over(mean, mesh).item()
 
 
+def load_evals(cfg: Config) -> dict:
+    """train.eval_every's items, read once before any model work: {task: items}; a missing file is one line."""
+    t = cfg.train
+    if t.eval_every == 0:
+        return {}
+    data = {}
+    if "hellaswag" in t.eval_tasks.split(","):
+        mirror = default_mirror()
+        where = t.eval_hellaswag or os.path.join(mirror or "$NANOPARA_MIRROR (unset)", "eval", "hellaswag", "")
+        try:
+            path = evals.find_eval_file(t.eval_hellaswag, mirror, "hellaswag", ("hellaswag_val_full.txt.bz2",
+                                        "hellaswag_val_full.txt"), "HellaSwag", "pass --train.eval_hellaswag=FILE")
+            data["hellaswag"] = evals.read_hellaswag(path, t.eval_limit)
+            get_tokenizer()  # offline without a cached encoding: fail now, not at the first eval
+        except (evals.EvalError, RuntimeError) as e:
+            raise ConfigError(f"train.eval_every={t.eval_every}: {e} (looked in {where}; the file: "
+                              f"{evals.HELLASWAG_URL}; or set train.eval_every=0)") from None
+    return data
+
+
+def run_evals(model: GPT, data: dict, cfg: Config, mesh: Mesh, amp, metrics: Metrics, step: int) -> dict:
+    """Every task of `data` on the whole model; each dp rank scores its slice of the batches, results summed over
+    the dp group (evals.py): the numbers of one process. Logged to metrics.jsonl and as one line."""
+    t0, rec = time.perf_counter(), {"step": step}
+    kw = dict(rank=mesh.dp_rank, world=mesh.dp, group=mesh.groups.get("dp"), amp=amp)
+    if "hellaswag" in data:  # micro_batch rows per forward (4 per item)
+        rec.update(evals.hellaswag(model, get_tokenizer(), data["hellaswag"], max(1, cfg.train.micro_batch // 4), **kw))
+    rec["eval_time_s"] = time.perf_counter() - t0
+    metrics.log(rec, f"step {step:5d} | " + " | ".join(f"{k} {v:.4f}" if isinstance(v, float) else
+                                                    f"{k} {v}" for k, v in rec.items() if k != "step"))
+    return rec
+
+
 @torch.no_grad()
 def sample(model: GPT, device, tokens: int, seed: int, amp) -> str:
     enc = get_tokenizer()
@@ -147,6 +181,7 @@ def train(cfg: Config) -> dict:
     accum = check_layout(cfg, mesh.world, mesh.device.type)  # micro-steps per optimizer step
     checkpoint.prepare_run_dir(cfg.out_dir, cfg.resume, cfg.overwrite, mesh.is_main)
     loader, val_loader = build_loaders(cfg, mesh, log)
+    eval_data = load_evals(cfg)  # train.eval_every: HellaSwag items (nanopara/evals.py)
     resume_path = None
     if cfg.resume:
         resume_path, why = checkpoint.find_resume(cfg.out_dir)
@@ -209,10 +244,13 @@ def train(cfg: Config) -> dict:
         do_val = val_loader is not None and ((step + 1) % t.val_every == 0 or last)
         do_sample = t.sample_every > 0 and (step + 1) % t.sample_every == 0 and not last and model is not None
         do_save = (cfg.ckpt.every > 0 and (step + 1) % cfg.ckpt.every == 0) or (last and cfg.ckpt.final)
+        do_eval = bool(eval_data) and ((step + 1) % t.eval_every == 0 or last)
         moe_stats = moe.end_step() if moe is not None else None  # expert-bias update; stats for metrics.jsonl
         reporter.end_step(step, lr, mean_over(step_loss, mesh), norm, must_report=last, extra=moe_stats)
-        if do_val or do_sample or do_save:
+        if do_val or do_sample or do_save or do_eval:
             reporter.pause()
+        if do_eval:
+            run_evals(model, eval_data, cfg, mesh, amp, metrics, step)
         if do_val:
             vl = evaluate(engine, val_loader, t.val_steps, mesh, amp)
             metrics.log({"step": step, "val_loss": vl}, f"step {step:5d} | val_loss {vl:.4f}")

@@ -104,6 +104,10 @@ class TrainConfig:
     activation_checkpointing: str = "none"  # none | full (recompute each block in backward) | selective
     fp8: str = "none"            # none | tensor | row | block: Linears' GEMMs in FP8 (nanopara/fp8.py; lm_head stays)
     fp8_filter: str = ""         # comma-separated globs of Linear names to put in FP8 ("" = every one but lm_head)
+    eval_every: int = 0          # steps between downstream evals (nanopara/evals.py) and at the last step; 0 = never
+    eval_tasks: str = "hellaswag"  # comma-separated tasks run every eval_every steps: hellaswag
+    eval_limit: int = 0          # the first N items of each task (0 = all; HellaSwag val has 10042)
+    eval_hellaswag: str = ""     # llama.cpp's HellaSwag file (.txt/.txt.bz2) or its folder; "" = the mirror's
 
 
 @dataclass
@@ -191,6 +195,7 @@ class Config:
             raise ConfigError("parallel.cp/ep > 1 are not implemented yet (their issues are open); "
                               "use dp, tp, pp, sp and zero")
         self._check_pipeline()
+        self._check_evals()
         self._check_moe()
         self._check_fp8()
         if t.cuda_graph and t.dtype == "fp16":
@@ -214,6 +219,25 @@ class Config:
         if t.cuda_graph:
             raise ConfigError(f"train.fp8={t.fp8} with train.cuda_graph=true: the FP8 weight cast is cached on the "
                               f"Python side (once per optimizer step), which a graph replay would skip; use one")
+
+    def _check_evals(self) -> None:
+        """train.eval_every runs evals.py's tasks on the whole model each dp rank holds (train.run_evals)."""
+        m, p, t = self.model, self.parallel, self.train
+        tasks = [s.strip() for s in t.eval_tasks.split(",")]
+        if any(s not in EVAL_TASKS for s in tasks):
+            raise ConfigError(f"train.eval_tasks must be a comma-separated list of {'|'.join(EVAL_TASKS)}, "
+                              f"got {t.eval_tasks!r}")
+        if t.eval_every == 0:
+            return
+        why = ("parallel.pp > 1 (each rank holds only its stages)" if p.pp > 1 else
+               "parallel.tp > 1 (each rank holds slices of the weights)" if p.tp > 1 else
+               "parallel.zero=3 (sharded weights: untested with evals.py's lockstep forwards)" if p.zero == 3 else "")
+        if why:
+            raise ConfigError(f"train.eval_every needs the whole model on every dp rank, not {why}; evaluate the "
+                              f"checkpoints with eval.py instead")
+        if "hellaswag" in tasks and m.vocab_size < 50257:
+            raise ConfigError(f"train.eval_tasks=hellaswag is tokenized with GPT-2's 50257 tokens; this model has "
+                              f"model.vocab_size={m.vocab_size}")
 
     def _check_moe(self) -> None:
         """MoE (moe_experts > 0) where it is built: one device or dp/ZeRO; expert parallel is the next step."""
@@ -277,6 +301,9 @@ class Config:
                               "eagerly between sends and receives")
 
 
+EVAL_TASKS = ("hellaswag",)  # train.eval_tasks' choices (train.run_evals)
+
+
 def pp_layers_list(text: str) -> list[int] | None:
     """parallel.pp_layers as blocks per chunk ("7,6,6,5" -> [7, 6, 6, 5]); None for "" (an even split)."""
     if not text.strip():
@@ -311,7 +338,8 @@ _RULES = [
     *[(f"train.{k}", ">= 1", _positive) for k in ("steps", "micro_batch", "seq_len", "val_steps", "log_every",
                                                     "max_bad_steps")],
     *[(f"train.{k}", ">= 0", _non_negative) for k in ("tokens_per_step", "warmup_steps", "weight_decay",
-                                                        "grad_clip", "val_every", "sample_every", "sample_tokens")],
+                                                        "grad_clip", "val_every", "sample_every", "sample_tokens",
+                                                        "eval_every", "eval_limit")],
     ("train.lr", "in (0, 1]", lambda v: 0 < v <= 1),
     ("train.min_lr_frac", "in [0, 1]", lambda v: 0 <= v <= 1),
     ("train.beta1", "in [0, 1)", lambda v: 0 <= v < 1),
