@@ -156,22 +156,45 @@ def kept(model, cfg, args, b1=1, b2=2) -> dict:
 
 
 def fits(model, engine, cfg, args, b: int) -> bool:
-    ok = True
+    """One training step at micro-batch b; False on OOM. Whatever the failed step allocated (its activations, the
+    autograd graph the exception's traceback holds, partial grads, autocast's weight cache) is freed before the
+    next probe, so a failure does not make the following probes fail too."""
+    oom = False
+    x = y = None
     try:
         x, y = tokens(engine.device, b, args.seq, cfg.model.vocab_size)
         train_step(model, engine, x, y)
         torch.cuda.synchronize()
     except torch.OutOfMemoryError:
-        ok = False
+        oom = True  # no reference to the exception (its traceback holds the step's frames and tensors) survives
+    x = y = None
     model.zero_grad(set_to_none=True)  # an OOM in backward leaves some grads behind
     free()
-    return ok
+    return not oom
 
 
-def free():
+def free(reset_peak: bool = False):
+    """Collect cycles (exception tracebacks, rebound forwards) and hand the allocator's cache back."""
     gc.collect()
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.clear_autocast_cache()
+        gc.collect()
         torch.cuda.empty_cache()
+        if reset_peak:
+            torch.cuda.reset_peak_memory_stats()
+
+
+def mem_row(preset: str, on_gpu: bool) -> dict:
+    """What is allocated as a preset starts: ~0 unless something of the previous one is still alive."""
+    alloc = torch.cuda.memory_allocated() if on_gpu else None
+    reserved = torch.cuda.memory_reserved() if on_gpu else None
+    if alloc is not None and alloc > 256 * 2**20:
+        print(f"WARNING: {alloc / 1e9:.2f} GB still allocated as preset {preset} starts (a leak from the previous "
+              f"one?)", file=sys.stderr, flush=True)
+    return {"section": "preset_start", "preset": preset,
+            "mem_allocated_gb": None if alloc is None else alloc / 1e9,
+            "mem_reserved_gb": None if reserved is None else reserved / 1e9}
 
 
 def max_batch(model, engine, cfg, args, start: int) -> tuple[int, int]:
@@ -191,6 +214,42 @@ def max_batch(model, engine, cfg, args, start: int) -> tuple[int, int]:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+
+def run_preset(preset: str, args, mesh, on_gpu: bool, rows: list, emit) -> None:
+    """Timings, then the largest-micro-batch searches, of one preset. Everything it builds is local and torn down
+    in `finally` (hooks removed, grads and optimizer state dropped), so the next preset starts from an empty GPU."""
+    cfg, model, engine = build(preset, args, mesh)
+    try:
+        base = None
+        for mode in args.modes.split(","):  # the timings first: the search below probes the memory's limits
+            apply_activation_checkpointing(model.transformer.h, mode)
+            row = {"section": "mode", "preset": preset, "mode": mode, "batch": args.batch, "seq": args.seq}
+            try:
+                row.update(timed(model, engine, cfg, args))
+            except torch.OutOfMemoryError:
+                row["step_ms"] = None  # does not fit at --batch: the search still runs below it
+                model.zero_grad(set_to_none=True)
+            free()
+            if row["step_ms"] is not None:
+                base = row["step_ms"] if mode == "none" else base
+                row["time_vs_none"] = row["step_ms"] / base if base else None
+                if on_gpu:
+                    row.update(kept(model, cfg, args))
+                    free()
+            emit(row)
+        for mode in args.modes.split(",") if on_gpu and not args.no_search else ():
+            apply_activation_checkpointing(model.transformer.h, mode)
+            timed_row = next(r for r in rows if r["section"] == "mode" and r["preset"] == preset and r["mode"] == mode)
+            lo, hi = max_batch(model, engine, cfg, args, args.batch if timed_row["step_ms"] else 1)
+            timed_row.update(max_batch=lo, oom_at=hi)
+            emit({"section": "max_batch", "preset": preset, "mode": mode, "max_batch": lo, "oom_at": hi})
+    finally:
+        engine.close()
+        model.zero_grad(set_to_none=True)
+        engine.optimizer = None
+        del model, engine, cfg
+        free(reset_peak=True)
+
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -231,32 +290,10 @@ def main(argv=None):
         emit(r)
     free()
     for preset in args.presets.split(","):
-        cfg, model, engine = build(preset, args, mesh)
-        base = None
-        for mode in args.modes.split(","):  # the timings first: the search below probes the memory's limits
-            apply_activation_checkpointing(model.transformer.h, mode)
-            row = {"section": "mode", "preset": preset, "mode": mode, "batch": args.batch, "seq": args.seq}
-            try:
-                row.update(timed(model, engine, cfg, args))
-            except torch.OutOfMemoryError:
-                row["step_ms"] = None  # does not fit at --batch: the search still runs below it
-                model.zero_grad(set_to_none=True)
-            free()
-            if row["step_ms"] is not None:
-                base = row["step_ms"] if mode == "none" else base
-                row["time_vs_none"] = row["step_ms"] / base if base else None
-                if on_gpu:
-                    row.update(kept(model, cfg, args))
-                    free()
-            emit(row)
-        for mode in args.modes.split(",") if on_gpu and not args.no_search else ():
-            apply_activation_checkpointing(model.transformer.h, mode)
-            timed_row = next(r for r in rows if r["section"] == "mode" and r["preset"] == preset and r["mode"] == mode)
-            lo, hi = max_batch(model, engine, cfg, args, args.batch if timed_row["step_ms"] else 1)
-            timed_row.update(max_batch=lo, oom_at=hi)
-            emit({"section": "max_batch", "preset": preset, "mode": mode, "max_batch": lo, "oom_at": hi})
-        del model, engine
-        free()
+        free(reset_peak=True)
+        emit(mem_row(preset, on_gpu))
+        run_preset(preset, args, mesh, on_gpu, rows, emit)  # its model, engine and optimizer die with the call
+        free(reset_peak=True)
     print(f"\n{meta['gpu']}  {meta['date']}  seq {args.seq}, timed micro-batch {args.batch}, bf16, model.kernels=auto")
     for r in rows:
         if r["section"] == "parity":
