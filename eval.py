@@ -38,6 +38,7 @@ import torch
 
 from nanopara import evals
 from nanopara.checkpoint import CheckpointError
+from nanopara.config import parse_flags
 from nanopara.consolidate import full_model_state, resolve
 from nanopara.data import EOT, default_mirror, find_shards, get_tokenizer, read_shard
 from nanopara.evals import EvalError
@@ -68,18 +69,7 @@ class Args:
 
 
 def parse_args(argv: list[str]) -> Args:
-    args, fields = Args(), {f.name: f.type for f in dataclasses.fields(Args)}
-    for tok in argv:
-        if not tok.startswith("--") or "=" not in tok:
-            raise EvalError(f"arguments look like --key=value, got {tok!r}")
-        key, _, text = tok[2:].partition("=")
-        if key not in fields:
-            close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.5)
-            raise EvalError(f"unknown key --{key}" + (f" (did you mean --{close[0]}?)" if close else ""))
-        try:
-            setattr(args, key, int(text) if fields[key] == "int" else text)  # the last one wins
-        except ValueError:
-            raise EvalError(f"--{key} expects an integer, got {text!r}") from None
+    args = parse_flags(Args(), argv, EvalError)  # a repeated key: the last one wins
     for key, low in (("limit", 0), ("batch", 1), ("n_head", 0), ("seq_len", 0), ("shots", 0), ("max_new", 1)):
         if getattr(args, key) < low:
             raise EvalError(f"--{key} must be >= {low}, got {getattr(args, key)}")

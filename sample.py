@@ -19,14 +19,13 @@ weights come from nanopara/consolidate.py.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import sys
 
 import torch
 
 from nanopara.checkpoint import CheckpointError
-from nanopara.config import ModelConfig
+from nanopara.config import ModelConfig, parse_flags
 from nanopara.consolidate import full_model_state, resolve
 from nanopara.data import get_tokenizer
 from nanopara.model import GPT, from_hf_state_dict
@@ -52,19 +51,7 @@ class Args:
 
 
 def parse_args(argv: list[str]) -> Args:
-    args, fields = Args(), {f.name: f.type for f in dataclasses.fields(Args)}
-    for tok in argv:
-        if not tok.startswith("--") or "=" not in tok:
-            raise SampleError(f"arguments look like --key=value, got {tok!r}")
-        key, _, text = tok[2:].partition("=")
-        if key not in fields:
-            close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.5)
-            raise SampleError(f"unknown key --{key}" + (f" (did you mean --{close[0]}?)" if close else ""))
-        typ = {"int": int, "float": float}.get(fields[key])
-        try:
-            setattr(args, key, typ(text) if typ else text)  # later tokens overwrite: the last one wins
-        except ValueError:
-            raise SampleError(f"--{key} expects {fields[key]}, got {text!r}") from None
+    args = parse_flags(Args(), argv, SampleError)  # a repeated key: the last one wins
     for key, low in (("tokens", 1), ("num_samples", 1), ("top_k", 0), ("n_head", 0)):
         if getattr(args, key) < low:
             raise SampleError(f"--{key} must be >= {low}, got {getattr(args, key)}")

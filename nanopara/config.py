@@ -489,6 +489,25 @@ def parse_args(argv: list[str]) -> Config:
     return cfg
 
 
+def parse_flags(obj, argv: list[str], error=ConfigError):
+    """Set `--key=value` tokens on a flat dataclass instance (the scripts' arguments: sample.py, eval.py): typed by
+    the field (int, float, str), the last one wins, an unknown key names the closest one. Raises `error`."""
+    fields = {f.name: f.type for f in dataclasses.fields(obj)}
+    for tok in argv:
+        if not tok.startswith("--") or "=" not in tok:
+            raise error(f"arguments look like --key=value, got {tok!r}")
+        key, _, text = tok[2:].partition("=")
+        if key not in fields:
+            close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.5)
+            raise error(f"unknown key --{key}" + (f" (did you mean --{close[0]}?)" if close else ""))
+        typ = {"int": int, "float": float}.get(fields[key] if isinstance(fields[key], str) else fields[key].__name__)
+        try:
+            setattr(obj, key, typ(text) if typ else text)
+        except ValueError:
+            raise error(f"--{key} expects {'an integer' if typ is int else 'a number'}, got {text!r}") from None
+    return obj
+
+
 def help_text() -> str:
     """Every key with its default and the comment beside its field: what `python train.py --help` prints."""
     import inspect

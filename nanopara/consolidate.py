@@ -26,7 +26,7 @@ import torch
 from nanopara import checkpoint
 from nanopara.checkpoint import CheckpointError
 from nanopara.config import ModelConfig
-from nanopara.mesh import AXES
+from nanopara.mesh import AXES, grid_coords
 from nanopara.model import GPT
 from nanopara.zero import unshard_model
 
@@ -63,15 +63,6 @@ def model_config(meta: dict, path: str) -> ModelConfig:
         raise CheckpointError(f"checkpoint {path}: meta.json's model config is invalid: {e}") from None
 
 
-def _coords(rank: int, sizes: dict) -> dict:
-    """Grid coordinates of a global rank: rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i (mesh.py)."""
-    c = {}
-    for ax in reversed(AXES):
-        c[ax] = rank % sizes[ax]
-        rank //= sizes[ax]
-    return c
-
-
 def _layout(meta: dict, path: str) -> dict:
     lay = meta.get("layout")
     if not isinstance(lay, dict) or not all(isinstance(lay.get(k), int) and lay[k] >= 1
@@ -94,7 +85,7 @@ def _load_shard(path: str, rank: int, sizes: dict) -> dict:
         raise CheckpointError(f"checkpoint shard {file} is corrupt or unreadable: {type(e).__name__}: {why}") from None
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
         raise CheckpointError(f"checkpoint shard {file} holds no model state")
-    want = _coords(rank, sizes)
+    want = grid_coords(rank, sizes)
     have = state.get("mesh")
     if isinstance(have, dict) and {ax: have.get(ax) for ax in AXES} != want:
         raise CheckpointError(f"checkpoint shard {file} was written by the rank at {have}, expected {want}")
@@ -144,7 +135,7 @@ def _stage_full(path: str, states: list, sizes: dict, s: int) -> dict:
     tp, world = sizes["tp"], len(states)
     per_tp, tp_meta = [], []
     for t in range(tp):
-        ranks = [r for r in range(world) if _coords(r, sizes)["tp"] == t and _coords(r, sizes)["pp"] == s]  # dp x cp
+        ranks = [r for r in range(world) if grid_coords(r, sizes)["tp"] == t and grid_coords(r, sizes)["pp"] == s]  # dp x cp
         file = os.path.join(path, f"rank_{ranks[0]:05d}.pt")
         per_tp.append(_dp_full([states[r]["model"] for r in ranks], file))
         tp_meta.append(states[ranks[0]].get("tp_shards") or {})

@@ -91,7 +91,7 @@ class Mesh:
         else:
             dev = torch.device("cpu")
 
-        mesh = Mesh(rank, world, local_rank, dev, sizes, _coords(rank, sizes))
+        mesh = Mesh(rank, world, local_rank, dev, sizes, grid_coords(rank, sizes))
         if world > 1 and not dist.is_initialized():
             dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=world,
                                     timeout=datetime.timedelta(seconds=timeout_s),
@@ -124,7 +124,8 @@ class Mesh:
             dist.destroy_process_group()
 
 
-def _coords(rank: int, sizes: dict) -> dict:
+def grid_coords(rank: int, sizes: dict) -> dict:
+    """Grid coordinates of a global rank: rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i."""
     c = {}
     for ax in reversed(AXES):
         c[ax] = rank % sizes[ax]
