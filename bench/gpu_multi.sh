@@ -14,6 +14,8 @@
 #   ab     engine A/B: this tree against OLD=<dir of another commit's tree> (git archive REV | tar -x -C dir),
 #          DDP and ZeRO-2 at GPT-2's batch (32/N micro-steps), new, old, new, old in separate processes; then one
 #          micro-step of B=32 per GPU (our DDP's scaling against the one-GPU run of the same tree, no-comm control)
+#   tpspeed  issue #30: PRESET (gpt_1b) at B=8 x 1024 on 1 GPU, dp2 ZeRO-3, and tp2 / tp2+sp of OLD=<tree before>
+#          and of this tree with parallel.tp_overlap in OVERLAPS ("0 4"): tokens/s, MFU, memory, exposed comm/layer
 #   train  train.py's own step time (metrics.jsonl, bench/step_times.py) at B=16, one micro-step, on 1 and N GPUs,
 #          this tree and OLD="<dir> ..." (other commits' trees) alternating, twice; needs data/shards/shakespeare
 set -uo pipefail
@@ -94,6 +96,18 @@ for s in "$@"; do
                $PY "$here/bench/step_times.py" /tmp/np_train | sed "s|^/tmp/np_train|$n GPU $name|"
              done; done; done; cd "$here"
            } 2>&1 | grep -v Warning | tee "$OUT/train.txt" ;;
+    tpspeed) # issue #30: tp2 / tp2+sp before (OLD tree) and after, overlap off (0) and on; exposed comm per layer
+           [ -d "${OLD:-}" ] || { echo "tpspeed: set OLD to the tree before (git archive REV | tar -x -C dir)"; exit 2; }
+           P=${PRESET:-gpt_1b}; common="--preset=$P --train.micro_batch=${B:-8} --train.seq_len=1024"
+           { run 1 bench/profile_tp.py --label 1gpu --out "$OUT" -- $common
+             run 2 bench/profile_tp.py --label dp2_zero3 --out "$OUT" -- $common --parallel.zero=3
+             run 2 bench/profile_tp.py --tree "$OLD" --label old_tp2 --out "$OUT" -- $common --parallel.tp=2
+             run 2 bench/profile_tp.py --tree "$OLD" --label old_tp2_sp --out "$OUT" -- $common --parallel.tp=2 --parallel.sp=true
+             for ov in ${OVERLAPS:-0 4}; do
+               run 2 bench/profile_tp.py --label tp2_ov$ov --out "$OUT" -- $common --parallel.tp=2 --parallel.tp_overlap=$ov
+               run 2 bench/profile_tp.py --label tp2_sp_ov$ov --out "$OUT" -- $common --parallel.tp=2 --parallel.sp=true \
+                 --parallel.tp_overlap=$ov
+             done; } 2>&1 | grep -v Warning | tee -a "$OUT/tpspeed_$P.txt" ;;
     *) echo "unknown section $s"; exit 2 ;;
   esac
 done

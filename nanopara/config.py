@@ -65,6 +65,8 @@ class ParallelConfig:
     ep: int = 1                  # expert parallel (carved out of dp x cp): not built yet (issue open), must be 1
     zero: int = 0                # 0 = DDP, 1/2/3 = ZeRO stage
     sp: bool = False             # sequence parallel (needs tp > 1)
+    tp_overlap: int = 4          # TP: row blocks per GEMM, each block's collective under the next one's GEMM
+                                 # (tp_linear.py); 0 = off: one collective per op, waited for at once
     pp_schedule: str = "1f1b"    # gpipe | 1f1b | interleaved (needs pp_virtual >= 2) | zb (ZB-H1, zero bubble)
     pp_virtual: int = 1          # model chunks per pp rank (interleaved 1F1B's v): bubble (p-1)/(v*m), v x the p2p
     pp_layers: str = ""          # blocks per chunk, comma-separated in model order (e.g. "7,6,6,5"); "" = even split
@@ -347,6 +349,7 @@ _RULES = [
     ("train.eps", "in (0, 1)", lambda v: 0 < v < 1),
     ("parallel.dp", ">= 1, or -1 (whatever is left of the world size)", lambda v: v >= 1 or v == -1),
     *[(f"parallel.{k}", ">= 1", _positive) for k in ("tp", "pp", "pp_virtual", "cp", "ep", "timeout_s")],
+    ("parallel.tp_overlap", ">= 0", _non_negative),
     ("parallel.zero", "0, 1, 2 or 3", lambda v: v in (0, 1, 2, 3)),
     ("parallel.bucket_mb", "> 0", lambda v: v > 0),
     ("parallel.zero3_unit_blocks", ">= 1 (or 0: auto)", _non_negative),

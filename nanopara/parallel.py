@@ -81,7 +81,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config):
     p = cfg.parallel
     # 1. tensor parallel (+ sequence parallel): each rank keeps its slices of the full weights
     if mesh.tp > 1:
-        model = apply_tp(model, mesh, sp=p.sp)
+        model = apply_tp(model, mesh, sp=p.sp, overlap=p.tp_overlap)
     # 2. context parallel: the sequence split over the cp group goes here (ring attention)
     if mesh.cp > 1:
         raise NotImplementedError("context parallel (parallel.cp > 1) is not implemented yet")

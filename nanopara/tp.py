@@ -8,10 +8,11 @@ Math (Shoeybi et al. 2019). A linear Y = X W^T with W (out, in) split over tp ra
   column-parallel: W split by rows (outputs):   Y_r = X W_r^T           -> every rank holds out/tp outputs
   row-parallel:    W split by columns (inputs): Y = sum_r X_r W_r^T     -> one all-reduce (comm.g)
 Attention is c_attn column (rank r holds heads r*nh/tp .. (r+1)*nh/tp-1 of q, k and v) then c_proj row; the MLP
-is c_fc column then c_proj row: per block, two all-reduces forward (g) and two backward (f).
-Sequence parallel (Korthikanti et al. 2022): outside the TP regions activations are sharded along T (B, T/tp, C);
-f/g become an all-gather / reduce-scatter along T. Replicated parameters then see T/tp tokens each, so their
-gradients are partial sums over tp (`sp_partial`).
+is c_fc column then c_proj row: per block, two all-reduces forward (g) and two backward (f). The GEMMs and their
+collectives live in tp_linear.py, which overlaps them (`overlap` row blocks; parallel.tp_overlap).
+Sequence parallel (Korthikanti et al. 2022): outside the TP regions each rank holds 1/tp of the tokens, a (B, T/tp,
+C) tensor whose rows are tp_linear.py's contiguous layout; f/g become an all-gather / reduce-scatter. Replicated
+parameters then see N/tp tokens each, so their gradients are partial sums over tp (`sp_partial`).
 Vocab parallel: the tied wte/lm_head (Vp', C) is split by vocab rows; the loss combines per-shard max, sum-exp
 and target logit, never the full logits, so `model(idx)` returns this rank's logit columns.
 
@@ -33,8 +34,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanopara.comm import all_gather_along, all_reduce_sum, f, g, reduce_scatter_along, reduce_scatter_seq
+from nanopara.comm import all_gather_along, all_reduce_sum, g
 from nanopara.model import GPT, matmul_weight
+from nanopara.tp_linear import ColumnSP, ColumnTP, RowSP, RowTP, blocks, shard_rows, sp_scatter
 
 # ----------------------------------------------------------------------------------------------------------------
 # the plan: which module becomes what (walked by apply_tp in named_modules order)
@@ -85,60 +87,26 @@ def _sharded_param(full: torch.Tensor, dim: int, parts: int, rank: int, tp: int)
 # layers
 
 class _TPState:
-    """Shared by all TP layers of one model: the group, and switches that generate() flips."""
+    """Shared by all TP layers of one model: the group, the overlap's row blocks (tp_linear.py; 0 = no overlap),
+    switches that generate() flips, and the batch size of the current forward (set by the embedding under SP)."""
 
-    def __init__(self, group, tp: int, rank: int, sp: bool):
-        self.group, self.tp, self.rank, self.sp = group, tp, rank, sp
+    def __init__(self, group, tp: int, rank: int, sp: bool, chunks: int = 0):
+        self.group, self.tp, self.rank, self.sp, self.chunks = group, tp, rank, sp, chunks
         self.gather_logits = False
-
-
-def _autocast(t):
-    """t in autocast's dtype when autocast is on (what F.linear would cast it to), else t."""
-    if t is None or not torch.is_autocast_enabled(t.device.type):
-        return t
-    return t.to(torch.get_autocast_dtype(t.device.type))
-
-
-class _GatherLinear(torch.autograd.Function):
-    """fwd: y = all_gather_T(x) W^T + b saving only x's shard; bwd: gather x again for dW, reduce-scatter dX.
-
-    Megatron's SP column-parallel linear (Korthikanti et al. 2022, 4.2.2): the (B, T, C) input is never stored,
-    at the price of one more all-gather in backward. Under autocast, x is cast before the gather (half the bytes).
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, group):
-        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        x, weight, bias = _autocast(x), _autocast(weight), _autocast(bias)
-        ctx.group, ctx.has_bias = group, bias is not None
-        ctx.save_for_backward(x, weight)
-        return F.linear(all_gather_along(x, 1, group), weight, bias)  # (B, T, out/tp)
-
-    @staticmethod
-    def backward(ctx, grad):  # grad (B, T, out/tp)
-        x, w = ctx.saved_tensors
-        grad = grad.to(w.dtype)
-        total = all_gather_along(x, 1, ctx.group)  # (B, T, in)
-        gx = reduce_scatter_along(grad @ w, 1, ctx.group)  # (B, T/tp, in)
-        g2 = grad.reshape(-1, grad.shape[-1])  # (B*T, out/tp)
-        gw = g2.t() @ total.reshape(-1, total.shape[-1])  # (out/tp, in)
-        gb = g2.sum(0).to(ctx.dtypes[2]) if ctx.has_bias else None
-        return gx.to(ctx.dtypes[0]), gw.to(ctx.dtypes[1]), gb, None
+        self.batch = None
 
 
 class ColumnParallelLinear(nn.Module):
-    """y_r = x W_r^T + b_r with W's output rows split over tp; x replicated, or a sequence shard under SP."""
+    """y_r = x W_r^T + b_r with W's output rows split over tp; x replicated, or an SP shard (tp_linear.py)."""
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, state: _TPState):
         super().__init__()
         self.weight, self.bias, self.state = weight, bias, state
 
-    def forward(self, x):  # (B, T, in) or (B, T/tp, in) under SP -> (B, T, out/tp)
+    def forward(self, x):  # (B, T, in) or the SP shard (B, T/tp, in) -> (B, T, out/tp)
         s = self.state
-        if s.sp:
-            return _GatherLinear.apply(x, matmul_weight(self.weight), self.bias, s.group)
-        # cast first, so f's backward all-reduces a bf16 grad, not the fp32 grad of the LayerNorm output
-        return F.linear(f(_autocast(x), s.group), matmul_weight(self.weight), self.bias)
+        fn = ColumnSP if s.sp else ColumnTP
+        return fn.apply(x, matmul_weight(self.weight), self.bias, s.group, s.chunks)
 
 
 class RowParallelLinear(nn.Module):
@@ -148,10 +116,9 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.weight, self.bias, self.state = weight, bias, state
 
-    def forward(self, x):  # (B, T, in/tp) -> (B, T, out), or (B, T/tp, out) under SP
+    def forward(self, x):  # (B, T, in/tp) -> (B, T, out), or the SP shard (B, T/tp, out)
         s = self.state
-        y = F.linear(x, matmul_weight(self.weight))  # partial sums over this rank's inputs
-        y = reduce_scatter_seq(y, s.group) if s.sp else g(y, s.group)
+        y = (RowSP if s.sp else RowTP).apply(x, matmul_weight(self.weight), None, s.group, s.chunks)
         return y if self.bias is None else y + self.bias.to(y.dtype)  # keep autocast's dtype, like nn.Linear
 
 
@@ -170,7 +137,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.weight, self.start, self.state = weight, start, state
 
-    def forward(self, idx):  # (B, T) -> (B, T, C), or (B, T/tp, C) under SP
+    def forward(self, idx):  # (B, T) -> (B, T, C), or the SP shard (B, T/tp, C)
         s = self.state
         local = idx - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
@@ -180,22 +147,26 @@ class VocabParallelEmbedding(nn.Module):
         if idx.shape[1] % s.tp:
             raise ValueError(f"sequence parallel needs the sequence length {idx.shape[1]} to be divisible by "
                              f"parallel.tp={s.tp}")
-        return reduce_scatter_seq(e, s.group)
+        s.batch = idx.shape[0]  # for SeqShardedPositions, called next (wte(idx) + wpe(pos))
+        return sp_scatter(e, s.group, s.chunks)
 
 
 class SeqShardedPositions(nn.Module):
-    """wpe under SP: embeddings of this rank's T/tp positions only (its gradient is then a partial sum)."""
+    """wpe under SP: the positions of this rank's rows of the SP layout only (its gradient is a partial sum)."""
 
     def __init__(self, weight: nn.Parameter, state: _TPState):
         super().__init__()
         self.weight, self.state = weight, state
 
-    def forward(self, pos):  # (T,) -> (T/tp, C), or (T, C) with SP switched off
+    def forward(self, pos):  # (T,) -> the SP shard (B, T/tp, C), or (T, C) with SP switched off
         s = self.state
-        if s.sp:
-            n = pos.shape[0] // s.tp
-            pos = pos[s.rank * n:(s.rank + 1) * n]
-        return F.embedding(pos, self.weight)
+        if not s.sp:
+            return F.embedding(pos, self.weight)
+        if s.batch is None:
+            raise RuntimeError("SeqShardedPositions runs after the vocab-parallel embedding (wte(idx) + wpe(pos))")
+        B, T = s.batch, pos.shape[0]
+        rows = shard_rows(B * T, s.rank, s.tp, blocks(B * T // s.tp, s.chunks)).to(pos.device)
+        return F.embedding(pos[rows % T], self.weight).view(B, T // s.tp, -1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -316,8 +287,9 @@ def _plan_for(name: str):
     return None, 1
 
 
-def apply_tp(model: GPT, mesh, sp: bool = False) -> GPT:
-    """Shard a GPT in place over mesh.tp_group (slicing its full weights, identical on every rank); returns it."""
+def apply_tp(model: GPT, mesh, sp: bool = False, overlap: int = 0) -> GPT:
+    """Shard a GPT in place over mesh.tp_group (slicing its full weights, identical on every rank); returns it.
+    overlap: row blocks per GEMM whose collectives overlap the next block's GEMM (tp_linear.py); 0 = off."""
     cfg = model.cfg
     if mesh.tp == 1:
         return model
@@ -328,7 +300,7 @@ def apply_tp(model: GPT, mesh, sp: bool = False) -> GPT:
     if model.lm_head.weight is not model.transformer.wte.weight:
         raise ValueError("apply_tp expects GPT-2's tied wte/lm_head weight (the vocab shard is made once for both)")
     tp, rank = mesh.tp, mesh.tp_rank
-    state = model.tp_state = _TPState(mesh.tp_group, tp, rank, sp)
+    state = model.tp_state = _TPState(mesh.tp_group, tp, rank, sp, overlap)
     vp = (cfg.padded_vocab + tp - 1) // tp * tp  # padded_vocab is a multiple of 128, so usually vp == padded_vocab
     vocab_weight = None
     with torch.no_grad():

@@ -90,3 +90,14 @@ def test_bench_pp_runs_every_schedule_on_cpu(tmp_path):
             assert row["formula"] == pytest.approx(formula[row["schedule"]])
             assert all(0 <= b < 1 for b in row["bubble"]) and row["p2p_ms"] > 0 and row["F_ms"] > 0
             assert (row["W_ms"] > 0) == (row["schedule"] == "zb")
+
+
+def test_profile_tp_exposed_comm():
+    """bench/profile_tp.py's exposed communication: NCCL time during which no compute kernel runs."""
+    from profile_tp import exposed_comm
+    kernels = [("gemm", 0, 100), ("ncclDevKernel_AllGather", 50, 150), ("gemm", 120, 200),
+               ("ncclDevKernel_ReduceScatter", 210, 260), ("ncclDevKernel_AllReduce", 240, 270)]  # us
+    comm, exposed, busy, span = exposed_comm(kernels)
+    assert comm == pytest.approx(0.160)  # 50..150 and 210..270
+    assert exposed == pytest.approx(0.080)  # 100..120 and 210..270: no compute kernel there
+    assert busy == pytest.approx(0.180) and span == pytest.approx(0.270)

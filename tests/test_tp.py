@@ -31,12 +31,13 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from nanopara import tp as tpmod
-from nanopara.comm import all_gather_seq, reduce_scatter_seq
+from nanopara.comm import all_gather_seq, all_reduce_sum, reduce_scatter_seq
 from nanopara.config import Config, ModelConfig
 from nanopara.dp import DDP
 from nanopara.mesh import Mesh
 from nanopara.model import GPT
 from nanopara.parallel import parallelize
+from nanopara.tp_linear import ColumnSP, ColumnTP, RowSP, RowTP, blocks, shard_rows, sp_gather, sp_scatter
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -97,7 +98,7 @@ def _batch(gen, B, T, V):
     return x, y
 
 
-def _check_training(mesh, cfg: ModelConfig, sp: bool, steps=3, accum=2, B=2, T=16, lr=0.1, tol=TOL):
+def _check_training(mesh, cfg: ModelConfig, sp: bool, steps=3, accum=2, B=2, T=16, lr=0.1, tol=TOL, overlap=0):
     """A few SGD steps with grad accumulation and clipping: losses, logits, grads, norms, weights vs one process.
 
     With mesh.dp > 1 the reference runs the dp shards of the batch one after another and averages, which is what
@@ -105,7 +106,7 @@ def _check_training(mesh, cfg: ModelConfig, sp: bool, steps=3, accum=2, B=2, T=1
     """
     torch.manual_seed(0)
     ref = GPT(cfg).to(mesh.device)
-    model = tpmod.apply_tp(copy.deepcopy(ref), mesh, sp=sp)
+    model = tpmod.apply_tp(copy.deepcopy(ref), mesh, sp=sp, overlap=overlap)
     tp_params = dict(model.named_parameters())
     opts = [torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9, weight_decay=0.1) for m in (ref, model)]
     gen = torch.Generator().manual_seed(1)
@@ -212,22 +213,68 @@ def _layers(mesh):
     torch.testing.assert_close(row.weight.grad, _local(lin.weight.grad, row.weight, mesh), **TOL)
     torch.testing.assert_close(row.bias.grad, lin.bias.grad, **TOL)
 
-    # SP column-parallel: input is a sequence shard; grads of the shard and the weight match the full layer
-    state = tpmod._TPState(mesh.tp_group, n, r, sp=True)
+    # SP column-parallel: input is this rank's rows of the SP layout; grads of the shard and the weight match the
+    # full layer, with and without overlap (3 blocks where they divide the rows, else fewer: 12 rows -> 3, 6 -> 3)
     lin = ref.transformer.h[1].mlp.c_fc
-    w = tpmod._sharded_param(lin.weight, 0, 1, r, n)
-    b = tpmod._sharded_param(lin.bias, 0, 1, r, n)
-    sp_col = tpmod.ColumnParallelLinear(w, b, state)
-    x = torch.randn(3, 8, 32, requires_grad=True)
-    xs = x.detach()[:, r * 8 // n:(r + 1) * 8 // n].clone().requires_grad_()
-    c = torch.randn(3, 8, 128)
-    out = sp_col(xs)
-    assert torch.equal(out, lin(x)[..., r * 128 // n:(r + 1) * 128 // n])
-    (lin(x) * c).sum().backward()
-    (out * c[..., r * 128 // n:(r + 1) * 128 // n]).sum().backward()
-    torch.testing.assert_close(xs.grad, x.grad[:, r * 8 // n:(r + 1) * 8 // n], **TOL)
-    torch.testing.assert_close(w.grad, _local(lin.weight.grad, w, mesh), **TOL)
-    torch.testing.assert_close(b.grad, _local(lin.bias.grad, b, mesh), **TOL)
+    for chunks, (B, T) in ((0, (3, 8)), (3, (3, 8)), (4, (1, 12))):
+        state = tpmod._TPState(mesh.tp_group, n, r, sp=True, chunks=chunks)
+        w = tpmod._sharded_param(lin.weight, 0, 1, r, n)
+        b = tpmod._sharded_param(lin.bias, 0, 1, r, n)
+        sp_col = tpmod.ColumnParallelLinear(w, b, state)
+        lin.zero_grad()
+        x = torch.randn(B, T, 32, requires_grad=True)
+        rows = shard_rows(B * T, r, n, blocks(B * T // n, chunks))
+        xs = x.detach().reshape(-1, 32)[rows].view(B, T // n, 32).clone().requires_grad_()
+        c = torch.randn(B, T, 128)
+        out = sp_col(xs)
+        torch.testing.assert_close(out, lin(x)[..., r * 128 // n:(r + 1) * 128 // n], **TOL)
+        (lin(x) * c).sum().backward()
+        (out * c[..., r * 128 // n:(r + 1) * 128 // n]).sum().backward()
+        torch.testing.assert_close(xs.grad.reshape(-1, 32), x.grad.reshape(-1, 32)[rows], **TOL)
+        torch.testing.assert_close(w.grad, _local(lin.weight.grad, w, mesh), **TOL)
+        torch.testing.assert_close(b.grad, _local(lin.bias.grad, b, mesh), **TOL)
+
+
+def _overlap_layout(mesh):
+    """tp_linear.py: the SP layout round trip, and each overlapped GEMM (blocks of rows, async collectives) equal
+    to its synchronous one-block form, forward and backward, at shapes whose rows split unevenly."""
+    n, r, grp = mesh.tp, mesh.tp_rank, mesh.tp_group
+    assert [blocks(12, c) for c in (0, 1, 2, 3, 4, 5, 7)] == [1, 1, 2, 3, 4, 4, 6]
+    full = torch.arange(2 * 12 * 3, dtype=torch.float32).view(2, 12, 3)  # (B, T, C), the same on every rank
+    for chunks in (0, 2, 3):
+        rows = shard_rows(24, r, n, blocks(24 // n, chunks))
+        assert sorted(torch.cat([shard_rows(24, q, n, blocks(24 // n, chunks)) for q in range(n)]).tolist()) \
+            == list(range(24))  # the shards partition the rows
+        xs = sp_scatter(full, grp, chunks)  # sum of n copies, this rank's rows
+        assert xs.shape == (2, 12 // n, 3)
+        assert torch.equal(xs.reshape(-1, 3), n * full.reshape(-1, 3)[rows])
+        assert torch.equal(sp_gather(xs, grp, chunks), n * full)
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(10, 6, generator=gen)
+    bias = torch.randn(10, generator=gen)
+    B, T = 3, 10  # 30 rows, 30/n per rank: 3 blocks of 5 at tp=2
+    X = torch.randn(B, T, 6, generator=gen)  # the same on every rank; SP shards are rows of it
+    C = torch.randn(B, T, 10, generator=gen)  # the loss sum(y * C), over the full rows
+    for fn in (ColumnSP, RowSP, ColumnTP, RowTP):
+        outs = []
+        for chunks in (0, 3):
+            rows = shard_rows(B * T, r, n, blocks(B * T // n, chunks))
+            x = X * (r + 1)  # differs per rank: RowSP/RowTP sum the ranks' partial products
+            if fn is ColumnSP:
+                x = X.reshape(-1, 6)[rows].view(B, T // n, 6)
+            xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+            bi = bias.clone().requires_grad_() if fn in (ColumnSP, ColumnTP) else None
+            y = fn.apply(xi, wi, bi, grp, chunks)
+            c = C.reshape(-1, 10)[rows].view(y.shape) if fn is RowSP else C
+            (y * c).sum().backward()
+            yf, dx = y.reshape(-1, 10), xi.grad.reshape(-1, 6)
+            if fn is RowSP:  # compare in full-row order: every rank's rows of the full result
+                yf = all_reduce_sum(torch.zeros(B * T, 10).index_copy(0, rows, yf), grp)
+            if fn is ColumnSP:
+                dx = all_reduce_sum(torch.zeros(B * T, 6).index_copy(0, rows, dx), grp)
+            outs.append([yf, dx, wi.grad] + ([bi.grad] if bi is not None else []))
+        for a, b in zip(*outs):
+            torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"{fn.__name__}: {m}")
 
 
 def _vocab_ce(mesh):
@@ -307,17 +354,19 @@ def _worker_tp2():
     mesh = Mesh.build(tp=2, device="cpu")
     _collectives(mesh)
     _layers(mesh)
+    _overlap_layout(mesh)
     _vocab_ce(mesh)
     _generate_and_dropout(mesh)
     _autocast_bf16(mesh)
     for sp in (False, True):
         _check_training(mesh, _cfg(), sp)
+        _check_training(mesh, _cfg(), sp, steps=2, B=3, T=10, overlap=4)  # 15 rows per rank: 3 blocks of 5
 
 
 def _worker_4():
     mesh = Mesh.build(tp=4, device="cpu")
     for sp in (False, True):  # vocab 250 padded only to 250 -> TP pads to 252 (63 rows per rank)
-        _check_training(mesh, _cfg(vocab_multiple=1), sp, steps=2)
+        _check_training(mesh, _cfg(vocab_multiple=1), sp, steps=2, overlap=2 if sp else 0)
 
     mesh = Mesh.build(dp=2, tp=2, device="cpu")  # new groups on the same 4 processes
     ref, model = _check_training(mesh, _cfg(), sp=True, steps=2, accum=2)
@@ -373,6 +422,7 @@ def _worker_gpu():
     mesh = Mesh.build(tp=2, device="cuda")
     for sp in (False, True):  # cuBLAS picks different kernels for sharded shapes: fp32 sums in another order
         _check_training(mesh, _cfg(), sp, tol=dict(rtol=1e-4, atol=1e-5))
+        _check_training(mesh, _cfg(), sp, tol=dict(rtol=1e-4, atol=1e-5), B=3, T=10, overlap=4)  # async NCCL
     _autocast_bf16(mesh)
 
 

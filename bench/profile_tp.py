@@ -1,0 +1,157 @@
+"""Exposed communication per layer of a train.py layout, from one profiled step (issue #30's before/after).
+
+    torchrun --nproc_per_node=2 bench/profile_tp.py [--tree DIR] [--label NAME] [--out DIR] -- TRAIN.PY FLAGS
+
+Builds the run as train.py does (Config from the same flags, Mesh, GPT, parallel.parallelize) on synthetic tokens,
+warms up, times 10 steps with CUDA events (tokens/s, MFU, peak memory) and profiles one step on rank 0. From the
+GPU kernels of that step:
+  comm     the union of the NCCL kernels' intervals;
+  exposed  the part of it during which no compute kernel runs: the time the step waits on communication.
+Both are printed per step and per layer (divided by n_layer). --tree imports nanopara from another checkout
+(`git archive REV | tar -x -C DIR`), so the same script measures an older tree; flags that tree does not know
+are dropped with a note.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+
+def _union(iv):
+    """Total length of a union of (start, end) intervals, and the merged list."""
+    merged = []
+    for a, b in sorted(iv):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return sum(b - a for a, b in merged), merged
+
+
+def _overlap(xs, ys):
+    """Length of the intersection of two merged interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(xs) and j < len(ys):
+        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        total += max(0.0, b - a)
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def exposed_comm(kernels):
+    """(comm ms, exposed ms, compute-busy ms, span ms) from (name, start_us, end_us) GPU kernels."""
+    comm = [(s, e) for n, s, e in kernels if "nccl" in n.lower()]
+    comp = [(s, e) for n, s, e in kernels if "nccl" not in n.lower()]
+    c, cm = _union(comm)
+    b, bm = _union(comp)
+    span = max(e for _, _, e in kernels) - min(s for _, s, _ in kernels)
+    return c / 1e3, (c - _overlap(cm, bm)) / 1e3, b / 1e3, span / 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tree", default="", help="import nanopara from this directory (another commit's tree)")
+    ap.add_argument("--label", default="")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("flags", nargs="*")
+    args = ap.parse_args()
+    root = os.path.abspath(args.tree or os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, root)
+    import torch
+    import torch.distributed as dist
+    from nanopara import config as C
+    from nanopara.mesh import Mesh
+    from nanopara.model import GPT
+    from nanopara.parallel import parallelize
+
+    known = set(C._valid_keys(C.parse_args([]))) | {"preset"}
+    flags = [f for f in args.flags if f.split("=")[0][2:] in known]
+    dropped = sorted(set(args.flags) - set(flags))
+    cfg = C.parse_args(flags)
+    p, t = cfg.parallel, cfg.train
+    mesh = Mesh.build(p.dp, p.pp, p.cp, p.tp, "cuda", p.timeout_s)
+    torch.manual_seed(cfg.seed)
+    model = GPT(cfg.model)
+    n_params = model.num_params()
+    engine = parallelize(model, mesh, cfg)
+    gen = torch.Generator().manual_seed(mesh.dp_rank)
+    x = torch.randint(0, cfg.model.vocab_size, (t.micro_batch, t.seq_len), generator=gen).to(mesh.device)
+    y = torch.roll(x, -1, 1)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = engine.model(x, y)
+        engine.backward(loss.float())
+        engine.step(1e-4)
+
+    one = not dist.is_initialized()  # a one-GPU baseline: no process group
+
+    def reduce_max(v):
+        v = torch.tensor([v], device=mesh.device)
+        if not one:
+            dist.all_reduce(v, op=dist.ReduceOp.MAX)
+        return v.item()
+
+    def barrier():
+        if not one:
+            dist.barrier()
+
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    barrier()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    torch.cuda.synchronize()
+    step_s = reduce_max((time.perf_counter() - t0) / args.steps)
+    tok_s = t.micro_batch * t.seq_len * mesh.dp / step_s
+    flops = 6 * n_params + 12 * cfg.model.n_layer * cfg.model.n_embd * t.seq_len
+    mfu = flops * tok_s / (mesh.world * 989e12)
+    peak = reduce_max(torch.cuda.max_memory_allocated() / 1e9)
+
+    from torch.profiler import ProfilerActivity, profile
+    barrier()
+    kernels = []
+    if mesh.is_main:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA]
+    else:
+        step()
+        torch.cuda.synchronize()
+    barrier()
+    if mesh.is_main:
+        comm, exposed, busy, span = exposed_comm(kernels)
+        L = cfg.model.n_layer
+        res = dict(label=args.label or ("old" if args.tree else "new"), tree=args.tree or ".", flags=flags,
+                   dropped_flags=dropped, gpu=torch.cuda.get_device_name(), n_gpu=mesh.world,
+                   date=datetime.date.today().isoformat(), step_ms=step_s * 1e3, tokens_per_s=tok_s, mfu=mfu,
+                   peak_mem_gb=peak, profiled_step_span_ms=span, compute_busy_ms=busy, comm_ms=comm,
+                   exposed_comm_ms=exposed, comm_per_layer_ms=comm / L, exposed_per_layer_ms=exposed / L)
+        print(f"{res['label']:>14}: {tok_s:10,.0f} tok/s  MFU {mfu * 100:4.1f}%  peak {peak:5.1f} GB | "
+              f"profiled step {span:6.1f} ms, comm {comm:6.1f} ms, exposed {exposed:6.1f} ms "
+              f"({exposed / L:5.2f} ms/layer)" + (f"  [dropped {dropped}]" if dropped else ""), flush=True)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "profile_tp.jsonl"), "a") as fh:
+                fh.write(json.dumps(res) + "\n")
+    barrier()
+    if not one:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
