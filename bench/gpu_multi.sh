@@ -14,8 +14,9 @@
 #   ab     engine A/B: this tree against OLD=<dir of another commit's tree> (git archive REV | tar -x -C dir),
 #          DDP and ZeRO-2 at GPT-2's batch (32/N micro-steps), new, old, new, old in separate processes; then one
 #          micro-step of B=32 per GPU (our DDP's scaling against the one-GPU run of the same tree, no-comm control)
-#   tpspeed  issue #30: PRESET (gpt_1b) at B=8 x 1024 on 1 GPU, dp2 ZeRO-3, and tp2 / tp2+sp of OLD=<tree before>
-#          and of this tree with parallel.tp_overlap in OVERLAPS ("0 4"): tokens/s, MFU, memory, exposed comm/layer
+#   tpspeed  issue #30: PRESET (gpt_1b) at B=8 x 1024: BASE runs (1 GPU eager/graphed, dp2 ZeRO-3, tp2 and tp2+sp of
+#          OLD=<tree before>), then tp2 with sp in SPS, parallel.tp_overlap in OVERLAPS ("0 4"), cuda_graph in
+#          GRAPHS ("false true"), of NEW (default this tree): tokens/s, MFU, memory, exposed comm per layer
 #   train  train.py's own step time (metrics.jsonl, bench/step_times.py) at B=16, one micro-step, on 1 and N GPUs,
 #          this tree and OLD="<dir> ..." (other commits' trees) alternating, twice; needs data/shards/shakespeare
 set -uo pipefail
@@ -96,18 +97,23 @@ for s in "$@"; do
                $PY "$here/bench/step_times.py" /tmp/np_train | sed "s|^/tmp/np_train|$n GPU $name|"
              done; done; done; cd "$here"
            } 2>&1 | grep -v Warning | tee "$OUT/train.txt" ;;
-    tpspeed) # issue #30: tp2 / tp2+sp before (OLD tree) and after, overlap off (0) and on; exposed comm per layer
+    tpspeed) # issue #30: tp2 / tp2+sp before (OLD tree) and after, overlap off (0) and on, eager and graphed
            [ -d "${OLD:-}" ] || { echo "tpspeed: set OLD to the tree before (git archive REV | tar -x -C dir)"; exit 2; }
            P=${PRESET:-gpt_1b}; common="--preset=$P --train.micro_batch=${B:-8} --train.seq_len=1024"
-           { run 1 bench/profile_tp.py --label 1gpu --out "$OUT" -- $common
-             run 2 bench/profile_tp.py --label dp2_zero3 --out "$OUT" -- $common --parallel.zero=3
-             run 2 bench/profile_tp.py --tree "$OLD" --label old_tp2 --out "$OUT" -- $common --parallel.tp=2
-             run 2 bench/profile_tp.py --tree "$OLD" --label old_tp2_sp --out "$OUT" -- $common --parallel.tp=2 --parallel.sp=true
-             for ov in ${OVERLAPS:-0 4}; do
-               run 2 bench/profile_tp.py --label tp2_ov$ov --out "$OUT" -- $common --parallel.tp=2 --parallel.tp_overlap=$ov
-               run 2 bench/profile_tp.py --label tp2_sp_ov$ov --out "$OUT" -- $common --parallel.tp=2 --parallel.sp=true \
-                 --parallel.tp_overlap=$ov
-             done; } 2>&1 | grep -v Warning | tee -a "$OUT/tpspeed_$P.txt" ;;
+           new=${NEW:+--tree $NEW}  # NEW: this tree, or another (e.g. a committed snapshot)
+           prof() { label=$1; shift; run "$@" --out "$OUT" --label "$label" -- $common $FLAGS; }
+           { for b in ${BASE:-1gpu 1gpu_graph dp2_zero3 old_tp2 old_tp2_sp}; do case $b in
+               1gpu) FLAGS="" prof $b 1 bench/profile_tp.py $new ;;
+               1gpu_graph) FLAGS="--train.cuda_graph=true" prof $b 1 bench/profile_tp.py $new ;;
+               dp2_zero3) FLAGS="--parallel.zero=3" prof $b 2 bench/profile_tp.py $new ;;
+               old_tp2) FLAGS="--parallel.tp=2" prof $b 2 bench/profile_tp.py --tree "$OLD" ;;
+               old_tp2_sp) FLAGS="--parallel.tp=2 --parallel.sp=true" prof $b 2 bench/profile_tp.py --tree "$OLD" ;;
+             esac; done
+             for g in ${GRAPHS:-false true}; do for ov in ${OVERLAPS:-0 4}; do for sp in ${SPS:-false true}; do
+               FLAGS="--parallel.tp=2 --parallel.sp=$sp --parallel.tp_overlap=$ov --train.cuda_graph=$g" \
+                 prof tp2$([ $sp = true ] && echo _sp)_ov$ov$([ $g = true ] && echo _graph) 2 bench/profile_tp.py $new
+             done; done; done; } 2>&1 | grep -v -e Warning -e OMP_NUM -e '^\*\*\*' -e '^ *_warn' -e '^$' \
+             | tee -a "$OUT/tpspeed_$P.txt" ;;
     *) echo "unknown section $s"; exit 2 ;;
   esac
 done

@@ -2,7 +2,8 @@
 
     torchrun --nproc_per_node=2 bench/profile_tp.py [--tree DIR] [--label NAME] [--out DIR] -- TRAIN.PY FLAGS
 
-Builds the run as train.py does (Config from the same flags, Mesh, GPT, parallel.parallelize) on synthetic tokens,
+Builds the run as train.py does (Config from the same flags, Mesh, GPT, parallel.parallelize, graph.py's replay
+under --train.cuda_graph=true) on synthetic tokens,
 warms up, times 10 steps with CUDA events (tokens/s, MFU, peak memory) and profiles one step on rank 0. From the
 GPU kernels of that step:
   comm     the union of the NCCL kernels' intervals;
@@ -87,10 +88,19 @@ def main():
     x = torch.randint(0, cfg.model.vocab_size, (t.micro_batch, t.seq_len), generator=gen).to(mesh.device)
     y = torch.roll(x, -1, 1)
 
+    amp = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
+    graphed = None
+    if getattr(t, "cuda_graph", False):  # train.cuda_graph: forward + backward replayed (graph.py)
+        from nanopara.graph import GraphedMicroStep
+        graphed = GraphedMicroStep(engine.model, amp, 1.0, engine)
+
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            _, loss = engine.model(x, y)
-        engine.backward(loss.float())
+        if graphed is not None:
+            graphed(x, y)
+        else:
+            with amp():
+                _, loss = engine.model(x, y)
+            engine.backward(loss.float())
         engine.step(1e-4)
 
     one = not dist.is_initialized()  # a one-GPU baseline: no process group

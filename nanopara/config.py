@@ -96,7 +96,7 @@ class TrainConfig:
     grad_clip: float = 1.0       # max global grad norm (0 = off)
     dtype: str = "auto"          # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 (dynamic loss scaling) | fp32
     compile: bool = False        # torch.compile the model (the PyTorch baseline uses it)
-    cuda_graph: bool = False     # replay each micro-step's forward + backward from a CUDA graph (one GPU)
+    cuda_graph: bool = False     # replay each micro-step's forward + backward from a CUDA graph (one GPU, or TP)
     val_every: int = 250         # steps between validation passes (0 = never)
     val_steps: int = 20          # micro-batches per validation pass
     log_every: int = 1           # steps between log lines

@@ -14,9 +14,11 @@ norm on the host). Before capturing, `warmup` eager micro-steps run on a side st
 and allocator warm-up), and their gradients are zeroed: the first replay starts from the same state an eager run
 would.
 
-Limits, checked by parallel.check_layout before any work: a CUDA device; one process (DDP/ZeRO/TP launch
-communication from Python hooks, which a replay would not run); fixed shapes (every micro-batch is
-micro_batch x seq_len, as the loader makes them); no fp16 dynamic loss scaling (its scale changes between steps).
+Limits, checked by parallel.check_layout before any work: a CUDA device; one process, or tensor parallel alone
+(TP's collectives run inside forward and backward, so the graph records them, NCCL kernels included; DDP/ZeRO and
+the pipeline launch communication from Python hooks, which a replay would not run); fixed shapes (every
+micro-batch is micro_batch x seq_len, as the loader makes them); no fp16 dynamic loss scaling (its scale changes
+between steps).
 
 Tested by tests/test_graph.py (GPU: graphed and eager training give the same losses and weights; CPU: the layout
 errors); measured by bench/bench_gpt.py (`triton:graph=1`).

@@ -52,9 +52,9 @@ def check_layout(cfg: Config, world: int, device_type: str) -> int:
                           f"{t.micro_batch}*{t.seq_len}*{dp} = {per_micro}")
     if t.cuda_graph and device_type != "cuda":  # graph.py; its config-only limits are in Config.check
         raise ConfigError("train.cuda_graph=true needs a CUDA device")
-    if t.cuda_graph and world > 1:
-        raise ConfigError("train.cuda_graph=true supports one GPU only (dp = tp = 1): data/tensor parallel engines "
-                          "launch communication from Python hooks that a graph replay would skip")
+    if t.cuda_graph and world != p.tp:  # TP's collectives run inside forward/backward: a graph records them
+        raise ConfigError("train.cuda_graph=true supports one GPU or tensor parallel alone (world size = parallel.tp):"
+                          " data-parallel engines launch communication from Python hooks that a replay would skip")
     m = tokens_per_step // per_micro
     if p.pp > 1:  # the micro-batches are the pipeline's: 1F1B-type schedules need m >= pp, interleaved m % pp == 0
         try:

@@ -157,6 +157,7 @@ class SeqShardedPositions(nn.Module):
     def __init__(self, weight: nn.Parameter, state: _TPState):
         super().__init__()
         self.weight, self.state = weight, state
+        self._cols = {}  # (B, T, device) -> column in the sequence of each of this rank's rows, made once
 
     def forward(self, pos):  # (T,) -> the SP shard (B, T/tp, C), or (T, C) with SP switched off
         s = self.state
@@ -165,8 +166,11 @@ class SeqShardedPositions(nn.Module):
         if s.batch is None:
             raise RuntimeError("SeqShardedPositions runs after the vocab-parallel embedding (wte(idx) + wpe(pos))")
         B, T = s.batch, pos.shape[0]
-        rows = shard_rows(B * T, s.rank, s.tp, blocks(B * T // s.tp, s.chunks)).to(pos.device)
-        return F.embedding(pos[rows % T], self.weight).view(B, T // s.tp, -1)
+        key = (B, T, pos.device)
+        if key not in self._cols:  # built on the device: a host-to-device copy every step would stall the host
+            rows = shard_rows(B * T, s.rank, s.tp, blocks(B * T // s.tp, s.chunks))
+            self._cols[key] = (rows % T).to(pos.device)
+        return F.embedding(pos[self._cols[key]], self.weight).view(B, T // s.tp, -1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -200,8 +204,8 @@ class _VocabParallelCE(torch.autograd.Function):
         z = _masked_fp32(logits, ctx.start, ctx.n_vocab)
         grad = (z - m.unsqueeze(1)).exp_().div_(sumexp.unsqueeze(1))  # this shard's softmax columns
         local = targets - ctx.start
-        rows = torch.nonzero(valid & (local >= 0) & (local < z.shape[1])).squeeze(1)
-        grad[rows, local[rows]] -= 1.0
+        hit = valid & (local >= 0) & (local < z.shape[1])  # this shard holds the target: -1 there (no host sync)
+        grad.scatter_add_(1, local.clamp(0, z.shape[1] - 1).unsqueeze(1), -hit.to(grad.dtype).unsqueeze(1))
         grad.mul_((valid.float() * (grad_loss / count)).unsqueeze(1))
         return grad.to(logits.dtype), None, None, None, None
 

@@ -78,6 +78,13 @@ def _cast(t, dtype):
     return None if t is None else t.to(dtype)
 
 
+def _linear(x, w, b=None, out=None):
+    """x w^T (+ b), all in one dtype (autocast never applies to out= calls, and the inputs are cast already)."""
+    if out is None:
+        return torch.nn.functional.linear(x, w, b)
+    return torch.matmul(x, w.t(), out=out) if b is None else torch.addmm(b, x, w.t(), out=out)
+
+
 class _Fn(torch.autograd.Function):
     """Shared bookkeeping: inputs cast to the compute dtype (autocast's, else x's); grads returned in theirs."""
 
@@ -103,15 +110,19 @@ class ColumnSP(_Fn):
     @staticmethod
     def forward(ctx, x, weight, bias, group, chunks):
         xs, w, b = _Fn._enter(ctx, x, weight, bias, group, chunks)
-        with torch.autocast(x.device.type, enabled=False):
-            k = blocks(xs.shape[0], chunks)
+        k = blocks(xs.shape[0], chunks)
+        if k == 1:  # one gather, one GEMM
+            full = xs.new_empty(ctx.tp * xs.shape[0], xs.shape[1])
+            _wait([_gather(full, xs, group, ctx.sync)])
+            y = _linear(full, w, b)
+        else:
             full = xs.new_empty(k, ctx.tp * (xs.shape[0] // k), xs.shape[1])  # block j: rows j*tp*n ..
             works = [_gather(full[j], xs.view(k, -1, xs.shape[1])[j], group, ctx.sync) for j in range(k)]
             y = xs.new_empty(k, full.shape[1], w.shape[0])
             for j in range(k):
                 if works[j] is not None:
                     works[j].wait()
-                torch.matmul(full[j], w.t(), out=y[j]) if b is None else torch.addmm(b, full[j], w.t(), out=y[j])
+                _linear(full[j], w, b, out=y[j])
         ctx.save_for_backward(xs, w)
         ctx.has_bias = b is not None
         B, Ts = x.shape[0], x.shape[1]
@@ -142,14 +153,13 @@ class RowSP(_Fn):
     @staticmethod
     def forward(ctx, x, weight, bias, group, chunks):
         xr, w, _ = _Fn._enter(ctx, x, weight, None, group, chunks)
-        with torch.autocast(x.device.type, enabled=False):
-            k = blocks(xr.shape[0] // ctx.tp, chunks)
-            ys = xr.new_empty(k, xr.shape[0] // (k * ctx.tp), w.shape[0])
-            parts, works = [], []
-            for j, xj in enumerate(xr.view(k, -1, xr.shape[1])):
-                parts.append(xj @ w.t())
-                works.append(_scatter(ys[j], parts[-1], group, ctx.sync))
-            _wait(works)
+        k = blocks(xr.shape[0] // ctx.tp, chunks)
+        ys = xr.new_empty(k, xr.shape[0] // (k * ctx.tp), w.shape[0])
+        parts, works = [], []
+        for j, xj in enumerate(xr.view(k, -1, xr.shape[1]) if k > 1 else [xr]):
+            parts.append(_linear(xj, w))
+            works.append(_scatter(ys[j], parts[-1], group, ctx.sync))
+        _wait(works)
         ctx.save_for_backward(xr, w)
         return ys.view(x.shape[0], x.shape[1] // ctx.tp, w.shape[0])
 
@@ -175,8 +185,7 @@ class ColumnTP(_Fn):
     @staticmethod
     def forward(ctx, x, weight, bias, group, chunks):
         x2, w, b = _Fn._enter(ctx, x, weight, bias, group, chunks)
-        with torch.autocast(x.device.type, enabled=False):
-            y = x2 @ w.t() if b is None else torch.addmm(b, x2, w.t())
+        y = _linear(x2, w, b)
         ctx.save_for_backward(x2, w)
         ctx.has_bias = b is not None
         return y.view(*x.shape[:-1], w.shape[0])
@@ -202,11 +211,14 @@ class RowTP(_Fn):
     @staticmethod
     def forward(ctx, x, weight, bias, group, chunks):
         x2, w, _ = _Fn._enter(ctx, x, weight, None, group, chunks)
-        with torch.autocast(x.device.type, enabled=False):
+        if chunks <= 1:
+            y = _linear(x2, w)
+            _wait([_reduce(y, group, ctx.sync)])
+        else:
             y = x2.new_empty(x2.shape[0], w.shape[0])
             works = []
-            for xj, yj in zip(x2.tensor_split(max(chunks, 1)), y.tensor_split(max(chunks, 1))):
-                torch.matmul(xj, w.t(), out=yj)
+            for xj, yj in zip(x2.tensor_split(chunks), y.tensor_split(chunks)):
+                _linear(xj, w, out=yj)
                 works.append(_reduce(yj, group, ctx.sync))
             _wait(works)
         ctx.save_for_backward(x2, w)

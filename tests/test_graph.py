@@ -16,11 +16,12 @@ def test_unsupported_runs_fail_before_any_work(tmp_path):
     assert check_layout(cfg, 1, "cuda") == 1
     with pytest.raises(ConfigError, match="needs a CUDA device"):
         check_layout(cfg, 1, "cpu")
-    with pytest.raises(ConfigError, match="one GPU only"):
-        check_layout(cfg, 2, "cuda")
+    with pytest.raises(ConfigError, match="one GPU or tensor parallel alone"):
+        check_layout(cfg, 2, "cuda")  # dp = 2
     cfg.parallel.tp = 2
-    with pytest.raises(ConfigError, match="one GPU only"):
-        check_layout(cfg, 2, "cuda")
+    assert check_layout(cfg, 2, "cuda") == 1  # tp alone: its collectives are recorded (tests/test_tp.py, GPU)
+    with pytest.raises(ConfigError, match="one GPU or tensor parallel alone"):
+        check_layout(cfg, 4, "cuda")  # tp 2 x dp 2
     cfg.parallel.tp = 1
     cfg.train.dtype = "fp16"  # the limits that need no world size: Config.check
     with pytest.raises(ConfigError, match="fp16"):
