@@ -301,12 +301,15 @@ class GPT(nn.Module):
         return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
     # ------------------------------------------------------------------------------------------------------------
-    def forward(self, idx, targets=None, kv_caches=None, pos0: int = 0):
-        """idx (B, T) int64 -> (logits (B, T, Vp), loss or None). targets == -1 are ignored (SFT masking)."""
+    def forward(self, idx, targets=None, kv_caches=None, pos0: int = 0, pos=None):
+        """idx (B, T) int64 -> (logits (B, T, Vp), loss or None). targets == -1 are ignored (SFT masking).
+        pos: (T,) positions of idx's tokens when they are not pos0, pos0+1, ... (context parallel's chunks,
+        cp.py, whose caller checked them against block_size)."""
         B, T = idx.shape
-        if pos0 + T > self.cfg.block_size:
-            raise ValueError(f"sequence of {pos0 + T} tokens exceeds the model's context of {self.cfg.block_size}")
-        pos = torch.arange(pos0, pos0 + T, device=idx.device)
+        if pos is None:
+            if pos0 + T > self.cfg.block_size:
+                raise ValueError(f"sequence of {pos0 + T} tokens exceeds the model's context of {self.cfg.block_size}")
+            pos = torch.arange(pos0, pos0 + T, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
         x = F.dropout(x, self.cfg.dropout, self.training)
         ops = self.ops_for(idx.device)

@@ -101,12 +101,12 @@ class Chunk(nn.Module):
             return None
         return self.transformer["wte"].weight if self.first else self.lm_head.weight
 
-    def forward(self, x, targets=None):
+    def forward(self, x, targets=None, pos=None):
         """x: token ids (B, T) on the first chunk, else the residual stream (B, T, C) from the previous chunk.
-        Returns the residual stream for the next chunk, or the loss on the last."""
+        Returns the residual stream for the next chunk, or the loss on the last. pos: as GPT.forward's (cp.py)."""
         t = self.transformer
         if self.first:
-            pos = torch.arange(x.shape[1], device=x.device)
+            pos = torch.arange(x.shape[1], device=x.device) if pos is None else pos
             x = F.dropout(t.wte(x) + t.wpe(pos), self.cfg.dropout, self.training)  # (B, T, C), as GPT.forward
         ops = self.ops_for(x.device)
         m = None

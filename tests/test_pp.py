@@ -214,7 +214,7 @@ def test_stage_holds_its_chunks_under_single_device_names():
     (["--parallel.pp=2", "--parallel.zero=3"], "parallel.zero=3 with parallel.pp > 1"),
     (["--parallel.pp=2", "--train.compile=true"], "compile=true with parallel.pp > 1 is not supported"),
     (["--parallel.pp=2", "--train.cuda_graph=true"], "cuda_graph=true with parallel.pp > 1"),
-    (["--parallel.cp=2"], "cp/ep > 1 are not implemented yet"),
+    (["--parallel.pp=2", "--parallel.cp=3"], r"seq_len=1024 is not divisible by 2\*parallel.cp = 6"),
     (["--train.activation_checkpointing=some"], "activation_checkpointing must be none.full.selective"),
 ])
 def test_bad_pipeline_config_is_one_clear_error(argv, message):
