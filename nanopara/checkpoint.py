@@ -55,7 +55,8 @@ def _atomic_write_text(path: str, text: str) -> None:
 
 
 def layout(mesh: Mesh) -> dict:
-    return {"world": mesh.world, **{ax: mesh.sizes[ax] for ax in ("pp", "dp", "cp", "tp")}}
+    ep = {"ep": mesh.sizes["ep"]} if mesh.sizes.get("ep", 1) > 1 else {}  # expert parallel (ep.py), carved from dp x cp
+    return {"world": mesh.world, **{ax: mesh.sizes[ax] for ax in ("pp", "dp", "cp", "tp")}, **ep}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -275,6 +276,7 @@ def save_training(out_dir: str, step: int, mesh: Mesh, engine, loader, scaler, m
     state = {"model": engine.model_state_dict(), "engine": engine.state_dict(), "loader": loader.state_dict(),
              "scaler": scaler.state_dict(), "rng": rng_state(mesh.device), "mesh": dict(mesh.coords),
              "tp_shards": getattr(engine, "tp_shards", {}),  # which global slice of each tp-sharded tensor it holds
+             "ep_shards": getattr(engine, "ep_shards", {}),  # the same for ep-sharded experts (ep.apply_ep)
              "buffers": model_buffers(engine.model)}  # MoE's expert_bias: replicated, not in the engine's state
     if getattr(engine, "pp_layers", None) is not None:  # pp > 1: every chunk's global blocks; this rank's chunks
         meta = {**meta, "pp_layers": engine.pp_layers}

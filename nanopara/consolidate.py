@@ -8,6 +8,7 @@ A checkpoint is meta.json (config, layout = mesh sizes) plus rank_NNNNN.pt per r
 Ranks sit on the grid [pp, dp, cp, tp], tp fastest (mesh.py). Reassembly, per pipeline stage s and tp rank t:
   replicated over dp x cp (one process, DDP, ZeRO-1/2): {name: tensor} of the (dp 0, cp 0) rank;
   ZeRO-3: every dp x cp rank's "flat_shard" joined by zero.unshard_model;
+  expert parallel: each expert tensor from the dp x cp ranks' pieces, placed at the rows "ep_shards" names;
 then over tp: each sharded tensor's pieces placed at the slices its tp_shards entry names (c_attn's q, k, v
 blocks are split per head, so a piece is several slices); then over pp: the stages' tensors keep their
 single-device names (pp.Stage), so they are merged, and the last stage's copy of the tied weight (lm_head.weight,
@@ -108,6 +109,22 @@ def _dp_full(models: list[dict], file: str) -> dict:
     return unshard_model(models)
 
 
+def _join_experts(full: dict, states: list[dict], file: str) -> dict:
+    """Expert parallel (ep.py): each expert tensor of `full` (one rank's E/ep experts) replaced by all E, placed
+    from the dp x cp ranks' pieces at the expert rows their "ep_shards" entries name (one piece per ep rank)."""
+    for name, m0 in (states[0].get("ep_shards") or {}).items():
+        pieces = {}
+        for st in states:
+            m = st["ep_shards"][name]
+            pieces.setdefault(m["ep_rank"], (st["model"][name], m))
+        if sorted(pieces) != list(range(m0["ep"])):
+            raise CheckpointError(f"checkpoint shard {file}: {name} is split over ep={m0['ep']} ranks, found the "
+                                  f"pieces of ep ranks {sorted(pieces)}")
+        full[name] = _place(name, [pieces[i][0] for i in range(m0["ep"])],
+                            [{**pieces[i][1], "tp": m0["ep"], "tp_rank": i} for i in range(m0["ep"])], m0["ep"])
+    return full
+
+
 def _place(name: str, pieces: list[torch.Tensor], metas: list[dict], tp: int) -> torch.Tensor:
     """The full tensor of a tp-sharded parameter from every tp rank's piece and its recorded global slices."""
     m0 = metas[0]
@@ -137,7 +154,8 @@ def _stage_full(path: str, states: list, sizes: dict, s: int) -> dict:
     for t in range(tp):
         ranks = [r for r in range(world) if grid_coords(r, sizes)["tp"] == t and grid_coords(r, sizes)["pp"] == s]  # dp x cp
         file = os.path.join(path, f"rank_{ranks[0]:05d}.pt")
-        per_tp.append(_dp_full([states[r]["model"] for r in ranks], file))
+        per_tp.append(_join_experts(_dp_full([states[r]["model"] for r in ranks], file), [states[r] for r in ranks],
+                                    file))
         tp_meta.append(states[ranks[0]].get("tp_shards") or {})
     if tp > 1 and not tp_meta[0]:
         raise CheckpointError(f"checkpoint {path}: tp={tp} but its shards carry no tp_shards metadata")

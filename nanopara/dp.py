@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from nanopara.config import Config
-from nanopara.engine import BucketHooks, Engine, check_fp32, grad_buckets, param_kind, views
+from nanopara.engine import BucketHooks, Engine, NoWork, check_fp32, grad_buckets, param_kind, reduce_group, views
 from nanopara.mesh import Mesh
 from nanopara.optim import build_adamw
 
@@ -78,12 +78,14 @@ class DDP(BucketHooks, Engine):
     def __init__(self, model: nn.Module, mesh: Mesh, cfg: Config):
         super().__init__(model, mesh, cfg)
         check_fp32(self.params)
-        src = dist.get_global_rank(self.group, 0)
         for p in self.params:  # replicas start identical even if a caller forgot to seed alike
-            dist.broadcast(p.data, src=src, group=self.group)
+            group = reduce_group(self, [p])[0]  # experts (ep.py): over their replicas only
+            if group is not None:
+                dist.broadcast(p.data, src=dist.get_global_rank(group, 0), group=group)
         self.optimizer = build_adamw(model.named_parameters(), cfg.train, mesh.device)
         self.reduce_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.parallel.reduce_dtype]
         self.buckets = grad_buckets(self.params, int(cfg.parallel.bucket_mb * 2 ** 20) // 4)
+        self._groups = [reduce_group(self, b)[0] for b in self.buckets]  # dp x cp, or edp for experts
         self.bufs = [torch.zeros(sum(p.numel() for p in b), device=self.device) for b in self.buckets]
         self._slot = {id(p): g.view_as(p) for b, buf in zip(self.buckets, self.bufs)  # p's slice of its bucket
                       for p, g in zip(b, views(buf, [p.numel() for p in b]))}
@@ -112,10 +114,13 @@ class DDP(BucketHooks, Engine):
         for p in self.buckets[i]:
             if p.grad is None:  # no gradient this step (an unused parameter): it reduces as zeros
                 p.grad = self._slot[id(p)].zero_()
+        group = self._groups[i]
+        if group is None:  # experts with one replica (ep = dp x cp): nothing to reduce
+            return NoWork()
         if self.reduce_dtype == torch.float32:
-            return dist.all_reduce(self.bufs[i], group=self.group, async_op=True)
+            return dist.all_reduce(self.bufs[i], group=group, async_op=True)
         low = self.bufs[i].to(self.reduce_dtype)  # (bucket,) bf16: half the bytes on the wire, alive until wait()
-        return _Widen(dist.all_reduce(low, group=self.group, async_op=True), low, self.bufs[i])
+        return _Widen(dist.all_reduce(low, group=group, async_op=True), low, self.bufs[i])
 
     def _before_backward(self):
         self._check_single_sync()

@@ -19,6 +19,8 @@ over pp (the last stage's copy of the tied weight, `p.pp_tied_copy`, skipped). P
 in pp.Pipeline under no_sync, and its hook `sync_from_now` lets a chunk's buckets reduce from its last backward on;
 the tied weight (`p.pp_tied`) is alone in the last bucket, reduced after pp.sync_tied_grads (Megatron-LM#844).
 Grads of `p.sp_partial` parameters are partial sums over tp (tp.py): every engine sums them first.
+Expert parallel (ep.py): expert parameters (`p.ep_dim`) sit in buckets of their own, reduced over the edp group
+(`reduce_group`); their squares sum over ep (DDP) or, as ZeRO shards over edp, over dp x cp with the rest.
 Checkpoints: model_state_dict()/state_dict() return this rank's part. Replicated parameters: {name: tensor};
 an unsharded optimizer: {"format": "full", "step", "state": {name: {"exp_avg", "exp_avg_sq"}}}; ZeRO's sharded
 "flat_shard" form: zero.py. Every engine loads the full forms (resharding) and its own layout (bit-exact resume).
@@ -41,15 +43,17 @@ from nanopara.mesh import Mesh
 from nanopara.optim import clip_coef
 from nanopara.optim import decays
 
-REPLICATED, TP_SHARDED, SP_PARTIAL, PP_COPY = 0, 1, 2, 3
+REPLICATED, TP_SHARDED, SP_PARTIAL, PP_COPY, EXPERT = 0, 1, 2, 3, 4
 
 
 def param_kind(p: torch.Tensor) -> int:
     """How a parameter relates to tp (tp.py's contract): sharded (tp_dim), partial grads (sp_partial), replicated;
     PP_COPY: the last pipeline stage's copy of the tied weight (pp.py), left out of the norm (the first stage's
-    copy has the same gradient)."""
+    copy has the same gradient); EXPERT: this ep rank's experts (ep.py's `ep_dim`), reduced over the edp group."""
     if getattr(p, "pp_tied_copy", False):
         return PP_COPY
+    if hasattr(p, "ep_dim"):
+        return EXPERT
     if hasattr(p, "tp_dim"):
         return TP_SHARDED
     return SP_PARTIAL if getattr(p, "sp_partial", False) else REPLICATED
@@ -162,6 +166,8 @@ class Engine:
         self.r = mesh.ranks["dp_cp"].index(mesh.rank) if "dp_cp" in mesh.ranks else 0
         self.tp_group = mesh.groups.get("tp") if mesh.tp > 1 else None
         self.pp_group = mesh.groups.get("pp") if mesh.pp > 1 else None
+        # expert parallel (ep.py): experts' grads reduce over edp (their replicas), their norms sum over ep
+        self.ep_group, self.edp_group = mesh.groups.get("ep"), mesh.groups.get("edp")
         self.pipeline = None  # pp.Pipeline of this rank's stage (parallel.parallelize sets it for pp > 1)
         self.pp_layers = None  # pp > 1: every chunk's global block indices (checkpoint metadata)
         self._live = set()  # ids of parameters whose next gradient is the step's last (sync_from_now)
@@ -275,13 +281,18 @@ class Engine:
     def _global_sq(self, pieces) -> torch.Tensor:
         """The squared global norm of the gradients: fp32, 0-dim, on the device (no host sync)."""
         sq = torch.stack([sum_sq([g for g, k in pieces if k in (REPLICATED, SP_PARTIAL)], self.device),  # tp-repl.
-                          sum_sq([g for g, k in pieces if k == TP_SHARDED], self.device)])  # tp-sharded; (2,)
-        if self.sharded_grads and self.group is not None:
+                          sum_sq([g for g, k in pieces if k == TP_SHARDED], self.device),  # tp-sharded
+                          sum_sq([g for g, k in pieces if k == EXPERT], self.device)])  # this ep rank's experts; (3,)
+        if self.sharded_grads and self.group is not None:  # ZeRO: expert shards too (edp x ep = dp x cp)
             dist.all_reduce(sq, group=self.group)
+        elif self.ep_group is not None:  # replicated engines: the ep ranks hold different experts
+            ep_part = sq[2:].clone()
+            dist.all_reduce(ep_part, group=self.ep_group)
+            sq = torch.cat([sq[:2], ep_part])
         if self.tp_group is not None:
-            tp_part = sq[1:].clone()
+            tp_part = sq[1:2].clone()
             dist.all_reduce(tp_part, group=self.tp_group)
-            sq = torch.cat([sq[:1], tp_part])
+            sq = torch.cat([sq[:1], tp_part, sq[2:]])
         sq = sq.sum()
         if self.pp_group is not None:  # every stage holds other parameters (PP_COPY left out above)
             dist.all_reduce(sq, group=self.pp_group)
@@ -357,15 +368,32 @@ def grad_buckets(params, cap_elems: int) -> list[list]:
 
 
 def split_buckets(params, cap_elems: int) -> list[list]:
-    """Consecutive runs of `params` of at most cap_elems elements each (a larger parameter gets its own)."""
+    """Consecutive runs of `params` of at most cap_elems elements each (a larger parameter gets its own); expert
+    parameters (ep.py) and the others never share one, as they reduce over different groups."""
     out, cur, size = [], [], 0
     for p in params:
-        if cur and size + p.numel() > cap_elems:
+        if cur and (size + p.numel() > cap_elems or hasattr(p, "ep_dim") != hasattr(cur[0], "ep_dim")):
             out.append(cur)
             cur, size = [], 0
         cur.append(p)
         size += p.numel()
     return out + ([cur] if cur else [])
+
+
+class NoWork:
+    """The handle of a reduction over a group of one rank: nothing to wait for."""
+
+    def wait(self):
+        pass
+
+
+def reduce_group(engine, params):
+    """(group, size, index of this rank) that reduces `params`' gradients: the edp group for expert parameters
+    (ep.py; group None when one rank holds each expert), else dp x cp."""
+    if params and hasattr(params[0], "ep_dim"):
+        mesh = engine.mesh
+        return engine.edp_group, mesh.sizes["edp"], mesh.coords["edp"]
+    return engine.group, engine.n, engine.r
 
 
 class BucketHooks:

@@ -7,8 +7,10 @@ stays inside one node on NVLink:
 
 `Mesh.build(dp, pp, cp, tp)` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK), initialises the default
 process group (NCCL on CUDA, gloo on CPU) and creates one group per axis value plus the dp x cp group that reduces
-gradients of replicated parameters. Every rank creates every group in the same order (a requirement of
-`torch.distributed.new_group`). The mesh is passed explicitly to whatever needs it; nothing here is global.
+gradients of replicated parameters; with `ep` > 1 also the expert-parallel groups ("ep": runs of ep ranks of the
+dp x cp group, "edp": the ranks holding the same experts; mesh.ep, mesh.ep_rank, mesh.ep_group). Every rank
+creates every group in the same order (a requirement of `torch.distributed.new_group`). The mesh is passed
+explicitly to whatever needs it; nothing here is global.
 
 With a world of one process no process group is created and every group is None: callers treat a size-1 axis as
 "no communication".
@@ -73,11 +75,14 @@ class Mesh:
     # ------------------------------------------------------------------------------------------------------------
     @staticmethod
     def build(dp: int = -1, pp: int = 1, cp: int = 1, tp: int = 1, device: str = "auto",
-              timeout_s: int = 600) -> "Mesh":
+              timeout_s: int = 600, ep: int = 1) -> "Mesh":
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         sizes = check_degrees(world, dp=dp, pp=pp, cp=cp, tp=tp)
+        if ep < 1 or (sizes["dp"] * sizes["cp"]) % ep:
+            raise MeshError(f"parallel.ep={ep} must divide dp*cp = {sizes['dp']}*{sizes['cp']} (expert parallel is "
+                            f"carved out of the data-parallel ranks)")
 
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -92,6 +97,10 @@ class Mesh:
             dev = torch.device("cpu")
 
         mesh = Mesh(rank, world, local_rank, dev, sizes, grid_coords(rank, sizes))
+        if ep > 1:  # not a grid axis: ep groups are runs of the dp x cp group (_make_groups)
+            mesh.sizes["ep"], mesh.sizes["edp"] = ep, sizes["dp"] * sizes["cp"] // ep
+            i = mesh.coords["dp"] * sizes["cp"] + mesh.coords["cp"]  # index in the dp x cp group
+            mesh.coords["ep"], mesh.coords["edp"] = i % ep, i // ep
         if world > 1 and not dist.is_initialized():
             dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=world,
                                     timeout=datetime.timedelta(seconds=timeout_s),
@@ -111,6 +120,12 @@ class Mesh:
         # dp x cp: replicas of the same (pp, tp) shard
         lines["dp_cp"] = [[self.rank_of(pp=p, tp=t, dp=d, cp=c) for d in range(self.dp) for c in range(self.cp)]
                           for p in range(self.pp) for t in range(self.tp)]
+        # expert parallel: ep groups are runs of ep consecutive dp x cp ranks (each holds E/ep experts); edp groups
+        # are the ranks holding the same experts, one per ep group (their expert gradients reduce there)
+        ep = self.sizes.get("ep", 1)
+        if ep > 1:
+            lines["ep"] = [g[i:i + ep] for g in lines["dp_cp"] for i in range(0, len(g), ep)]
+            lines["edp"] = [g[j::ep] for g in lines["dp_cp"] for j in range(ep)]
         for name, all_lines in lines.items():
             for members in all_lines:
                 group = None

@@ -34,7 +34,9 @@ no host sync): aux (L_b), z (L_z), drop (fraction of assignments dropped), load_
 least / most loaded expert over the mean; 1 = balanced). `collect_stats(model)` folds them over layers in one sync.
 Parameters: router.weight (E, C); experts.c_fc.weight (E, 4C, C) and .bias (E, 4C); experts.c_proj.weight
 (E, C, 4C) and .bias (E, C): each expert slice in nn.Linear's layout, so a dense MLP copies into every expert.
-Callers: tests/test_moe.py, bench/bench_moe.py (model integration: notes/moe.md).
+Expert parallel: ep.apply_ep keeps E/ep experts per rank and sets `ep`; the forward then sends the sorted rows to
+their experts' ranks and back (ep.py) around `_run_experts`; routing, gates and losses stay as above.
+Callers: tests/test_moe.py, tests/test_ep.py, bench/bench_moe.py (model integration: notes/moe.md).
 """
 from __future__ import annotations
 
@@ -239,6 +241,7 @@ class MoEMLP(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(E))  # aux-loss-free balancing (checkpointed)
         self.register_buffer("load", torch.zeros(E), persistent=False)  # assignments since the last bias update
         self.aux_grad_scale = 1.0  # the trainer's factor on its loss (1 / micro-steps), see the module docstring
+        self.ep = None  # ep.EPGroup once ep.apply_ep shards the experts: this rank then holds E / ep of them
         self.aux_loss = None
         self.stats = {}
         self.reset_parameters(cfg.n_layer)
@@ -273,22 +276,31 @@ class MoEMLP(nn.Module):
         logits = self.router_logits(x2)  # (N, E)
         bias = self.expert_bias if self.bias_rate > 0 else None
         cap = self.capacity(N)
-        w = self.experts.params()
-        if impl == "loop":
+        if impl == "loop" and self.ep is None:
             y, counts, kept = moe_loop_ref(x2, logits, self.experts, k, self.score, self.renorm, bias, cap)
         else:
-            mr, gg = _kernels()
+            impl = "sorted" if impl == "loop" else impl  # expert parallel: the loop's spec is the sorted path's
+            mr, _ = _kernels()
             r = (mr.route_triton if impl == "triton" else mr.route_ref)(logits.detach(), k, self.score, bias, cap)
             gates = gate_weights(logits, r.idx, self.score, self.renorm)  # (N, k)
             if impl == "triton":
                 xs = mr.permute_triton(x2.to(compute_dtype(x2)), r.dest, r.rows)  # (R, C) expert-sorted
-                y = mr.unpermute_triton(gg.grouped_mlp_triton(xs, *w, r.offsets), r.dest, gates)
             else:
                 xs = mr.permute_ref(x2, r.dest, r.rows)
-                y = mr.unpermute_ref(experts_sorted(xs, r.offsets, self.experts, impl == "grouped_mm"), r.dest, gates)
+            if self.ep is None:
+                ys = self._run_experts(impl, xs, r.offsets)
+            else:  # expert parallel (nanopara/ep.py): rows to the ranks holding their experts and back
+                ys = self.ep.experts(xs, r.offsets, lambda rows, offsets: self._run_experts(impl, rows, offsets))
+            y = (mr.unpermute_triton if impl == "triton" else mr.unpermute_ref)(ys, r.dest, gates)
             counts, kept = r.counts, r.offsets[-1]
         y = self._losses(y, logits, counts, kept, N)
         return F.dropout(y.view(*shape[:-1], y.shape[-1]), self.dropout, self.training)
+
+    def _run_experts(self, impl, xs, offsets):
+        """This rank's experts on the expert-sorted rows xs, group bounds offsets (E_local + 1,)."""
+        if impl == "triton":
+            return _kernels()[1].grouped_mlp_triton(xs, *self.experts.params(), offsets)
+        return experts_sorted(xs, offsets, self.experts, impl == "grouped_mm")
 
     def _losses(self, y, logits, counts, kept, N):
         """Sets aux_loss and stats; routes the aux loss's gradient through y's backward."""

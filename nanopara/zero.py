@@ -16,6 +16,9 @@ ZeRO-2 (P_os+g): a bucket's full gradient exists only until its reduce-scatter e
   beside the next micro-step's forward. ZeRO-2 reduces on every micro-step and accumulates shards (no_sync is a
   no-op: skipping the reduction would mean holding the full gradient, which ZeRO-2 exists to avoid).
 
+Expert parallel (ep.py): the expert parameters' buckets are flats of their own, sharded over the edp group (the
+ranks holding the same experts) instead of dp x cp; their shards resume on the same layout only (unshard_* joins
+dp x cp shards of one layout, not these).
 Checkpoint form of anything sharded (ZeRO optimizer states; ZeRO-3 parameters):
     {"format": "flat_shard", "rank": r, "world": N, "step": int, "flats": [{"params": [[name, shape, offset], ...],
      "numel", "padded", "lo", "hi", <key>: (hi-lo,) tensor}]}     key: "param" or "exp_avg" / "exp_avg_sq"
@@ -31,7 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from nanopara.config import Config
-from nanopara.engine import BucketHooks, Engine, Flat, check_fp32, grad_buckets, views
+from nanopara.engine import BucketHooks, Engine, Flat, NoWork, check_fp32, grad_buckets, reduce_group, views
 from nanopara.mesh import Mesh
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -78,7 +81,6 @@ class Zero(BucketHooks, Engine):
         super().__init__(model, mesh, cfg)
         check_fp32(self.params)
         self.stage, self.label = stage, f"ZeRO-{stage}"
-        self._src = dist.get_global_rank(self.group, 0)
         self._works = []  # (flat, work, reduced shard, sent): reduce-scatters in flight
         self._make_flats()
         self._make_optimizer()
@@ -88,8 +90,11 @@ class Zero(BucketHooks, Engine):
         if self.stage not in (1, 2):
             raise ValueError("ZeRO-3 is zero3.Zero3 (parallel.build_engine picks it for parallel.zero=3)")
         groups = grad_buckets(self.params, int(self.cfg.parallel.bucket_mb * 2 ** 20) // 4)
-        self.flats = [Flat(f"bucket{i}", b, [self.names[id(p)] for p in b], self.n, self.r)
-                      for i, b in enumerate(groups)]
+        self.flats = []
+        for i, b in enumerate(groups):  # expert buckets (ep.py) shard over their replicas (edp), the rest over dp x cp
+            group, n, r = reduce_group(self, b)
+            self.flats.append(Flat(f"bucket{i}", b, [self.names[id(p)] for p in b], n, r))
+            self.flats[-1].group = group
         for f in self.flats:
             f.param = self._flatten(f)
             for p, view in zip(f.params, views(f.param, f.sizes)):
@@ -111,7 +116,9 @@ class Zero(BucketHooks, Engine):
         buf = torch.zeros(f.padded, device=self.device)
         for p, view in zip(f.params, views(buf, f.sizes)):
             view.copy_(p.detach().reshape(-1))
-        dist.broadcast(buf, src=self._src, group=self.group)  # replicas start identical
+        group = getattr(f, "group", self.group)  # ZeRO-3's flats: dp x cp
+        if group is not None:  # replicas start identical
+            dist.broadcast(buf, src=dist.get_global_rank(group, 0), group=group)
         return buf
 
     def _make_optimizer(self):
@@ -153,7 +160,7 @@ class Zero(BucketHooks, Engine):
         if self.stage == 1:  # in place: the input is f.grad (p.grad views, accumulated over the micro-steps) and
             # the output its own [lo, hi) (NCCL and gloo reduce in place when recv = send + r*shard): no copy
             out = f.grad[f.lo:f.hi]
-            return f, dist.reduce_scatter_tensor(out, f.grad, group=self.group, async_op=True), out, None
+            return f, self._reduce_scatter(out, f.grad, f.group), out, None
         self._drain(keep=self.max_inflight - 1)  # bounds the full-size bucket copies alive at once
         # (padded,): one bucket, alive until its reduction ends. Gradients written into it by their casts
         # (_grad_dest) stay; the others are copied in. No destination given: one cat kernel; one parameter
@@ -178,7 +185,13 @@ class Zero(BucketHooks, Engine):
             p.grad = None  # ZeRO-2: the full gradient is freed; only the reduced shard is kept
             self._given.discard(id(p))
         out = sent[f.lo:f.hi]  # in place, as above
-        return f, dist.reduce_scatter_tensor(out, sent, group=self.group, async_op=True), out, sent
+        return f, self._reduce_scatter(out, sent, f.group), out, sent
+
+    @staticmethod
+    def _reduce_scatter(out, full, group):
+        """Async reduce-scatter of `full` into `out`, its own slice; over a group of one (experts that one rank
+        holds, ep = dp x cp) `out` is all of `full` already."""
+        return NoWork() if group is None else dist.reduce_scatter_tensor(out, full, group=group, async_op=True)
 
     def _grad_dest(self, p):
         """ZeRO-2: p's range of its bucket's send buffer (made by the bucket's first request), once per micro-step."""
@@ -233,8 +246,8 @@ class Zero(BucketHooks, Engine):
 
     def _after_step(self):
         # in place (the input is the output's own [lo, hi), which NCCL and gloo allow): no (shard,) copies
-        works = [dist.all_gather_into_tensor(f.param, f.param[f.lo:f.hi], group=self.group, async_op=True)
-                 for f in self.flats]
+        works = [dist.all_gather_into_tensor(f.param, f.param[f.lo:f.hi], group=f.group, async_op=True)
+                 for f in self.flats if f.group is not None]
         for work in works:
             work.wait()
 

@@ -100,7 +100,7 @@ def test_decay_groups():
 
 
 @pytest.mark.parametrize("extra, msg", [
-    (["--parallel.ep=2"], "not implemented"),
+    (["--parallel.ep=3"], "not divisible by parallel.ep=3"),
     (["--parallel.tp=2"], "parallel.tp > 1"),
     (["--parallel.pp=2"], "parallel.pp > 1"),
     (["--model.moe_top_k=5"], "moe_top_k"),

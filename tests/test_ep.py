@@ -1,0 +1,261 @@
+"""Expert parallel (nanopara/ep.py) on CPU gloo: the all-to-all's autograd rule (empty sends and receives), one MoE
+layer against the single-device layer (skewed routing: an expert with every token, ranks with none; capacity; the
+Triton kernels in the interpreter), and train.py at ep2 (ZeRO-1, + resume), ep4 (DDP) and ep2 x dp2 (ZeRO-2, full
+activation checkpointing) against the single-process run: losses, grad norms and the consolidated weights.
+
+Tolerances: an expert's matmul over other rows (the ep rank batches every source's tokens) and the edp/dp sums
+change fp32 summation order only. Measured on the 2-core CPU (torch 2.13) over 12 steps: losses within 1e-6,
+weights within 6e-6 (experts) and 4.5e-5 (c_attn.bias, whose key part AdamW steps on rounding noise: its gradient
+is zero in exact arithmetic). The bounds (1e-4 losses, 5e-5 weights, as tests/test_parallel_train.py) still catch
+a lost expert gradient or a wrong shard, which move the loss by > 1e-2 within two steps.
+"""
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import train
+from nanopara.config import ConfigError, parse_args
+from nanopara.consolidate import full_model_state
+from nanopara.data import write_shard
+from nanopara.ep import AllToAll, apply_ep, gather_experts, source_to_expert_order
+from nanopara.mesh import Mesh, MeshError
+from nanopara.moe import MoEConfig, MoEMLP
+from nanopara.parallel import check_layout
+from nanopara.report import read_metrics
+from tests.distributed import free_port, spawn
+
+STEPS = 12
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the all-to-all and its backward
+
+def _splits(world, seed):
+    """send[i][j]: rows rank i sends rank j, zeros included (a rank that sends or receives nothing)."""
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randint(0, 4, (world, world), generator=g)
+    s[0, :] = 0  # rank 0 sends nothing
+    s[:, world - 1] = 0  # the last rank receives nothing
+    return s
+
+
+def check_all_to_all(rank, world):
+    """AllToAll over the default group against a reference every rank computes from the shared seeds."""
+    send = _splits(world, 0)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(int(send[i].sum()), 3, generator=g) for i in range(world)]  # every rank's input
+    ws = [torch.randn(int(send[:, j].sum()), 3, generator=g) for j in range(world)]  # weights on each output
+    x = xs[rank].clone().requires_grad_(True)
+    y = AllToAll.apply(x, send[rank].tolist(), send[:, rank].tolist(), None)
+    # reference: rank j receives, in source order, the rows each source i sends to it
+    assert torch.equal(y, torch.cat([xs[i].split(send[i].tolist())[rank] for i in range(world)]))
+    (y * ws[rank]).sum().backward()
+    # d/dx of sum_j <y_j, w_j>: my rows sent to rank j, at their place in j's output, get w_j there
+    want = []
+    for j in range(world):
+        at = int(send[:rank, j].sum())  # rows of earlier sources before mine in rank j's output
+        want.append(ws[j][at:at + int(send[rank, j])])
+    assert torch.equal(x.grad, torch.cat(want))
+
+
+def test_source_to_expert_order():
+    recv = torch.tensor([[2, 0, 1], [1, 3, 0]])  # (sources, local experts)
+    rows = [(s, e) for s in range(2) for e in range(3) for _ in range(int(recv[s, e]))]  # received order
+    order = source_to_expert_order(recv, "cpu")
+    assert [rows[i] for i in order] == sorted(rows, key=lambda se: (se[1], se[0]))
+    assert sorted(order.tolist()) == list(range(len(rows)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# one MoE layer: EP equals the single-device layer, skewed and empty experts included
+
+def _layer(k, capacity, skew, impl="sorted"):
+    torch.manual_seed(0)
+    cfg = MoEConfig(n_embd=8, n_layer=2, moe_experts=4, moe_top_k=k, moe_capacity=capacity, moe_impl=impl)
+    layer = MoEMLP(cfg)
+    if skew:  # every token's logits favour expert 0 (then 1): the experts 2, 3 receive nothing
+        with torch.no_grad():
+            layer.router.weight.zero_()
+            layer.router.weight[0] = 1.0
+            layer.router.weight[1] = 0.5
+    return layer
+
+
+def check_layer(rank, world, ep, k, capacity, skew, impl="sorted"):
+    mesh = Mesh.build(dp=world, device="cpu", ep=ep)  # the default group exists: only the ep groups are new
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(2, 5, 8, generator=g) for _ in range(world)]
+    xs = [x.abs() for x in xs] if skew else xs  # skew: positive inputs, so expert 0's logit wins
+    # reference: the full layer on every rank's tokens; expert grads summed over the ranks of my ep group
+    ref = _layer(k, capacity, skew)
+    outs, grads = [], []
+    for x in xs:
+        ref.zero_grad()
+        x = x.clone().requires_grad_(True)
+        y = ref(x)
+        (y * y).sum().backward()
+        outs.append((y.detach(), x.grad))
+        grads.append({n: p.grad.clone() for n, p in ref.named_parameters()})
+    layer = _layer(k, capacity, skew, impl)  # triton: the kernels in Triton's interpreter (conftest.py)
+    apply_ep(layer, mesh)
+    x = xs[rank].clone().requires_grad_(True)
+    y = layer(x)
+    (y * y).sum().backward()
+    torch.testing.assert_close(y, outs[rank][0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(x.grad, outs[rank][1], atol=1e-6, rtol=1e-5)
+    lo, hi = mesh.coords["ep"] * 4 // ep, (mesh.coords["ep"] + 1) * 4 // ep
+    for n, p in layer.named_parameters():
+        if n.startswith("experts."):  # my experts saw the whole ep group's tokens
+            want = sum(grads[r][n] for r in mesh.ranks["ep"])[lo:hi]
+        else:  # the router: this rank's tokens only
+            want = grads[rank][n]
+        torch.testing.assert_close(p.grad, want, atol=1e-6, rtol=1e-5, msg=n)
+    if skew:
+        assert layer.stats["load_max"] == 4 / k  # expert 0 (k = 2: and 1) takes every token
+    full = gather_experts(layer, mesh)
+    assert torch.equal(full["experts.c_fc.weight"], ref.experts.c_fc.weight)
+
+
+def _layer_worker(rank, world, cases):
+    torch.set_num_threads(1)  # up to 4 processes share 2 cores
+    Mesh.build(dp=world, device="cpu")  # the default group
+    check_all_to_all(rank, world)
+    for case in cases:
+        check_layer(rank, world, *case)
+
+
+@pytest.mark.parametrize("world, cases", [
+    (2, [(2, 2, 0.0, False),    # ep, k, capacity, skew: dropless top-2
+         (2, 1, 0.0, True),     # all tokens to expert 0: ep rank 1 receives nothing
+         (2, 2, 1.0, True),     # capacity: experts 0 and 1 drop, the buffer's tail stays unused
+         (2, 2, 1.0, True, "triton")]),  # routing, permute, grouped GEMM and combine kernels around the exchange
+    (4, [(2, 2, 0.0, False),    # two ep groups of 2
+         (4, 2, 0.0, True)]),   # one expert per rank, two ranks idle
+])
+def test_all_to_all_and_layer(world, cases):
+    spawn(_layer_worker, world, cases)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# train.py end to end
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    d = tmp_path_factory.mktemp("epshards")
+    rng = np.random.default_rng(0)
+    toks = np.where(rng.random(40000) < 0.2, rng.integers(0, 250, 40000), np.tile(np.arange(0, 250, 7), 1200)[:40000])
+    write_shard(str(d / "e_train_000000.bin"), toks)
+    write_shard(str(d / "e_val_000000.bin"), toks[:5000])
+    return str(d / "e_*.bin")
+
+
+def argv(shards, out_dir, *extra):
+    return ["--preset=tiny_moe", "--device=cpu", f"--out_dir={out_dir}", f"--data.dataset={shards}",
+            "--model.n_layer=2", "--model.n_head=4", "--model.n_embd=32", "--model.block_size=32",
+            "--model.vocab_size=250", "--model.kernels=torch", "--model.moe_bias_rate=0.01", "--train.micro_batch=4",
+            "--train.seq_len=16", f"--train.steps={STEPS}", "--train.warmup_steps=2", "--train.val_every=0",
+            "--train.sample_tokens=4", "--train.lr=1e-2", "--train.log_every=1", *extra]
+
+
+def _train_worker(rank, world, runs, ports, out_file):
+    torch.set_num_threads(1)
+    res = {}
+    for (name, args), port in zip(runs, ports):
+        os.environ["MASTER_PORT"] = str(port)  # a fresh store per run (train.main destroys its process group)
+        if name == "resumed":  # as if the run had died after step 6: every rank sees `latest` rewound first
+            out_dir = next(a.split("=", 1)[1] for a in args if a.startswith("--out_dir="))
+            latest = os.path.join(out_dir, "ckpt", "latest")
+            if rank == 0:
+                with open(latest + ".tmp", "w") as f:
+                    f.write("step_000006\n")
+                os.replace(latest + ".tmp", latest)
+            while open(latest).read().strip() != "step_000006":
+                time.sleep(0.05)
+        res[name] = train.main(args)["losses"]
+    if rank == 0:
+        with open(out_file, "w") as f:
+            json.dump(res, f)
+
+
+def run_layouts(tmp_path, world, runs):
+    out = tmp_path / f"w{world}.json"
+    runs = [(name, argv(*args)) for name, args in runs]
+    spawn(_train_worker, world, runs, [free_port() for _ in runs], str(out))
+    return json.loads(out.read_text())
+
+
+def check_equal(got, one_losses, one_dir, ep_dir):
+    assert len(got) == STEPS and np.allclose(got, one_losses, atol=1e-4, rtol=0), np.abs(np.subtract(got, one_losses))
+    norms = [[r["grad_norm"] for r in read_metrics(d / "metrics.jsonl")[0]] for d in (one_dir, ep_dir)]
+    assert np.allclose(norms[1], norms[0], rtol=1e-4, atol=0), norms  # expert shards' squares summed over ep
+    a, _ = full_model_state(str(one_dir))
+    b, _ = full_model_state(str(ep_dir))  # the experts joined from every ep rank's shard
+    assert a.keys() == b.keys()
+    for k in a:  # c_attn's key bias: zero gradient in exact arithmetic, so AdamW turns rounding into steps
+        torch.testing.assert_close(b[k], a[k], atol=2e-4 if k.endswith("c_attn.bias") else 5e-5, rtol=0, msg=k)
+
+
+def test_ep2_zero1_capacity_equals_single_process_and_resumes(shards, tmp_path):
+    """ep = dp = 2: each expert has one replica (its edp group is one rank: nothing to reduce); capacity drops;
+    a resume from step 6 (ZeRO-1's flat shards, expert ones included) repeats the losses bit for bit."""
+    tps, cap = "--train.tokens_per_step=128", "--model.moe_capacity=1.0"
+    one = train.main(argv(shards, tmp_path / "one", tps, cap))["losses"]
+    ep2 = (shards, tmp_path / "ep2", tps, cap, "--parallel.ep=2", "--parallel.zero=1", "--ckpt.every=6",
+           "--ckpt.keep=10")
+    got = run_layouts(tmp_path, 2, [("ep2", ep2), ("resumed", (*ep2, "--resume"))])
+    check_equal(got["ep2"], one, tmp_path / "one", tmp_path / "ep2")
+    assert got["resumed"] == got["ep2"][6:]
+
+
+def test_world4_equals_single_process(shards, tmp_path):
+    """ep4 (DDP, one expert per rank) and ep2 x dp2 (ZeRO-2: expert grads reduce-scattered over edp pairs; full
+    activation checkpointing: the recomputed forwards exchange their rows again, in the same order on every rank)."""
+    tps = "--train.tokens_per_step=256"
+    one = train.main(argv(shards, tmp_path / "one", tps))["losses"]
+    got = run_layouts(tmp_path, 4, [("ep4", (shards, tmp_path / "ep4", tps, "--parallel.ep=4")),
+                                    ("ep2dp2", (shards, tmp_path / "ep2dp2", tps, "--parallel.ep=2",
+                                                "--parallel.zero=2", "--train.activation_checkpointing=full"))])
+    check_equal(got["ep4"], one, tmp_path / "one", tmp_path / "ep4")
+    check_equal(got["ep2dp2"], one, tmp_path / "one", tmp_path / "ep2dp2")
+
+
+@pytest.mark.parametrize("extra, msg", [
+    (["--parallel.ep=3"], "moe_experts=4 is not divisible by parallel.ep=3"),
+    (["--parallel.ep=2", "--parallel.zero=3"], "zero=3"),
+    (["--parallel.ep=2", "--model.moe_experts=0"], "has none"),
+])
+def test_config_errors(extra, msg):
+    with pytest.raises(ConfigError, match=msg):
+        parse_args(["--preset=tiny_moe", *extra])
+
+
+def test_layout_errors():
+    cfg = parse_args(["--preset=tiny_moe", "--parallel.ep=4"])
+    with pytest.raises(ConfigError, match=r"parallel.ep=4 must divide dp\*cp = 2\*1"):
+        check_layout(cfg, 2, "cpu")
+    assert check_layout(cfg, 4, "cpu") == 1
+    with pytest.raises(MeshError, match="parallel.ep=3 must divide"):
+        Mesh.build(dp=1, device="cpu", ep=3)
+
+
+def _bench_worker(rank, world, out_dir):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import bench_ep
+    sys.argv = ["bench_ep.py", "--device=cpu", "--preset=tiny_moe", "--kernels=torch", "--micro_batch=1",
+                "--seq_len=32", "--steps=1", "--warmup=1", f"--out={out_dir}"]
+    bench_ep.main()
+
+
+def test_bench_ep_smoke(tmp_path):
+    """bench/bench_ep.py runs its three layouts and writes ep.json (CPU: the numbers mean nothing)."""
+    spawn(_bench_worker, 2, str(tmp_path))
+    res = json.loads((tmp_path / "ep.json").read_text())
+    assert [r["layout"] for r in res["rows"]] == ["single", "dp2", "ep2"]
+    assert set(res["ratios"]) == {"ep2_over_single_per_gpu", "ep2_over_dp2_per_gpu"}
+    ep2 = res["rows"][2]
+    assert ep2["params_per_gpu"] < res["rows"][1]["params_per_gpu"]  # half the experts on each GPU
