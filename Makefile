@@ -18,7 +18,7 @@ HAS_GPU := $(shell $(PY) -c "import torch; print(int(torch.cuda.is_available()))
 DEFAULT_PRESET := $(if $(filter 1,$(HAS_GPU)),gpt2_124m,tiny)
 DEFAULT_DEVICE := $(if $(filter 1,$(HAS_GPU)),cuda,cpu)
 
-.PHONY: setup train sample test test-gpu bench data plot lint clean
+.PHONY: setup train sft sample test test-gpu bench data plot lint clean
 
 # the venv is only built when PY points into it
 $(VENV)/.done: pyproject.toml
@@ -54,6 +54,18 @@ else
 	@$(PY) train.py --check_world=$(NGPU) $(TRAIN_ARGS)
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NGPU) train.py $(TRAIN_ARGS)
 endif
+
+# supervised fine-tuning on a JSONL file of {"prompt", "response"} or {"messages"} lines (nanopara/sft.py), from a
+# run directory or Hugging Face GPT-2 weights (INIT); ARGS come last, so they override the defaults here:
+#   make sft JSONL=arith.jsonl INIT=runs/tiny ARGS="--preset=tiny --train.steps=300" [NGPU=N] [PREP_ARGS=--force]
+SFT_SEQ  ?= 256
+SFT_NAME ?= $(basename $(notdir $(JSONL)))
+sft: setup
+	@test -n "$(JSONL)" || { echo "make sft needs JSONL=FILE.jsonl (and INIT=RUN_DIR or a GPT-2 .bin)"; exit 2; }
+	$(PY) data/prepare.py sft $(JSONL) --seq_len $(SFT_SEQ) --name $(SFT_NAME) $(PREP_ARGS)
+	$(MAKE) train NGPU=$(NGPU) ARGS="--data.dataset=$(SFT_NAME) --train.seq_len=$(SFT_SEQ) \
+	  $(if $(INIT),--ckpt.init_from=$(INIT),) --train.lr=1e-4 --train.warmup_steps=10 --train.val_every=50 \
+	  --out_dir=runs/sft_$(SFT_NAME) $(ARGS)"
 
 sample: setup
 	$(PY) sample.py --out_dir=$(RUN) $(ARGS)

@@ -4,6 +4,10 @@ Writes llm.c-layout `.bin` shards (nanopara/data.py) and manifest.json into <out
 where `--data.dataset=NAME` finds them. Every document is prefixed by EOT (50256), as in llm.c.
   text PATH...     your own text: files, folders, .jsonl (reading, checks and the val pick: data/text.py); --name
                    NAME (default: the first PATH's stem), --val_frac (default 0.1). Holds the tokens in memory.
+  sft FILE.jsonl.. supervised fine-tuning examples, one JSON object a line: {"prompt", "response"} or {"messages":
+                   [{"role": system|user|assistant, "content"}]}; template, packing and masks: nanopara/sft.py.
+                   Examples packed into rows of --seq_len tokens (default 1024; train with a multiple of it) and a
+                   .mask file beside each shard; --val_jsonl FILE, else a seeded --val_frac of the examples.
   shakespeare      tinyshakespeare (338k tokens) from <mirror>/text/tinyshakespeare.txt, else GitHub; one document;
                    val = its first 10% of tokens (or --val_tokens).
   books            the offline corpus <mirror>/text/*.jsonl.xz + tinyshakespeare (43.2M tokens, 4,456 documents,
@@ -16,7 +20,8 @@ look there first, then use HTTP (--hf_endpoint, default env HF_ENDPOINT or huggi
 Shards: <NAME>_val_000000.bin, <NAME>_train_000001.bin, ... (--shard_tokens each, default 100M). A finished dataset
 is skipped; one made from other settings or input is an error unless --force. Errors a user can cause (bad input,
 no network) are one line naming the file or URL, exit code 2, before the long work starts.
-Called by the Makefile (make data) or by hand. Tests: tests/test_data.py, tests/test_prepare.py.
+Called by the Makefile (make data, make sft) or by hand. Tests: tests/test_data.py, tests/test_prepare.py,
+tests/test_sft.py.
 """
 import argparse
 import hashlib
@@ -37,6 +42,8 @@ sys.path.insert(0, DATA_DIR)  # for text.py and download.py beside this file (da
 from download import DownloadError, Progress, download, fetch_shard  # noqa: E402
 from nanopara.data import (DATASETS, EOT, REPO_ROOT, default_mirror, get_tokenizer, read_header,  # noqa: E402
                            write_shard)
+from nanopara import sft  # noqa: E402
+from nanopara.data import mask_path, write_mask  # noqa: E402
 from text import (MIN_SPLIT_TOKENS, PrepareError, decode_text, read_texts, scan_text, split_documents,  # noqa: E402
                   val_target)
 
@@ -175,6 +182,79 @@ def prepare_text(name, paths, out_dir, val_frac=0.1, shard_tokens=100_000_000, p
     print(f"train on it with: python train.py {flag}")
 
 # ----------------------------------------------------------------------------------------------------------------
+# supervised fine-tuning examples -> packed shards + loss masks
+
+
+def _sft_examples(paths):
+    """[(where, tokens, mask)] of every line of the JSONL files, all read and checked before any is written."""
+    enc = get_tokenizer()
+    try:
+        return [(where, *sft.encode(enc, msgs)) for path in paths for where, msgs in sft.read_jsonl(path)]
+    except sft.SFTError as e:
+        raise PrepareError(str(e)) from None
+
+
+def _sft_split(out_dir, name, split, examples, seq_len, one_per_row, shard_tokens, first):
+    """Pack one split's examples and write its shards (whole rows + the closing token) and masks."""
+    tokens, mask, skipped = sft.pack([(t, m) for _, t, m in examples], seq_len, one_per_row)
+    if skipped:
+        print(f"{name} {split}: skipped {len(skipped)} example(s) longer than --seq_len {seq_len} tokens, the first "
+              f"at {examples[skipped[0]][0]}")
+    rows = (len(tokens) - 1) // seq_len
+    if rows == 0:
+        raise PrepareError(f"{name}: no {split} example fits in --seq_len {seq_len} tokens")
+    per = max(1, shard_tokens // seq_len)  # rows per shard: a shard never cuts a row
+    shards = []
+    for k, lo in enumerate(range(0, rows, per)):
+        hi = min(rows, lo + per)
+        path = os.path.join(out_dir, f"{name}_{split}_{first + k:06d}.bin")
+        write_shard(path, tokens[lo * seq_len: hi * seq_len + 1])  # + the token after: the last row's closing EOT
+        write_mask(mask_path(path), mask[lo * seq_len: hi * seq_len + 1], seq_len)
+        shards.append((os.path.basename(path), (hi - lo) * seq_len + 1))
+    trained = int(mask[:-1].sum())
+    print(f"{name} {split}: {len(examples) - len(skipped):,} examples in {rows:,} rows of {seq_len} tokens "
+          f"({trained:,} trained targets, {trained / (rows * seq_len):.1%} of the tokens)")
+    return shards
+
+
+def prepare_sft(name, paths, out_dir, seq_len=1024, val_jsonl=None, val_frac=0.1, one_per_row=False,
+                shard_tokens=100_000_000, force=False, flag=None):
+    """Tokenize JSONL prompt/response or chat examples into packed, loss-masked val + train shards."""
+    files = [os.path.abspath(p) for p in paths] + ([os.path.abspath(val_jsonl)] if val_jsonl else [])
+    for f in files:
+        if not os.path.isfile(f):
+            raise PrepareError(f"{f}: no such file (sft takes .jsonl files)")
+    settings = {"files": [[f, os.path.getsize(f), os.path.getmtime(f)] for f in files], "seq_len": seq_len,
+                "val_jsonl": bool(val_jsonl), "val_frac": None if val_jsonl else val_frac,
+                "one_per_row": one_per_row, "shard_tokens": shard_tokens}
+    flag = flag or f"--data.dataset={name}"
+    if not force and _done(out_dir, settings, "pass --force to replace it, or --name NEW for a new dataset") and \
+            all(os.path.isfile(mask_path(os.path.join(out_dir, f))) for f in os.listdir(out_dir) if f.endswith(".bin")):
+        print(f"{name}: already prepared in {out_dir} (--force to redo); fine-tune on it with: python train.py {flag}")
+        return
+    t0 = time.time()
+    train = _sft_examples(paths)
+    if val_jsonl:
+        val = _sft_examples([val_jsonl])
+    else:  # a seeded pick, so input sorted by difficulty or source still gives a representative val
+        n_val = max(1, round(len(train) * val_frac))
+        if len(train) < 2:
+            raise PrepareError(f"{name}: {len(train)} example(s): a train and a val split need at least 2 (or pass "
+                               f"--val_jsonl FILE)")
+        is_val = np.zeros(len(train), dtype=bool)
+        is_val[np.random.default_rng(0).permutation(len(train))[:n_val]] = True
+        train, val = [e for e, v in zip(train, is_val) if not v], [e for e, v in zip(train, is_val) if v]
+    os.makedirs(out_dir, exist_ok=True)
+    shards = _sft_split(out_dir, name, "val", val, seq_len, one_per_row, shard_tokens, 0)
+    shards += _sft_split(out_dir, name, "train", train, seq_len, one_per_row, shard_tokens, 1)
+    keep = {f for f, _ in shards}
+    for f in os.listdir(out_dir):  # masks of shards an earlier run made and this one did not (bins: the manifest)
+        if f.startswith(f"{name}_") and f.endswith(".mask") and f[:-5] + ".bin" not in keep:
+            os.remove(os.path.join(out_dir, f))
+    _write_manifest(out_dir, name, settings, shards, time.time() - t0)
+    print(f"fine-tune on it with: python train.py {flag} --train.seq_len={seq_len} --ckpt.init_from=RUN_OR_GPT2_BIN")
+
+# ----------------------------------------------------------------------------------------------------------------
 # built-in text corpora -> shards
 
 
@@ -303,23 +383,27 @@ def _dataset_name(a):
 
 
 def run(a):
-    if a.name != "text" and a.name not in ("shakespeare", "books", *REMOTE):
-        raise PrepareError(f"unknown dataset {a.name!r}: choose text, {', '.join(DATASETS)}; for your own text: "
+    if a.name not in ("text", "sft", "shakespeare", "books", *REMOTE):
+        raise PrepareError(f"unknown dataset {a.name!r}: choose text, sft, {', '.join(DATASETS)}; for your own text: "
                            f"python data/prepare.py text PATH [PATH ...] --name {a.name}")
     if a.name == "text" and not a.paths:
         raise PrepareError("text needs at least one PATH: a text file, a .jsonl file or a folder")
-    if a.name != "text" and a.paths:
+    if a.name == "sft" and not a.paths:
+        raise PrepareError("sft needs at least one PATH: a .jsonl file of {prompt, response} or {messages} lines")
+    if a.name != "sft" and (a.val_jsonl or a.no_pack or a.seq_len != 1024):
+        raise PrepareError("--val_jsonl, --no_pack and --seq_len apply to sft only")
+    if a.name not in ("text", "sft") and a.paths:
         raise PrepareError(f"{a.name} takes no PATH (got {' '.join(a.paths)}); for your own text: "
                            f"python data/prepare.py text PATH ...")
     for key, ok in (("val_tokens", a.val_tokens is None or a.val_tokens >= 1), ("shard_tokens", a.shard_tokens >= 1),
-                    ("procs", a.procs >= 1), ("val_frac", 0 < a.val_frac < 1)):
+                    ("procs", a.procs >= 1), ("val_frac", 0 < a.val_frac < 1), ("seq_len", a.seq_len >= 2)):
         if not ok:
             raise PrepareError(f"--{key} must be {'in (0, 1)' if key == 'val_frac' else '>= 1'}, got "
                                f"{getattr(a, key)}")
     if a.mirror and not os.path.isdir(a.mirror):
         raise PrepareError(f"--mirror {a.mirror} is not a directory")
     mirror = a.mirror or default_mirror()
-    name = _dataset_name(a) if a.name == "text" else a.name
+    name = _dataset_name(a) if a.name in ("text", "sft") else a.name
     out_dir = os.path.join(a.out, name)
     parent = os.path.abspath(out_dir)
     while not os.path.exists(parent):  # the nearest existing folder must be a writable folder
@@ -330,16 +414,19 @@ def run(a):
         os.rmdir(tempfile.mkdtemp(prefix=".prepare-check-", dir=parent))
     except OSError as e:
         raise PrepareError(f"--out {a.out}: cannot write {out_dir} ({parent}: {e.strerror})") from None
-    if a.name in ("text", "shakespeare", "books"):
+    if a.name in ("text", "sft", "shakespeare", "books"):
         try:
             get_tokenizer()  # fails now, offline without a tokenizer cache, not after reading the input
         except RuntimeError as e:
             raise PrepareError(str(e)) from None
+    default_out = os.path.realpath(os.path.join(REPO_ROOT, "data", "shards"))
+    flag = f"--data.dataset={name}" + ("" if os.path.realpath(a.out) == default_out else
+                                       f" --data.data_dir={os.path.abspath(a.out)}")
     if a.name == "text":
-        default_out = os.path.realpath(os.path.join(REPO_ROOT, "data", "shards"))
-        flag = f"--data.dataset={name}" + ("" if os.path.realpath(a.out) == default_out else
-                                           f" --data.data_dir={os.path.abspath(a.out)}")
         prepare_text(name, a.paths, out_dir, a.val_frac, a.shard_tokens, a.procs, a.force, flag)
+    elif a.name == "sft":
+        prepare_sft(name, a.paths, out_dir, a.seq_len, a.val_jsonl, a.val_frac, a.no_pack, a.shard_tokens,
+                    a.force, flag)
     elif a.name == "shakespeare":
         prepare_shakespeare(out_dir, mirror, a.val_tokens, a.force)
     elif a.name == "books":
@@ -354,10 +441,15 @@ def run(a):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("name", help=f"text, or a built-in dataset: {', '.join(DATASETS)}")
-    p.add_argument("paths", nargs="*", metavar="PATH", help="text: files, folders or .jsonl files")
-    p.add_argument("--name", dest="dataset_name", default=None, help="text: dataset name (default: first PATH's stem)")
-    p.add_argument("--val_frac", type=float, default=0.1, help="text: share of tokens for val (default 0.1)")
+    p.add_argument("name", help=f"text, sft, or a built-in dataset: {', '.join(DATASETS)}")
+    p.add_argument("paths", nargs="*", metavar="PATH", help="text: files, folders or .jsonl files; sft: .jsonl files")
+    p.add_argument("--name", dest="dataset_name", default=None,
+                   help="text, sft: dataset name (default: first PATH's stem)")
+    p.add_argument("--val_frac", type=float, default=0.1,
+                   help="text: share of tokens for val; sft: share of examples (default 0.1)")
+    p.add_argument("--val_jsonl", default=None, help="sft: the val examples (default: --val_frac of PATH's)")
+    p.add_argument("--seq_len", type=int, default=1024, help="sft: row length examples are packed into (1024)")
+    p.add_argument("--no_pack", action="store_true", help="sft: one example per row (isolated, more padding)")
     p.add_argument("--mirror", default=None, help="offline data bundle (default: $NANOPARA_MIRROR or ../shared/data)")
     p.add_argument("--out", default=os.path.join(REPO_ROOT, "data", "shards"))
     p.add_argument("--val_tokens", type=int, default=None, help="shakespeare: 10%% of tokens; books: 500000")

@@ -14,7 +14,15 @@ dropped; a dataset with fewer windows than one global batch is an error at const
 (epoch, position) in global batches, so resume depends only on the global batch, not on how it is split
 over ranks. Validation uses `shuffle=False`: shards in the given order, windows in order, `reset()` to restart.
 
-    x, y = next(loader)        # (B, T) int64 CPU tensors, y[:, t] = x[:, t+1] in the token stream
+    x, y = next(loader)        # (B, T) int64 CPU tensors, y[:, t] = x[:, t+1] in the token stream (or -1: masked)
+
+Loss masks (supervised fine-tuning, data/prepare.py sft): beside `NAME.bin` a sibling `NAME.mask`, so the shard
+itself stays a plain llm.c shard (other trainers read it as text and ignore the mask):
+    header: 256 x int32 = [magic 20240601, version 1, n_tokens, row_len, 0, ...]   (1024 bytes)
+    body:   n_tokens x uint8, 1 where the token is trained as a target (a response token or its closing EOT), else 0
+prepare.py packs whole examples into rows of row_len tokens, so train.seq_len must be a multiple of row_len (a
+window then holds whole rows and never starts inside an example). With masks (`loss_mask`: auto = when every shard
+has one), the loader yields y = -1 where the target token's mask is 0; the cross-entropy kernels ignore -1.
 
 Tokenizer: `get_tokenizer()` returns tiktoken's GPT-2 encoding. Offline, tiktoken needs TIKTOKEN_CACHE_DIR; when it
 is unset and nothing is cached, the mirror's `tiktoken_cache/` is used (mirror = env NANOPARA_MIRROR, else
@@ -36,6 +44,7 @@ import time
 import numpy as np
 
 MAGIC, VERSION, HEADER_INTS = 20240520, 1, 256
+MASK_MAGIC, MASK_VERSION = 20240601, 1
 HEADER_BYTES = HEADER_INTS * 4
 EOT = 50256  # GPT-2 <|endoftext|>
 DATASETS = ("shakespeare", "books", "fineweb10B", "fineweb-edu10B")
@@ -123,6 +132,41 @@ def read_shard(path):
     return np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(n,))
 
 
+def mask_path(shard_path):
+    """The loss-mask file beside a shard: x.bin -> x.mask."""
+    root, ext = os.path.splitext(shard_path)
+    return (root if ext == ".bin" else shard_path) + ".mask"
+
+
+def write_mask(path, mask, row_len):
+    """Write a loss mask (0/1 per token) for the shard of the same length; atomic like write_shard."""
+    mask = np.asarray(mask)
+    if mask.size and (mask.min() < 0 or mask.max() > 1):
+        raise ValueError(f"{path}: a loss mask holds only 0 and 1")
+    header = np.zeros(HEADER_INTS, dtype=np.int32)
+    header[:4] = (MASK_MAGIC, MASK_VERSION, mask.size, row_len)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(mask.astype(np.uint8).tobytes())
+    os.replace(tmp, path)
+
+
+def read_mask(path, n_tokens):
+    """(read-only (n_tokens,) uint8 memmap, row_len) of a loss-mask file, after checking it fits its shard."""
+    size = os.path.getsize(path)
+    header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS) if size >= HEADER_BYTES else np.zeros(4, np.int32)
+    if header[0] != MASK_MAGIC or header[1] != MASK_VERSION:
+        raise ValueError(f"loss mask {path}: not a version-{MASK_VERSION} mask file (magic {int(header[0])}, "
+                         f"expected {MASK_MAGIC})")
+    n, row_len = int(header[2]), int(header[3])
+    if n != n_tokens or size != HEADER_BYTES + n or row_len < 1:
+        raise ValueError(f"loss mask {path}: holds {n} tokens in {size} bytes (row_len {row_len}), its shard has "
+                         f"{n_tokens}: re-prepare the data")
+    return (np.memmap(path, dtype=np.uint8, mode="r", offset=HEADER_BYTES, shape=(n,)) if n
+            else np.zeros(0, np.uint8)), row_len
+
+
 def in_split(filename, split):
     """True if a shard file name belongs to `split` ('train' or 'val'); rule in the module docstring."""
     parts = [w for w in re.split(r"[^a-z]+", os.path.basename(filename).lower()) if w in ("train", "val")]
@@ -171,7 +215,7 @@ class TokenLoader:
     """Infinite iterator of (x, y) int64 (B, T) batches for data-parallel rank `rank` of `world` (see module doc)."""
 
     def __init__(self, files, batch_size, seq_len, rank=0, world=1, seed=0, vocab_size=50257, shuffle=True,
-                 pin_memory=False):
+                 pin_memory=False, loss_mask="auto"):
         if isinstance(files, str):
             files = [files]
         if not files:
@@ -195,6 +239,31 @@ class TokenLoader:
         self.batches_per_epoch = total // self.rows
         self.epoch = self.position = 0
         self._mmaps, self._plan, self._perms = {}, None, {}
+        self.masks = self._open_masks(loss_mask, n_tokens)  # None, or one uint8 memmap per shard
+
+    def _open_masks(self, loss_mask, n_tokens):
+        """Loss masks per `loss_mask` (auto | on | off); every check that can fail runs here, before training."""
+        if loss_mask not in ("auto", "on", "off"):
+            raise ValueError(f"loss_mask must be auto, on or off, got {loss_mask!r}")
+        have = [os.path.isfile(mask_path(f)) for f in self.files]
+        if loss_mask == "off" or (loss_mask == "auto" and not any(have)):
+            return None
+        if not all(have):
+            f = self.files[have.index(False)]
+            raise ValueError(f"shard {f} has no loss mask {mask_path(f)}" + (
+                " (data.loss_mask=on)" if loss_mask == "on" else " while other shards have one: mixing SFT and "
+                "plain shards is ambiguous; set data.loss_mask=on or off, or re-prepare"))
+        masks = []
+        for f, n in zip(self.files, n_tokens):
+            mask, row_len = read_mask(mask_path(f), int(n))
+            if self.T % row_len:
+                raise ValueError(f"{mask_path(f)}: examples are packed in rows of {row_len} tokens; train.seq_len="
+                                 f"{self.T} would cut them: use a multiple of {row_len}, or re-prepare with "
+                                 f"--seq_len {self.T}")
+            if mask.size and int(mask.max()) > 1:
+                raise ValueError(f"loss mask {mask_path(f)} holds values other than 0 and 1")
+            masks.append(mask)
+        return masks
 
     def __len__(self):
         return self.batches_per_epoch
@@ -255,16 +324,22 @@ class TokenLoader:
         ks = np.arange(first, first + self.B)  # this rank's rows, as indices into the epoch's window list
         slots = np.searchsorted(cum, ks, side="right")  # which shard (position in `order`) holds each window
         buf = np.empty((self.B, self.T + 1), dtype=np.uint16)  # (B, T+1)
+        keep = np.ones((self.B, self.T), dtype=bool) if self.masks is not None else None  # (B, T) trained targets
         for i, (k, s) in enumerate(zip(ks, slots)):
             shard = int(order[s])
             j = int(k - (cum[s - 1] if s > 0 else 0))  # window index within the shard
             w = int(self._window_perm(shard)[j]) if self.shuffle else j
             buf[i] = self._tokens(shard)[w * self.T: w * self.T + self.T + 1]
+            if keep is not None:  # the mask of each target token: positions 1..T of the window
+                keep[i] = self.masks[shard][w * self.T + 1: w * self.T + self.T + 1] != 0
         self.position += 1
         if self.position == self.batches_per_epoch:  # wrap: next epoch reshuffles with (seed, epoch)
             self.epoch, self.position = self.epoch + 1, 0
         x = torch.from_numpy(buf[:, :-1].astype(np.int64))  # (B, T), astype copies into a contiguous array
-        y = torch.from_numpy(buf[:, 1:].astype(np.int64))  # (B, T)
+        y = buf[:, 1:].astype(np.int64)  # (B, T)
+        if keep is not None:
+            y[~keep] = -1  # ignored by the loss (model.loss_fn, the cross-entropy kernels)
+        y = torch.from_numpy(y)
         if self.pin_memory and torch.cuda.is_available():
             x, y = x.pin_memory(), y.pin_memory()
         return x, y
