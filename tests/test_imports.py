@@ -9,7 +9,7 @@ import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("nanopara", "kernels", "bench")
-SCRIPTS = ("train.py", "sample.py", "eval.py")
+SCRIPTS = ("train.py", "sample.py", "eval.py", "rl.py")
 
 
 def project_modules(root: str) -> dict:

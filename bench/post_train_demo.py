@@ -1,0 +1,228 @@
+"""SFT then RL on one GPU: held-out exact match after SFT and after GRPO, plus batched-generation tokens/s.
+
+    python3 bench/post_train_demo.py --out=DIR                        # ~10 min on one H100
+    python3 bench/post_train_demo.py --out=/tmp/x --device=cpu --smoke=1   # the logic, in ~3 min on CPU
+
+1. Data: `python -m nanopara.tasks arith` (a+b, a-b with operands below 1000; held-out prompts disjoint by hash)
+   -> JSONL -> `data/prepare.py sft` (packed, loss-masked rows).
+2. SFT from scratch with train.py (--preset, default gpt2_124m; --sft_steps), a checkpoint every --sft_every
+   steps, each scored by greedy exact match on --test_n held-out prompts: the "SFT alone" curve.
+3. RL with rl.py from the SFT checkpoint of step --rl_from (default auto: the first whose greedy exact match on
+   training prompts reaches --auto_em = 25 %, so groups hold rewards that differ) for --rl_steps of --prompts x
+   --group completions, one run per learning rate in --rl_lr; the run reported is the one with the higher
+   training reward (never chosen on the test prompts). rl.py scores the same held-out prompts at its step 0 and
+   every --eval_every steps.
+4. Generation: rl.sample (batched, KV cache, rows leave at EOT) on the SFT model's shape with EOT never hit, prompt
+   32 tokens, 128 new, batch 1..256, bf16: tokens/s; model.generate (one batch, no stop) beside it.
+Results: DIR/post_train.json (GPU, date, the SFT curve, exact match at RL's start and end, the gain in points over
+the start and over SFT's last step, RL curves, generation tokens/s) and the runs (metrics.jsonl, logs) under
+DIR/runs. Goal (issue 31): RL adds >= 15 points.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from nanopara import rl, tasks  # noqa: E402
+from nanopara.consolidate import full_model_state  # noqa: E402
+from nanopara.data import get_tokenizer  # noqa: E402
+from nanopara.model import GPT  # noqa: E402
+
+
+def sh(argv: list[str], log: str) -> float:
+    """Run a command from the repo root, its output into `log`; seconds taken. Fails loudly with the log's tail."""
+    t0 = time.time()
+    with open(log, "w") as f:
+        r = subprocess.run([sys.executable, *argv], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, text=True)
+    if r.returncode:
+        with open(log) as f:
+            raise SystemExit(f"{' '.join(argv[:2])} failed ({r.returncode}); end of {log}:\n{f.read()[-3000:]}")
+    return time.time() - t0
+
+
+def read_jsonl(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@torch.no_grad()
+def generation_speed(model: GPT, device, batches=(1, 16, 64, 256), prompt=32, new=128) -> list[dict]:
+    """tokens/s of rl.sample (and model.generate) on random prompts, EOT = -1 so no row stops early."""
+    model = model.to(device).eval()
+    amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else contextlib.nullcontext
+    new = min(new, model.cfg.block_size - prompt)
+    rows = []
+    for B in batches:
+        x = torch.randint(0, model.cfg.vocab_size - 1, (B, prompt), generator=torch.Generator().manual_seed(B)).tolist()
+        g = torch.Generator(device=device).manual_seed(0)
+        res = {"batch": B, "prompt_tokens": prompt, "new_tokens": new}
+        for name, fn in (("rl_sample", lambda: rl.sample(model, x, new, 1.0, -1, g, amp)),
+                         ("model_generate", lambda: model.generate(torch.tensor(x, device=device), new, 1.0,
+                                                                   generator=g))):
+            try:
+                with amp():
+                    fn()  # warm-up: kernels, allocator
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    fn()
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                res[f"{name}_tokens_per_s"] = B * new / (time.perf_counter() - t0)
+            except RuntimeError as e:  # one sampler failing must not lose the other's number
+                res[f"{name}_error"] = str(e).splitlines()[0][:200]
+        rows.append(res)
+        print(f"generation batch {B:4d}: " + " | ".join(f"{k} {v:,.0f}" for k, v in res.items()
+                                                         if k.endswith("tokens_per_s")), flush=True)
+    return rows
+
+
+def sft_curve(run_dir: str, every: int, steps: int, task: str, test_n: int, device) -> list[dict]:
+    """Greedy exact match of each SFT checkpoint (rl.exact_match) on the held-out prompts rl.py scores and on as many
+    training-split prompts (what --rl_from=auto chooses by: the held-out prompts never pick anything)."""
+    enc, out, t = get_tokenizer(), [], tasks.get_task(task)
+    held_out = tasks.make_examples(task, test_n, "test", 1337)  # rl.py's default --seed: the same prompts
+    train = tasks.make_examples(task, test_n, "train", 7)
+    amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else contextlib.nullcontext
+    for step in range(every, steps + 1, every):
+        sd, cfg = full_model_state(os.path.join(run_dir, "ckpt", f"step_{step:06d}"))
+        model = GPT(cfg)
+        model.load_state_dict(sd)
+        model.to(device).eval()
+        out.append({"step": step, "test_exact_match": rl.exact_match(model, enc, t, held_out, 8, amp=amp),
+                    "train_exact_match": rl.exact_match(model, enc, t, train, 8, amp=amp)})
+        print(f"SFT step {step}: exact match held-out {out[-1]['test_exact_match']:.1%}, train prompts "
+              f"{out[-1]['train_exact_match']:.1%}", flush=True)
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--smoke", type=int, default=0, help="1: tiny sizes, to check the pipeline on CPU")
+    p.add_argument("--task", default="arith")
+    p.add_argument("--preset", default="gpt2_124m")
+    p.add_argument("--model", default="", help="train.py model keys, e.g. '--model.n_layer=6 --model.n_embd=384'")
+    p.add_argument("--examples", type=int, default=200_000)
+    p.add_argument("--sft_steps", type=int, default=2500,
+                   help="600 steps (70 s on an H100) left exact match at 0.6 %%: too few from scratch")
+    p.add_argument("--sft_every", type=int, default=500, help="SFT checkpoints (each scored) every N steps")
+    p.add_argument("--rl_from", default="auto", help="the SFT step RL starts from; auto: the first checkpoint "
+                   "with >= --auto_em exact match on training prompts (else the last)")
+    p.add_argument("--auto_em", type=float, default=0.25)
+    p.add_argument("--sft_lr", type=float, default=6e-4)
+    p.add_argument("--rl_steps", type=int, default=150)
+    p.add_argument("--rl_lr", default="2e-5,1e-4", help="comma-separated: one RL run each from the same start")
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--group", type=int, default=16)
+    p.add_argument("--test_n", type=int, default=1000)
+    p.add_argument("--eval_every", type=int, default=25)
+    a = p.parse_args()
+    if a.smoke:
+        a.preset, a.model, a.examples = "tiny", "--model.n_layer=2", 3000
+        a.sft_steps, a.sft_every = 20, 10
+        a.rl_steps, a.rl_lr, a.prompts, a.group, a.test_n, a.eval_every = 2, "1e-5,4e-5", 4, 4, 20, 0
+    if a.sft_steps % a.sft_every or (a.rl_from != "auto" and (int(a.rl_from) % a.sft_every
+                                                                or not 0 < int(a.rl_from) <= a.sft_steps)):
+        raise SystemExit("--sft_steps and --rl_from must be multiples of --sft_every, rl_from <= sft_steps")
+    data, runs = os.path.join(a.out, "data"), os.path.join(a.out, "runs")
+    os.makedirs(data, exist_ok=True)
+    os.makedirs(runs, exist_ok=True)
+    device = torch.device(a.device)
+    t_start = time.time()
+    res = {"gpu": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "torch": torch.__version__, "task": a.task, "preset": a.preset, "model_keys": a.model,
+           "train_examples": a.examples, "test_n": a.test_n}
+
+    # 1. data
+    train_jsonl, val_jsonl = os.path.join(data, "train.jsonl"), os.path.join(data, "val.jsonl")
+    sh(["-m", "nanopara.tasks", a.task, f"--n={a.examples}", "--split=train", f"--out={train_jsonl}"],
+       os.path.join(runs, "tasks.log"))
+    sh(["-m", "nanopara.tasks", a.task, "--n=2000", "--split=test", "--seed=1", f"--out={val_jsonl}"],
+       os.path.join(runs, "tasks_val.log"))
+    res["prepare_s"] = sh(["data/prepare.py", "sft", train_jsonl, "--val_jsonl", val_jsonl, "--name", "post_train",
+                           "--seq_len", "256", "--out", os.path.join(a.out, "shards"), "--force"],
+                          os.path.join(runs, "prepare.log"))
+
+    # 2. SFT from scratch, a checkpoint every sft_every steps, each scored on the held-out prompts
+    sft_dir = os.path.join(runs, "sft")
+    res["sft_s"] = sh(["train.py", f"--preset={a.preset}", *a.model.split(), f"--device={a.device}",
+                       "--data.dataset=post_train", f"--data.data_dir={os.path.join(a.out, 'shards')}",
+                       "--model.block_size=256", "--train.seq_len=256",
+                       f"--train.micro_batch={4 if a.smoke else 64}", f"--train.steps={a.sft_steps}",
+                       f"--train.lr={a.sft_lr}", f"--train.warmup_steps={max(1, a.sft_steps // 10)}",
+                       "--train.val_every=0", "--train.sample_tokens=0",
+                       f"--train.log_every={max(1, a.sft_steps // 20)}", f"--ckpt.every={a.sft_every}",
+                       f"--ckpt.keep={a.sft_steps // a.sft_every + 1}", f"--out_dir={sft_dir}", "--overwrite=true"],
+                      os.path.join(runs, "sft.log"))
+    sft_recs = [r for r in read_jsonl(os.path.join(sft_dir, "metrics.jsonl")) if "loss" in r]
+    res["sft_steps"], res["sft_lr"], res["sft_loss_last"] = a.sft_steps, a.sft_lr, sft_recs[-1]["loss"]
+    res["sft_tokens_per_s_median"] = sorted(r["tokens_per_s"] for r in sft_recs)[len(sft_recs) // 2]
+    res["sft_curve"] = sft_curve(sft_dir, a.sft_every, a.sft_steps, a.task, a.test_n, device)
+    res["sft_final_exact_match"] = res["sft_curve"][-1]["test_exact_match"]
+
+    # 3. RL from the SFT checkpoint of step rl_from, one run per learning rate
+    if a.rl_from == "auto":  # the first checkpoint that gets some training prompts right: RL needs rewards to differ
+        rl_from = next((c["step"] for c in res["sft_curve"] if c["train_exact_match"] >= a.auto_em),
+                       res["sft_curve"][-1]["step"])
+    else:
+        rl_from = int(a.rl_from)
+    start = os.path.join(sft_dir, "ckpt", f"step_{rl_from:06d}")
+    res["rl_from_step"], res["rl_runs"] = rl_from, []
+    for lr in [float(x) for x in a.rl_lr.split(",")]:
+        rl_dir = os.path.join(runs, f"rl_lr{lr:g}")
+        secs = sh(["rl.py", f"--init={start}", f"--task={a.task}", f"--out_dir={rl_dir}", "--overwrite=1",
+                   f"--device={a.device}", f"--steps={a.rl_steps}", f"--prompts={a.prompts}", f"--group={a.group}",
+                   f"--lr={lr}", "--max_new=8", f"--test_n={a.test_n}", f"--eval_every={a.eval_every}",
+                   f"--micro={0 if a.smoke else 256}"], os.path.join(runs, f"rl_lr{lr:g}.log"))
+        recs = read_jsonl(os.path.join(rl_dir, "metrics.jsonl"))
+        evals, steps = [r for r in recs if "test_exact_match" in r], [r for r in recs if "reward" in r]
+        tail = steps[-max(1, len(steps) // 10):]
+        run = {"lr": lr, "seconds": secs, "exact_match_start": evals[0]["test_exact_match"],
+               "exact_match_end": evals[-1]["test_exact_match"],
+               "train_reward_last10pct": sum(r["reward"] for r in tail) / len(tail),
+               "curve": [{"step": r["step"], "test_exact_match": r["test_exact_match"]} for r in evals],
+               "reward": [{k: round(r[k], 4) for k in ("step", "reward", "pass_at_group", "response_len", "clip_frac")}
+                          for r in steps],
+               "step_s_median": sorted(r["step_s"] for r in steps)[len(steps) // 2],
+               "gen_tokens_per_s_median": sorted(r["gen_tokens_per_s"] for r in steps)[len(steps) // 2]}
+        res["rl_runs"].append(run)
+        print(f"RL lr {lr:g}: held-out exact match {run['exact_match_start']:.1%} -> {run['exact_match_end']:.1%}, "
+              f"train reward (last 10%) {run['train_reward_last10pct']:.3f}, {secs:.0f} s", flush=True)
+    best = max(res["rl_runs"], key=lambda r: r["train_reward_last10pct"])  # chosen by training reward, not test
+    res["rl_lr_chosen"] = best["lr"]
+    res["exact_match_after_sft"], res["exact_match_after_rl"] = best["exact_match_start"], best["exact_match_end"]
+    res["gain_points_over_start"] = 100 * (best["exact_match_end"] - best["exact_match_start"])
+    res["gain_points_over_sft_final"] = 100 * (best["exact_match_end"] - res["sft_final_exact_match"])
+    res["goal_met"] = res["gain_points_over_start"] >= 15
+
+    # 4. batched generation speed on the SFT model's shape
+    sd, cfg = full_model_state(sft_dir)
+    model = GPT(cfg)
+    model.load_state_dict(sd)
+    res["generation"] = generation_speed(model, device, batches=(1, 4) if a.smoke else (1, 16, 64, 256),
+                                         new=8 if a.smoke else 128)
+    res["total_s"] = time.time() - t_start
+    with open(os.path.join(a.out, "post_train.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"held-out {a.task} exact match: SFT step {rl_from} {res['exact_match_after_sft']:.1%} -> RL "
+          f"{res['exact_match_after_rl']:.1%} ({res['gain_points_over_start']:+.1f} points; goal >= +15; SFT alone "
+          f"at step {a.sft_steps}: {res['sft_final_exact_match']:.1%}); total {res['total_s']:.0f} s -> "
+          f"{os.path.join(a.out, 'post_train.json')}")
+
+
+if __name__ == "__main__":
+    main()

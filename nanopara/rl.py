@@ -1,0 +1,225 @@
+"""GRPO (Shao et al. 2024, DeepSeekMath): the math and the loop pieces of RL with verifiable rewards.
+
+One step (rl.py runs the loop): P prompts, G completions each, sampled with the KV cache; reward r in {0, 1} from
+the task's checker; group-normalised advantage per completion
+    A_i = (r_i - mean(r_group)) / (std(r_group) + eps)          std over the G rewards (population: G=1 gives 0)
+so a group whose completions all score the same gives A = 0 and no gradient. Loss per response token t
+    ratio_t = exp(logp_t - old_logp_t)
+    L_t     = -min(ratio_t * A, clip(ratio_t, 1 - clip_eps, 1 + clip_eps) * A)  +  kl_coef * k3_t
+    k3_t    = exp(ref_logp_t - logp_t) - (ref_logp_t - logp_t) - 1      (Schulman's k3: unbiased, >= 0)
+summed over every response token of the global batch and divided by their count (token-level mean, as DAPO/Dr.
+GRPO: long completions are not down-weighted per token). old_logp: the sampling policy, recomputed with one
+forward before the updates (the first update has ratio 1 exactly); ref_logp: the frozen starting model. Response
+tokens include the closing EOT, so the policy learns where to stop. Log-probs are those of logits / temperature,
+the distribution that was sampled.
+
+Prompts are sft.prompt_ids(enc, prompt) = EOT + "User: {prompt}\nAssistant:", what SFT trained on.
+Sampling: model.py's KV cache has no padding mask, so `sample` batches the rows whose prompts have one token length
+(a prompt's G copies always do), and finished rows (EOT or max_new) leave the batch. Training forwards right-pad
+the sequences: causal attention never lets a real token see the padding after it, and masks drop the rest.
+
+Data parallel: each rank samples and scores its share of the prompts (groups never straddle ranks, so advantages
+need no communication); `update` divides by the global token count and all-reduces the gradients (sum), so a step
+on N ranks equals one process's step on the same rollouts. Callers: rl.py; tests/test_rl.py.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from nanopara.model import KVCache
+from nanopara.sft import prompt_ids
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the math
+
+def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """(P, G) rewards -> (P, G) advantages (r - group mean) / (group std + eps); all-equal groups give exactly 0."""
+    mean = rewards.mean(dim=1, keepdim=True)
+    std = rewards.std(dim=1, keepdim=True, correction=0)
+    return (rewards - mean) / (std + eps)
+
+
+def policy_loss(logp, old_logp, adv, mask, clip_eps: float, ref_logp=None, kl_coef: float = 0.0,
+                n_tokens: float | None = None) -> tuple[torch.Tensor, dict]:
+    """Clipped surrogate (+ k3 KL) over response tokens. logp, old_logp, ref_logp, mask: (B, T); adv: (B,).
+    Returns (sum of per-token losses / n_tokens (default: mask.sum()), sums for metrics: clipped tokens, kl)."""
+    mask = mask.to(logp.dtype)
+    n = mask.sum() if n_tokens is None else n_tokens
+    ratio = torch.exp(logp - old_logp)
+    a = adv[:, None].to(logp.dtype)  # (B, 1): one advantage for every token of a completion
+    per_tok = -torch.minimum(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a)
+    stats = {"clipped": (((ratio - 1).abs() > clip_eps).to(mask.dtype) * mask).sum().detach()}
+    if ref_logp is not None:
+        d = ref_logp - logp
+        k3 = torch.exp(d) - d - 1
+        stats["kl"] = (k3 * mask).sum().detach()
+        if kl_coef:
+            per_tok = per_tok + kl_coef * k3
+    return (per_tok * mask).sum() / n, stats
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# sampling with the KV cache
+
+@torch.no_grad()
+def _sample_batch(model, prompts: list, max_new: int, temperature: float, eot: int, generator, amp) -> list:
+    """New token ids (EOT kept) for prompts of one token length; finished rows leave the batch."""
+    dev, V = model.transformer.wpe.weight.device, model.cfg.vocab_size
+    B, L = len(prompts), len(prompts[0])
+    total = min(L + max_new, model.cfg.block_size)
+    with amp():
+        dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else \
+            model.transformer.wpe.weight.dtype
+    caches = [KVCache(B, blk.attn.n_head, total, blk.attn.head_dim, dev, dtype) for blk in model.transformer.h]
+    outs, alive = [[] for _ in range(B)], list(range(B))  # alive[j]: the prompt row that batch row j samples for
+    with amp():
+        logits, _ = model(torch.tensor(prompts, device=dev), kv_caches=caches)  # (B, L, Vp)
+    for pos in range(L, total):
+        z = logits[:, -1, :V].float()  # (b, V): never a padding id
+        if temperature == 0:
+            nxt = z.argmax(-1)
+        else:
+            nxt = torch.multinomial(F.softmax(z / temperature, dim=-1), 1, generator=generator)[:, 0]
+        toks = nxt.tolist()  # the one host sync per token: the stop test needs the tokens
+        for r, t in zip(alive, toks):
+            outs[r].append(t)
+        keep = [j for j, t in enumerate(toks) if t != eot]
+        if pos == total - 1 or not keep:
+            break
+        if len(keep) < len(alive):  # drop finished rows from the batch and the caches
+            sel = torch.tensor(keep, device=dev)
+            for c in caches:
+                c.k, c.v = c.k[sel], c.v[sel]
+            nxt, alive = nxt[sel], [alive[j] for j in keep]
+        with amp():
+            logits, _ = model(nxt[:, None], kv_caches=caches, pos0=pos)  # (b, 1, Vp)
+    return outs
+
+
+def sample(model, prompts: list, max_new: int, temperature: float = 1.0, eot: int = 50256, generator=None,
+           amp=contextlib.nullcontext) -> list:
+    """New token ids of each prompt (a list of token-id lists), stopping at EOT (kept) or after max_new tokens;
+    temperature 0 is greedy. Prompts of one length run as one batch, shortest first."""
+    by_len = {}
+    for i, p in enumerate(prompts):
+        by_len.setdefault(len(p), []).append(i)
+    outs = [None] * len(prompts)
+    was_training = model.training
+    model.eval()
+    try:
+        for L in sorted(by_len):
+            rows = by_len[L]
+            for i, new in zip(rows, _sample_batch(model, [prompts[i] for i in rows], max_new, temperature, eot,
+                                                  generator, amp)):
+                outs[i] = new
+    finally:
+        model.train(was_training)
+    return outs
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# rollouts and the update
+
+@dataclasses.dataclass
+class Rollout:
+    """One rank's completions, right-padded: tokens (B, T); mask (B, T-1) marks the targets that are response
+    tokens; old_logp / ref_logp (B, T-1) of those targets; adv (B,)."""
+    tokens: torch.Tensor
+    mask: torch.Tensor
+    adv: torch.Tensor
+    old_logp: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
+
+
+def make_rollout(prompts: list, completions: list, adv: torch.Tensor, device) -> Rollout:
+    """prompts[i] + completions[i] right-padded with 0; completions must be non-empty."""
+    seqs = [p + c for p, c in zip(prompts, completions)]
+    T = max(map(len, seqs))
+    tokens = torch.zeros(len(seqs), T, dtype=torch.long)
+    mask = torch.zeros(len(seqs), T - 1)
+    for i, (p, s) in enumerate(zip(prompts, seqs)):
+        tokens[i, :len(s)] = torch.tensor(s)
+        mask[i, len(p) - 1:len(s) - 1] = 1  # target j+1 is a response token
+    return Rollout(tokens.to(device), mask.to(device), adv.to(device, torch.float32))
+
+
+def token_logprobs(model, tokens: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0,
+                   amp=contextlib.nullcontext) -> torch.Tensor:
+    """(B, T-1) log-prob of each next token under logits / temperature, computed only where mask is set (0 else)."""
+    with amp():
+        logits, _ = model(tokens)  # (B, T, Vp)
+    sel = mask.bool()
+    z = logits[:, :-1][sel][:, :model.cfg.vocab_size].float()  # (N, V): response positions only
+    if temperature not in (0, 1):
+        z = z / temperature
+    lp = z.log_softmax(-1).gather(1, tokens[:, 1:][sel][:, None])[:, 0]  # (N,)
+    out = torch.zeros(mask.shape, dtype=lp.dtype, device=lp.device)
+    return out.masked_scatter(sel, lp)
+
+
+def all_sum(t: torch.Tensor, group=None, world: int = 1) -> torch.Tensor:
+    if world > 1:
+        dist.all_reduce(t, group=group)
+    return t
+
+
+def update(model, opt, ro: Rollout, *, clip_eps: float, kl_coef: float = 0.0, temperature: float = 1.0,
+           micro: int = 0, grad_clip: float = 1.0, group=None, world: int = 1, amp=contextlib.nullcontext) -> dict:
+    """One optimizer step on a rollout (every rank calls it with its own): the loss over micro-batches of `micro`
+    rows (0: all), divided by the global number of response tokens; gradients all-reduced (sum) over `group`."""
+    dev = ro.tokens.device
+    n_tok = all_sum(ro.mask.sum().double(), group, world).float()
+    B, micro = ro.tokens.shape[0], micro or ro.tokens.shape[0]
+    opt.zero_grad(set_to_none=True)
+    sums = {"loss": 0.0, "clipped": 0.0, "kl": 0.0}
+    for s in range(0, B, micro):
+        sl = slice(s, s + micro)
+        logp = token_logprobs(model, ro.tokens[sl], ro.mask[sl], temperature, amp)
+        ref = ro.ref_logp[sl] if ro.ref_logp is not None else None
+        loss, st = policy_loss(logp, ro.old_logp[sl], ro.adv[sl], ro.mask[sl], clip_eps, ref, kl_coef, n_tok)
+        loss.backward()
+        sums["loss"] += loss.item()
+        sums["clipped"] += st["clipped"].item()
+        sums["kl"] += st.get("kl", torch.zeros(())).item()
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    if world > 1:  # one flat all-reduce: the DDP of this loop (a few MB to a few hundred MB per step)
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        dist.all_reduce(flat, group=group)
+        at = 0
+        for p, g in zip(params, grads):
+            p.grad = flat[at:at + g.numel()].view_as(g).to(g.dtype)
+            at += g.numel()
+    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    opt.step()
+    tot = all_sum(torch.tensor([sums["loss"], sums["clipped"], sums["kl"]], dtype=torch.float64, device=dev),
+                  group, world)
+    n = max(n_tok.item(), 1.0)
+    return {"loss": tot[0].item(), "clip_frac": tot[1].item() / n, "kl": tot[2].item() / n,
+            "grad_norm": norm.item(), "response_tokens": int(n_tok.item())}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# held-out exact match
+
+@torch.no_grad()
+def exact_match(model, enc, task, examples: list, max_new: int, *, eot: int = 50256,
+                batch: int = 256, rank: int = 0, world: int = 1, group=None, amp=contextlib.nullcontext) -> float:
+    """Mean checker reward of greedy completions (the held-out exact match); example i is scored on rank i % world,
+    the counts all-reduced: every rank returns the same number."""
+    dev = model.transformer.wpe.weight.device
+    mine = list(range(rank, len(examples), world))
+    correct = 0.0
+    for s in range(0, len(mine), batch):
+        idx = mine[s:s + batch]
+        prompts = [prompt_ids(enc, examples[i].prompt) for i in idx]
+        for i, new in zip(idx, sample(model, prompts, max_new, 0.0, eot, amp=amp)):
+            correct += task.check(enc.decode([t for t in new if t != eot]), examples[i].answer)
+    tot = all_sum(torch.tensor([correct, len(mine)], dtype=torch.float64, device=dev), group, world)
+    return (tot[0] / tot[1].clamp(min=1)).item()

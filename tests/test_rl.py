@@ -1,0 +1,314 @@
+"""GRPO (nanopara/rl.py, rl.py): the math against plain loops, the sampler, a tiny run that learns, dp2 = 1 rank."""
+import json
+import math
+import os
+
+import pytest
+import torch
+
+import rl as rl_script
+from nanopara import rl
+from nanopara.checkpoint import save
+from nanopara.config import ModelConfig
+from nanopara.consolidate import full_model_state
+from nanopara.data import get_tokenizer
+from nanopara.mesh import Mesh
+from nanopara.model import GPT
+from tests.distributed import spawn
+
+EOT_TOY = 15  # the toy vocabulary's stop token
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matmuls: one thread is ~10x faster than two fighting over a loaded machine's cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def toy(vocab=16, block=32, seed=0, n_layer=2, n_embd=32):
+    torch.manual_seed(seed)
+    return GPT(ModelConfig(n_layer=n_layer, n_head=2, n_embd=n_embd, block_size=block, vocab_size=vocab,
+                           vocab_multiple=1))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the math against straightforward loops
+
+def ref_advantages(rewards, eps=1e-4):
+    out = []
+    for group in rewards:
+        m = sum(group) / len(group)
+        sd = math.sqrt(sum((r - m) ** 2 for r in group) / len(group))
+        out.append([(r - m) / (sd + eps) for r in group])
+    return out
+
+
+def test_group_advantages():
+    r = [[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]]
+    got = rl.group_advantages(torch.tensor(r))
+    torch.testing.assert_close(got, torch.tensor(ref_advantages(r)))
+    assert torch.equal(got[2:], torch.zeros(2, 4)) and not got.isnan().any()  # all-equal groups: exactly 0
+    torch.testing.assert_close(got[0], torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=1e-3, rtol=0)  # std 0.5, mean 0.5
+    assert torch.equal(rl.group_advantages(torch.tensor([[1.0]])), torch.zeros(1, 1))  # G = 1: no NaN either
+
+
+def ref_loss(logp, old, adv, mask, eps, ref=None, beta=0.0):
+    total, n, clipped, kl = 0.0, 0, 0, 0.0
+    for i in range(len(logp)):
+        for t in range(len(logp[i])):
+            if not mask[i][t]:
+                continue
+            ratio = math.exp(logp[i][t] - old[i][t])
+            loss = -min(ratio * adv[i], min(max(ratio, 1 - eps), 1 + eps) * adv[i])
+            if ref is not None:
+                d = ref[i][t] - logp[i][t]
+                k3 = math.exp(d) - d - 1
+                kl += k3
+                loss += beta * k3
+            total, n, clipped = total + loss, n + 1, clipped + (abs(ratio - 1) > eps)
+    return total / n, clipped, kl
+
+
+def test_policy_loss_hand_numbers():
+    # ratio 1.5 with A = 1: clipped to 1.2 -> -1.2; ratio 0.5 with A = -1: min(-0.5, -0.8) -> 0.8; mean 0.2 / 2
+    logp = torch.log(torch.tensor([[1.5, 0.5]]))
+    loss, st = rl.policy_loss(logp, torch.zeros(1, 2), torch.tensor([1.0]), torch.tensor([[1.0, 0.0]]), 0.2)
+    assert loss.item() == pytest.approx(-1.2)
+    loss, _ = rl.policy_loss(logp[:, 1:], torch.zeros(1, 1), torch.tensor([-1.0]), torch.ones(1, 1), 0.2)
+    assert loss.item() == pytest.approx(0.8)
+    assert st["clipped"].item() == 1
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+def test_policy_loss_and_grad_against_loops(beta):
+    g = torch.Generator().manual_seed(0)
+    B, T = 5, 7
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    logp = (old + 0.4 * torch.randn(B, T, generator=g, dtype=torch.float64)).requires_grad_()  # ratios 0.5 .. 2
+    ref = old + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    adv = torch.tensor([1.3, -0.7, 0.0, 2.0, -1.1], dtype=torch.float64)
+    mask = (torch.rand(B, T, generator=g) < 0.7).double()
+    loss, st = rl.policy_loss(logp, old, adv, mask, 0.2, ref, beta)
+    want, clipped, kl = ref_loss(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), 0.2, ref.tolist(), beta)
+    assert 0 < clipped < mask.sum()  # both branches of the min are exercised
+    assert loss.item() == pytest.approx(want, rel=1e-12)
+    assert st["clipped"].item() == clipped and st["kl"].item() == pytest.approx(kl, rel=1e-12)
+    loss.backward()
+    assert torch.all(logp.grad[mask == 0] == 0)  # prompt and padding positions get no gradient
+    num = torch.zeros(B, T, dtype=torch.float64)  # finite differences of the loop reference
+    for i in range(B):
+        for t in range(T):
+            for s in (1, -1):
+                x = logp.detach().clone()
+                x[i, t] += s * 1e-6
+                num[i, t] += s * ref_loss(x.tolist(), old.tolist(), adv.tolist(), mask.tolist(), 0.2,
+                                          ref.tolist(), beta)[0] / 2e-6
+    torch.testing.assert_close(logp.grad, num, atol=1e-6, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# sampling and log-probs
+
+def test_sample_greedy_equals_generate_and_stops_at_eot():
+    model = toy().eval()
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8], [9, 1]]
+    outs = rl.sample(model, prompts, max_new=10, temperature=0.0, eot=EOT_TOY)
+    for p, new in zip(prompts, outs):
+        want = model.generate(torch.tensor([p]), 10, temperature=0.0)[0, len(p):].tolist()
+        cut = want.index(EOT_TOY) + 1 if EOT_TOY in want else len(want)
+        assert new == want[:cut]
+    # every token the EOT: each row stops after one token
+    with torch.no_grad():  # the final LayerNorm outputs its bias (ones): EOT's logit leads by >= 10 * n_embd
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.fill_(1.0)
+        model.lm_head.weight[EOT_TOY] += 10.0
+    assert rl.sample(model, prompts, 10, 1.0, EOT_TOY, torch.Generator().manual_seed(0)) == [[EOT_TOY]] * 4
+
+
+def test_token_logprobs_ignore_padding():
+    model = toy()
+    prompts, completions = [[1, 2, 3], [4, 5]], [[6, 7], [8, 9, 10, EOT_TOY]]
+    ro = rl.make_rollout(prompts, completions, torch.zeros(2), "cpu")
+    lp = rl.token_logprobs(model, ro.tokens, ro.mask, temperature=0.7)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        s = torch.tensor([p + c])
+        want = (model(s)[0][0, :-1, :16] / 0.7).log_softmax(-1).gather(1, s[0, 1:, None])[:, 0]
+        torch.testing.assert_close(lp[i, len(p) - 1:len(p) + len(c) - 1], want[len(p) - 1:])
+        assert ro.mask[i].sum() == len(c) and torch.all(lp[i][ro.mask[i] == 0] == 0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# a tiny run learns; dp2 equals one process
+
+def toy_step(model, opt, gen, prompts, G=8, target=7, updates=1):
+    """One GRPO step on the toy task 'the first new token is `target`'; returns the mean reward sampled."""
+    rows = [p for p in prompts for _ in range(G)]
+    new = rl.sample(model, rows, max_new=3, temperature=1.0, eot=EOT_TOY, generator=gen)
+    r = torch.tensor([float(c[0] == target) for c in new]).view(-1, G)
+    ro = rl.make_rollout(rows, new, rl.group_advantages(r).flatten(), "cpu")
+    ro.old_logp = rl.token_logprobs(model, ro.tokens, ro.mask).detach()
+    for _ in range(updates):
+        rl.update(model, opt, ro, clip_eps=0.2)
+    return r.mean().item()
+
+
+def test_tiny_run_improves_reward():
+    model = toy(seed=1, n_layer=1, n_embd=16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen, data = torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)
+    rewards = []
+    for _ in range(15):
+        prompts = [torch.randint(0, 14, (int(n),), generator=data).tolist()
+                   for n in torch.randint(2, 5, (4,), generator=data)]
+        rewards.append(toy_step(model, opt, gen, prompts, updates=2))
+    assert sum(rewards[:3]) / 3 < 0.2 and sum(rewards[-3:]) / 3 > 0.9, rewards  # chance: 1/16
+
+
+def fixed_rollout():
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 14, (int(n),), generator=g).tolist() for n in (3, 4, 2, 5)]
+    comps = [torch.randint(0, 16, (int(n),), generator=g).tolist() for n in (2, 6, 1, 3)]
+    adv = torch.randn(4, generator=g)
+    return prompts, comps, adv
+
+
+def rollout_step(model, prompts, comps, adv, group=None, world=1, kl=0.1):
+    ro = rl.make_rollout(prompts, comps, adv, "cpu")
+    with torch.no_grad():
+        ro.old_logp = rl.token_logprobs(model, ro.tokens, ro.mask) - 0.05  # ratios away from 1: clipping active
+        ro.ref_logp = ro.old_logp + 0.1
+    # SGD, not Adam: Adam would blow c_attn's key-bias gradient (rounding noise: a key bias cancels in the softmax)
+    # up to a full step of lr, so the two runs' weights would differ by lr there
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    return [rl.update(model, opt, ro, clip_eps=0.2, kl_coef=kl, micro=1, group=group, world=world)
+            for _ in range(2)]
+
+
+def _dp_rank(rank, world, out):
+    torch.set_num_threads(1)
+    Mesh.build(dp=world, device="cpu")
+    model = toy(seed=2)
+    prompts, comps, adv = fixed_rollout()
+    stats = rollout_step(model, prompts[rank::world], comps[rank::world], adv[rank::world], None, world)
+    if rank == 0:
+        torch.save({"sd": model.state_dict(), "stats": stats}, out)
+
+
+def test_dp2_update_equals_one_process(tmp_path):
+    model = toy(seed=2)
+    stats = rollout_step(model, *fixed_rollout())
+    spawn(_dp_rank, 2, str(tmp_path / "dp2.pt"))
+    two = torch.load(tmp_path / "dp2.pt", weights_only=True)
+    for k, v in model.state_dict().items():  # gradient sums in another order: fp32 rounding only
+        torch.testing.assert_close(two["sd"][k], v, atol=1e-6, rtol=1e-5, msg=k)
+    for a, b in zip(stats, two["stats"]):
+        assert a["response_tokens"] == b["response_tokens"] == 12
+        for k in ("loss", "clip_frac", "kl", "grad_norm"):
+            assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), k
+    assert stats[1]["clip_frac"] > 0
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_first_update_has_ratio_one():
+    """Triton kernels + bf16 autocast: the recomputed old log-probs equal the update's own (no token is clipped even
+    at clip_eps 1e-6), so the first update is the plain policy gradient."""
+    model = toy(vocab=64, block=64, n_embd=64).cuda()
+    amp = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
+    rows = [[1, 2, 3]] * 8 + [[4, 5]] * 8
+    new = rl.sample(model, rows, 6, 1.0, 63, torch.Generator("cuda").manual_seed(0), amp)
+    ro = rl.make_rollout(rows, new, torch.randn(16), "cuda")
+    ro.old_logp = rl.token_logprobs(model, ro.tokens, ro.mask, amp=amp).detach()
+    st = rl.update(model, torch.optim.AdamW(model.parameters(), lr=1e-3), ro, clip_eps=1e-6, amp=amp)
+    assert st["clip_frac"] == 0 and math.isfinite(st["loss"])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the script
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory):
+    """A tiny GPT-2-vocabulary checkpoint written as train.py writes one (one process). Its final LayerNorm outputs
+    its bias, so every position favours " 1", " 2" and EOT: count answers of 1 or 2 are hit by chance, and the
+    rewards of a group differ (a learning signal)."""
+    d = tmp_path_factory.mktemp("policy")
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=64))
+    with torch.no_grad():
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.fill_(1.0)
+        for t in get_tokenizer().encode(" 1 2") + [50256]:
+            model.transformer.wte.weight[t] += 0.5  # logit +8 over the rest
+    mesh = {"pp": 0, "dp": 0, "cp": 0, "tp": 0}
+    save(str(d), 1, Mesh.build(dp=1, device="cpu"), {"model": model.state_dict(), "mesh": mesh},
+         {"config": {"model": vars(model.cfg)}})
+    return str(d)
+
+
+def test_script_runs_and_writes_a_loadable_checkpoint(policy_dir, tmp_path):
+    out = tmp_path / "rl"
+    argv = [f"--init={policy_dir}", "--task=count", "--steps=2", "--prompts=2", "--group=2", "--max_new=4",
+            "--train_n=20", "--test_n=4", "--eval_every=1", f"--out_dir={out}", "--device=cpu", "--kl_coef=0.1",
+            "--updates=2", "--lr=1e-3"]
+    assert rl_script.main(argv) == 0
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if "reward" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert 0 <= r["reward"] <= 1 and 1 <= r["response_len"] <= 4 and r["kl"] >= 0 and r["tokens_per_s"] > 0
+    assert steps[0]["kl"] == 0 and steps[1]["kl"] > 0  # the policy moved away from the reference after step 1
+    assert [r["step"] for r in recs if "test_exact_match" in r] == [0, 1, 2]
+    sd, cfg = full_model_state(str(out))
+    assert cfg.n_embd == 16 and not torch.equal(sd["transformer.h.0.mlp.c_fc.weight"],
+                                                full_model_state(policy_dir)[0]["transformer.h.0.mlp.c_fc.weight"])
+    assert rl_script.main(argv) == 2  # the run directory is taken: --overwrite=1 replaces it
+
+
+def _script_rank(rank, world, argv):
+    torch.set_num_threads(1)
+    assert rl_script.main(argv) == 0
+
+
+def test_script_on_two_gloo_ranks(policy_dir, tmp_path):
+    """Sampling, metrics, held-out scoring and the checkpoint with dp=2 (completions differ from one process's:
+    each rank samples with its own generator, so this checks the plumbing; test_dp2_update_equals_one_process
+    checks the numbers)."""
+    out = tmp_path / "rl2"
+    spawn(_script_rank, 2, [f"--init={policy_dir}", "--task=count", "--steps=2", "--prompts=4", "--group=2",
+                            "--max_new=4", "--train_n=20", "--test_n=5", f"--out_dir={out}", "--device=cpu"])
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if "reward" in r]
+    assert [r["step"] for r in steps] == [1, 2] and all(r["pass_at_group"] <= 1 for r in steps)
+    assert [r["test_n"] for r in recs if "test_exact_match" in r] == [5, 5]
+    assert full_model_state(str(out))[1].n_embd == 16
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--group=1"], "--group must be >= 2"), (["--task=chess"], "unknown task"), (["--lr=0"], "--lr must be"),
+    (["--temperature=0"], "--temperature"), (["--grpup=4"], "did you mean --group"), (["--init=/nope"], "no such"),
+    (["--max_new=60"], "exceeds the policy's context"), (["--prompts=3"], None),
+])
+def test_user_errors_are_one_line(policy_dir, tmp_path, capsys, extra, fragment):
+    argv = [f"--init={policy_dir}", f"--out_dir={tmp_path / 'r'}", "--device=cpu", "--steps=1", "--prompts=2",
+            "--group=2", "--max_new=4", "--train_n=4", "--test_n=2", *extra]
+    code = rl_script.main(argv)
+    err = capsys.readouterr().err
+    if fragment is None:  # a valid variant: runs
+        assert code == 0
+        return
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and fragment in err, err
+    assert not os.path.exists(tmp_path / "r" / "metrics.jsonl")
+
+
+def test_demo_generation_speed_runs_on_cpu():
+    """bench/post_train_demo.py's in-process part (the rest is train.py and rl.py, tested above and elsewhere)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("post_train_demo", os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "post_train_demo.py"))
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    rows = demo.generation_speed(toy(vocab=64, block=16), torch.device("cpu"), batches=(1, 3), prompt=4, new=5)
+    assert [r["batch"] for r in rows] == [1, 3]
+    assert all(r["rl_sample_tokens_per_s"] > 0 and r["model_generate_tokens_per_s"] > 0 for r in rows), rows
