@@ -23,12 +23,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nanopara import checkpoint, evals
+from nanopara import checkpoint, evals, sft
 from nanopara.config import Config, ConfigError, describe, help_text, parse_args
 from nanopara.data import TokenLoader, default_mirror, find_shards, get_tokenizer
 from nanopara.graph import GraphedMicroStep
 from nanopara.mesh import Mesh, MeshError
-from nanopara.model import GPT, from_hf_state_dict
+from nanopara.model import GPT
 from nanopara.moe import TrainHook
 from nanopara.optim import LossScaler, lr_at
 from nanopara.parallel import check_layout, parallelize, pipeline_eval, pipeline_step
@@ -67,8 +67,11 @@ def build_loaders(cfg: Config, mesh: Mesh, log) -> tuple[TokenLoader, TokenLoade
     """Each dp rank's slice of the training shards (and of the validation shards). Missing or broken shards, and
     token ids >= vocab_size, fail here, before any model work."""
     t, d = cfg.train, cfg.data
-    common = dict(rank=mesh.dp_rank, world=mesh.dp, seed=cfg.seed, vocab_size=cfg.model.vocab_size)
+    common = dict(rank=mesh.dp_rank, world=mesh.dp, seed=cfg.seed, vocab_size=cfg.model.vocab_size,
+                  loss_mask=d.loss_mask)  # SFT shards: targets outside the responses come as -1 (data.py)
     loader = TokenLoader(find_shards(d.dataset, "train", d.data_dir), t.micro_batch, t.seq_len, **common)
+    if loader.masks is not None:
+        log("loss mask on: training on response tokens only (SFT shards)")
     first = loader.state_dict()
     next(loader)  # opens the first shard now
     loader.load_state_dict(first)
@@ -93,11 +96,8 @@ def build_model(cfg: Config, resuming: bool, log) -> GPT:
         m = cfg.model
         raise ConfigError(f"the model does not fit in host memory (model.n_layer={m.n_layer}, n_embd={m.n_embd}, "
                           f"block_size={m.block_size}, vocab_size={m.vocab_size}): {str(e).splitlines()[0][:120]}")
-    if cfg.ckpt.init_from and not resuming:
-        if not os.path.isfile(cfg.ckpt.init_from):
-            raise checkpoint.CheckpointError(f"--ckpt.init_from: no file {cfg.ckpt.init_from}")
-        from_hf_state_dict(model, torch.load(cfg.ckpt.init_from, map_location="cpu", weights_only=True))
-        log(f"initialised from Hugging Face GPT-2 weights {cfg.ckpt.init_from}")
+    if cfg.ckpt.init_from and not resuming:  # a trainer checkpoint or HF GPT-2 weights; shapes checked (sft.py)
+        log(f"initialised from {sft.init_from(model, cfg.ckpt.init_from)}")
     return model
 
 
@@ -176,7 +176,7 @@ def mean_over(x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
 def train(cfg: Config) -> dict:
     t = cfg.train
     mesh = Mesh.build(cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.cp, cfg.parallel.tp, cfg.device,
-                      cfg.parallel.timeout_s)
+                      cfg.parallel.timeout_s, ep=cfg.parallel.ep)
     log = print if mesh.is_main else (lambda *a, **k: None)
     accum = check_layout(cfg, mesh.world, mesh.device.type)  # micro-steps per optimizer step
     checkpoint.prepare_run_dir(cfg.out_dir, cfg.resume, cfg.overwrite, mesh.is_main)

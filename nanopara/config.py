@@ -61,12 +61,14 @@ class ParallelConfig:
     dp: int = -1                 # data parallel degree; -1 = whatever is left of the world size
     tp: int = 1                  # tensor parallel degree (Megatron column/row)
     pp: int = 1                  # pipeline stages (pp.py); the step's micro-batches (tokens_per_step) run through them
-    cp: int = 1                  # context parallel (ring attention): not built yet (issue open), must be 1
-    ep: int = 1                  # expert parallel (carved out of dp x cp): not built yet (issue open), must be 1
+    cp: int = 1                  # context parallel (cp.py): ring attention, each rank holds 2 of 2*cp seq chunks
+    cp_impl: str = "ring"        # ring (K/V passed around, zigzag-balanced) | ulysses (all-to-all heads <-> seq)
+    ep: int = 1                  # expert parallel (ep.py): each of ep ranks of dp x cp holds moe_experts/ep experts
     zero: int = 0                # 0 = DDP, 1/2/3 = ZeRO stage
     sp: bool = False             # sequence parallel (needs tp > 1)
-    tp_overlap: int = 4          # TP: row blocks per GEMM, each block's collective under the next one's GEMM
-                                 # (tp_linear.py); 0 = off: one collective per op, waited for at once
+    tp_overlap: int = 0          # TP: row blocks per GEMM, each block's collective under the next one's GEMM
+                                 # (tp_linear.py); 0 = off: one collective per op. Off by default: 4 blocks
+                                 # measured 27-29% slower in eager mode, where the host already limits TP (notes/tp.md)
     pp_schedule: str = "1f1b"    # gpipe | 1f1b | interleaved (needs pp_virtual >= 2) | zb (ZB-H1, zero bubble)
     pp_virtual: int = 1          # model chunks per pp rank (interleaved 1F1B's v): bubble (p-1)/(v*m), v x the p2p
     pp_layers: str = ""          # blocks per chunk, comma-separated in model order (e.g. "7,6,6,5"); "" = even split
@@ -116,6 +118,7 @@ class TrainConfig:
 class DataConfig:
     dataset: str = "shakespeare" # shakespeare | books | fineweb10B | fineweb-edu10B | path/glob of .bin shards
     data_dir: str = "data/shards"
+    loss_mask: str = "auto"      # auto: the shards' .mask files when they have them (SFT: loss on responses) | on | off
 
 
 @dataclass
@@ -123,7 +126,7 @@ class CheckpointConfig:
     every: int = 0               # steps between checkpoints (0 = only at the end)
     keep: int = 2                # complete checkpoints kept on disk
     final: bool = True           # save one at the end of the run
-    init_from: str = ""          # start from Hugging Face GPT-2 weights: a GPT2LMHeadModel state dict (.bin / .pt)
+    init_from: str = ""          # start from a run/step dir of this trainer or HF GPT-2 weights (.bin/.pt)
 
 
 @dataclass
@@ -158,9 +161,11 @@ class Config:
                                     ("parallel.reduce_dtype", p.reduce_dtype, ("fp32", "bf16")),
                                     ("parallel.grad_dests", p.grad_dests, ("auto", "on", "off")),
                                     ("parallel.pp_schedule", p.pp_schedule, ("gpipe", "1f1b", "interleaved", "zb")),
+                                    ("parallel.cp_impl", p.cp_impl, ("ring", "ulysses")),
                                     ("train.activation_checkpointing", t.activation_checkpointing,
                                      ("none", "full", "selective")),
-                                    ("train.fp8", t.fp8, ("none", "tensor", "row", "block"))):
+                                    ("train.fp8", t.fp8, ("none", "tensor", "row", "block")),
+                                    ("data.loss_mask", self.data.loss_mask, ("auto", "on", "off"))):
             if value not in choices:
                 raise ConfigError(f"{key} must be {'|'.join(choices)}, got {value!r}")
         if not self.out_dir.strip():
@@ -193,9 +198,7 @@ class Config:
             raise ConfigError(f"the MLP width 4*model.n_embd={4 * m.n_embd} is not divisible by parallel.tp={p.tp}")
         if p.sp and t.seq_len % p.tp:
             raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by parallel.tp={p.tp} (needed by sp)")
-        if p.cp > 1 or p.ep > 1:
-            raise ConfigError("parallel.cp/ep > 1 are not implemented yet (their issues are open); "
-                              "use dp, tp, pp, sp and zero")
+        self._check_cp()
         self._check_pipeline()
         self._check_evals()
         self._check_moe()
@@ -206,6 +209,25 @@ class Config:
         if t.cuda_graph and t.compile:
             raise ConfigError("train.cuda_graph=true and train.compile=true: use one (torch.compile's own graphs are "
                               "mode='reduce-overhead')")
+
+    def _check_cp(self) -> None:
+        """Context parallel (nanopara/cp.py): every sequence is cut into 2*cp chunks, two per cp rank (zigzag)."""
+        p, t = self.parallel, self.train
+        if p.cp == 1:
+            return
+        if t.seq_len % (2 * p.cp):
+            raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by 2*parallel.cp = {2 * p.cp} (context "
+                              f"parallel cuts each sequence into 2*cp equal chunks, two per rank)")
+        if p.sp and (t.seq_len // p.cp) % p.tp:
+            raise ConfigError(f"train.seq_len/parallel.cp = {t.seq_len // p.cp} tokens per cp rank are not divisible "
+                              f"by parallel.tp={p.tp} (needed by sp)")
+        if t.compile:
+            raise ConfigError("train.compile=true with parallel.cp > 1 is not supported: ring attention's send/recv "
+                              "run eagerly inside the attention op")
+        heads = self.model.n_head // p.tp
+        if p.cp_impl == "ulysses" and heads % p.cp:
+            raise ConfigError(f"parallel.cp_impl=ulysses splits each rank's model.n_head/parallel.tp = {heads} heads "
+                              f"over parallel.cp={p.cp} ranks: they must divide (or use parallel.cp_impl=ring)")
 
     def _check_fp8(self) -> None:
         """FP8 (nanopara/fp8.py) with the layouts it is not built for; compile is fine (one graph break per FP8
@@ -233,6 +255,7 @@ class Config:
             return
         why = ("parallel.pp > 1 (each rank holds only its stages)" if p.pp > 1 else
                "parallel.tp > 1 (each rank holds slices of the weights)" if p.tp > 1 else
+               "parallel.cp > 1 (the model's forward takes this rank's chunks of each sequence)" if p.cp > 1 else
                "parallel.zero=3 (sharded weights: untested with evals.py's lockstep forwards)" if p.zero == 3 else "")
         if why:
             raise ConfigError(f"train.eval_every needs the whole model on every dp rank, not {why}; evaluate the "
@@ -242,9 +265,12 @@ class Config:
                               f"model.vocab_size={m.vocab_size}")
 
     def _check_moe(self) -> None:
-        """MoE (moe_experts > 0) where it is built: one device or dp/ZeRO; expert parallel is the next step."""
+        """MoE (moe_experts > 0) where it is built: one device, dp/ZeRO, expert parallel (ep.py) with DDP/ZeRO-1/2."""
         m, p, t = self.model, self.parallel, self.train
         if m.moe_experts == 0:
+            if p.ep > 1:
+                raise ConfigError(f"parallel.ep={p.ep} shards the experts of MoE layers, and this model has none: "
+                                  f"set model.moe_experts (or --preset=gpt2_moe / tiny_moe)")
             return
         from nanopara.moe import IMPLS, check_moe_config  # lazy: moe.py imports torch
         if m.moe_impl not in IMPLS:
@@ -262,6 +288,13 @@ class Config:
         if t.cuda_graph:
             raise ConfigError("model.moe_experts > 0 with train.cuda_graph=true: the MoE stats and the bias load are "
                               "set from Python per forward, which a graph replay would skip; use one")
+        if p.ep > 1:  # expert parallel (ep.py); that ep divides dp*cp is checked with the world size (check_layout)
+            if m.moe_experts % p.ep:
+                raise ConfigError(f"model.moe_experts={m.moe_experts} is not divisible by parallel.ep={p.ep} (each ep "
+                                  f"rank holds moe_experts/ep experts)")
+            if p.zero == 3:
+                raise ConfigError("parallel.ep > 1 with parallel.zero=3: ZeRO-3 would have to gather the expert shards "
+                                  "over their replicas only, which is not built; use parallel.zero=0|1|2")
 
     def _check_pipeline(self) -> None:
         """The pipeline checks that need no world size (those that need m, the micro-batches per step, are in
@@ -391,6 +424,24 @@ def gpt_1b() -> Config:
     return c
 
 
+def _long(c: Config, name: str, T: int) -> Config:
+    """Long-context variant: learned positions up to T, one sequence of T per micro-step, 2**19 tokens a step
+    (GPT-2's ~0.5M: 2**19 / T micro-steps, shared by the dp ranks)."""
+    c.preset, c.model.block_size, c.train.seq_len, c.train.micro_batch = name, T, T, 1
+    c.train.tokens_per_step = 2 ** 19
+    return c
+
+
+def gpt2_124m_16k() -> Config:
+    """GPT-2 124M at 16k tokens of context; one GPU, or context parallel: --parallel.cp=2 (cp.py)."""
+    return _long(gpt2_124m(), "gpt2_124m_16k", 16384)
+
+
+def gpt_1b_32k() -> Config:
+    """gpt_1b at 32k tokens of context: two GPUs with --parallel.cp=2 (each holds 16k tokens of a sequence)."""
+    return _long(gpt_1b(), "gpt_1b_32k", 32768)
+
+
 def tiny() -> Config:
     """CPU-sized: learns tinyshakespeare visibly in a few minutes on two cores."""
     c = Config(preset="tiny", out_dir="runs/tiny")
@@ -417,7 +468,8 @@ def tiny_moe() -> Config:
     return c
 
 
-PRESETS = {f.__name__: f for f in (tiny, gpt2_124m, gpt2_350m, gpt2_774m, gpt2_1558m, gpt_1b, gpt2_moe, tiny_moe)}
+PRESETS = {f.__name__: f for f in (tiny, gpt2_124m, gpt2_350m, gpt2_774m, gpt2_1558m, gpt_1b, gpt2_moe, tiny_moe,
+                                             gpt2_124m_16k, gpt_1b_32k)}
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 DESIGN.md section 4's order, one call per step:
 
     1. TP (+SP)                  tp.apply_tp: column/row-parallel Linears, vocab-parallel embedding + loss
-    2. CP                        context parallel (ring attention): the next step here
+    2. CP                        cp.apply_cp: ring attention (zigzag chunks), positions, count-weighted loss
+    2b. EP                       ep.apply_ep: this rank's E/ep experts of every MoE layer (their grads reduce over edp)
     3. PP split                  pp.split_model: this rank's chunks as one pp.Stage, and their pp.Pipeline
     4. activation checkpointing  recompute.apply_activation_checkpointing on this rank's blocks (none|full|selective)
     4b. FP8 (train.fp8)          fp8.apply_fp8 on this rank's Linears; the engine bumps the weight cast after each step
@@ -29,8 +30,10 @@ import torch
 import torch.nn as nn
 
 from nanopara.config import Config, ConfigError, pp_layers_list
+from nanopara.cp import apply_cp, ring_of, shard_stage_inputs
 from nanopara.dp import DDP, SingleDevice
 from nanopara.engine import compute_dtype, weak_method
+from nanopara.ep import apply_ep
 from nanopara.fp8 import FP8Linear, apply_fp8
 from nanopara.mesh import Mesh, check_degrees
 from nanopara.pp import Pipeline, Stage, build_schedule, embedding_group, split_layers, split_model, sync_tied_grads
@@ -45,6 +48,9 @@ def check_layout(cfg: Config, world: int, device_type: str) -> int:
     one clear line (MeshError / ConfigError) for a layout that cannot run."""
     p, t = cfg.parallel, cfg.train
     dp = check_degrees(world, dp=p.dp, pp=p.pp, cp=p.cp, tp=p.tp)["dp"]
+    if (dp * p.cp) % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} must divide dp*cp = {dp}*{p.cp} (expert parallel is carved out of the "
+                          f"data-parallel ranks)")
     per_micro = t.micro_batch * t.seq_len * dp  # global tokens of one micro-step (cp ranks share their sequences)
     tokens_per_step = t.tokens_per_step or per_micro
     if tokens_per_step % per_micro:
@@ -82,15 +88,24 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config):
     # 1. tensor parallel (+ sequence parallel): each rank keeps its slices of the full weights
     if mesh.tp > 1:
         model = apply_tp(model, mesh, sp=p.sp, overlap=p.tp_overlap)
-    # 2. context parallel: the sequence split over the cp group goes here (ring attention)
+    # 2. context parallel: ring attention over the cp group; each cp rank takes its zigzag chunks of the sequences
+    #    (the GPT's forward does, or under pp the first and last chunks: shard_stage_inputs below)
     if mesh.cp > 1:
-        raise NotImplementedError("context parallel (parallel.cp > 1) is not implemented yet")
+        model = apply_cp(model, mesh, pipeline=mesh.pp > 1, impl=p.cp_impl)
+    # 2b. expert parallel: this rank keeps E/ep experts of every MoE layer (ep.py); dropped before moving to device
+    if p.ep != mesh.sizes.get("ep", 1):
+        raise ConfigError(f"parallel.ep={p.ep} but the mesh has ep={mesh.sizes.get('ep', 1)}: build it with "
+                          f"Mesh.build(..., ep=cfg.parallel.ep)")
+    ep_shards = apply_ep(model, mesh)
     # 3. pipeline parallel: this rank's chunks (pp_virtual of them under interleaved 1F1B) replace the model; the
     #    caller drops the GPT, so the other stages' weights go
     chunks = None
     if mesh.pp > 1:
         chunks = split_model(model, mesh.pp, mesh.pp_rank, p.pp_virtual, pp_layers_list(p.pp_layers))
         model = Stage(chunks)
+        if mesh.cp > 1:
+            for ch in chunks:
+                ch.register_forward_pre_hook(shard_stage_inputs(ring_of(mesh)), with_kwargs=True)
     # 4. activation checkpointing of this rank's blocks (GPT: a ModuleList; a Stage: a ModuleDict by global index)
     if cfg.train.activation_checkpointing != "none":
         apply_activation_checkpointing(list(model.transformer["h"].children()), cfg.train.activation_checkpointing)
@@ -102,6 +117,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config):
     # 5. data parallel / ZeRO over dp x cp: the engine owns the optimizer and the gradient reduction
     engine = build_engine(model, mesh, cfg)
     engine.tp_shards = tp_shards
+    engine.ep_shards = ep_shards
     if fp8 is not None:  # the fused AdamW bumps no version counter: re-cast the FP8 weights after every update
         engine.step_hooks.append(fp8.step)
     if chunks is not None:
@@ -132,7 +148,8 @@ def build_pipeline(engine, chunks: list, mesh: Mesh, cfg: Config) -> Pipeline:
     t, dtype = cfg.train, compute_dtype(cfg, mesh.device)
     amp = (lambda: torch.autocast(mesh.device.type, dtype=dtype)) if dtype != torch.float32 else contextlib.nullcontext
     # every message: the residual stream of one micro-batch, fp32 under autocast, sharded along T under SP
-    act = (t.micro_batch, t.seq_len // mesh.tp if cfg.parallel.sp else t.seq_len, cfg.model.n_embd)
+    T = t.seq_len // mesh.cp  # this cp rank's zigzag chunks
+    act = (t.micro_batch, T // mesh.tp if cfg.parallel.sp else T, cfg.model.n_embd)
     sync = weak_method(engine, "sync_from_now")
     pipe = Pipeline(chunks, mesh, cfg.parallel.pp_schedule, check_layout(cfg, mesh.world, mesh.device.type), act,
                     torch.float32, on_last_backward=lambda chunk: sync(chunk.parameters()), amp=amp)

@@ -74,7 +74,7 @@ def test_round_trip_through_dict():
     (["--preset=tiny", "--train.tokens_per_step=1000"], "not a multiple of micro_batch.seq_len"),
     (["--out_dir="], "out_dir is empty"),
     (["--resume", "--overwrite"], "contradict"),
-    (["--parallel.cp=2"], "not implemented yet"),
+    (["--parallel.cp=3"], r"seq_len=1024 is not divisible by 2\*parallel.cp = 6"),
 ])
 def test_bad_config_is_one_clear_error(argv, message):
     with pytest.raises(ConfigError, match=message):
@@ -106,4 +106,4 @@ def test_help_lists_every_key_with_its_note():
     from nanopara.config import _valid_keys, Config, help_text
     text = help_text()
     assert all(f"--{k}=" in text for k in _valid_keys(Config()))
-    assert "context parallel (ring attention): not built yet (issue open), must be 1" in text  # keys that only raise
+    assert "context parallel (cp.py): ring attention, each rank holds 2 of 2*cp seq chunks" in text
