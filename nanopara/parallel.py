@@ -152,7 +152,7 @@ def build_pipeline(engine, chunks: list, mesh: Mesh, cfg: Config) -> Pipeline:
     act = (t.micro_batch, T // mesh.tp if cfg.parallel.sp else T, cfg.model.n_embd)
     sync = weak_method(engine, "sync_from_now")
     pipe = Pipeline(chunks, mesh, cfg.parallel.pp_schedule, check_layout(cfg, mesh.world, mesh.device.type), act,
-                    torch.float32, on_last_backward=lambda chunk: sync(chunk.parameters()), amp=amp)
+                    torch.float32, on_last_backward=lambda chunk, params: sync(params), amp=amp)
     pipe.tied_group = embedding_group(mesh)
     return pipe
 
@@ -165,13 +165,14 @@ def stage_data(pipe: Pipeline, batches: list, device) -> tuple[list | None, list
     return xs, ys
 
 
-def pipeline_step(engine, batches: list, scale: float = 1.0) -> torch.Tensor:
-    """One optimizer step's forwards and backwards, batches = [(x, y)] of its micro-batches; the gradients are left
-    for engine.step(). Returns the mean loss (0-dim) on every pp rank."""
+def pipeline_step(engine, batches: list, scale: float = 1.0, weights=None) -> torch.Tensor:
+    """One optimizer step's forwards and backwards, batches = [(x, y)] of its micro-batches (weights: per
+    micro-batch loss factors, train.token_weights, or None); the gradients are left for engine.step(). Returns the
+    mean loss (0-dim) on every pp rank."""
     pipe = engine.pipeline
     xs, ys = stage_data(pipe, batches, engine.device)
     with engine.no_sync():  # the reduction starts per chunk at its last backward (on_last_backward)
-        loss = pipe.step(xs, ys, scale / engine.n)  # engine.backward's 1/(dp*cp) averaging, here
+        loss = pipe.step(xs, ys, scale / engine.n, weights)  # engine.backward's 1/(dp*cp) averaging, here
     sync_tied_grads(pipe.chunks.values(), pipe.tied_group)  # before step() reduces the tied weight's bucket
     return loss
 

@@ -41,6 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanopara.model import GPT
+from nanopara.zb import DeferredWeightGrads
 
 # ----------------------------------------------------------------------------------------------------------------
 # stage split
@@ -428,17 +429,18 @@ class Pipeline:
     rank of the pp group together (one all-reduce: NCCL wants the first call on a group to involve all of it).
 
     act_shape / act_dtype: every message between chunks, e.g. (micro_batch, seq_len, n_embd) fp32 (the residual
-    stream's dtype; (B, T/tp, C) under sequence parallel). on_last_backward(chunk) is called right before the
-    action that adds the last gradient of the step to the chunk's weights (its last B; ZB-H1: its last W): the
-    point where a data-parallel engine turns its gradient reduction on for that chunk's parameters, so the
-    reduction overlaps the backwards still to run on this rank and downstream. amp: the autocast context of the
+    stream's dtype; (B, T/tp, C) under sequence parallel). on_last_backward(chunk, params) is called right before
+    the action that adds the step's last gradient to `params` of the chunk (its last B for every parameter; under
+    ZB-H1 the last B for all but the Linears' weights, whose gradients zb.py defers to W, and the last W for
+    those): the point where a data-parallel engine turns its gradient reduction on for them, so the reduction
+    overlaps the backwards still to run on this rank and downstream. amp: the autocast context of the
     forwards. It is entered once per step, so its cast of each weight to bf16 is made once and shared by all the
     micro-batches in flight (GPipe holds m of them), and left for every backward, as in a plain training loop.
     clock: None, or a function returning a timestamp (a recorded CUDA event, bench/bench_pp.py); then `trace`
     collects (action, start, end) per action."""
 
     def __init__(self, chunks: list[Chunk], mesh, schedule: str, n_micro: int, act_shape: tuple,
-                 act_dtype: torch.dtype = torch.float32, on_last_backward: Callable[[Chunk], None] | None = None,
+                 act_dtype: torch.dtype = torch.float32, on_last_backward: Callable[[Chunk, list], None] | None = None,
                  amp: Callable = contextlib.nullcontext):
         self.p, self.rank, self.v = mesh.pp, mesh.pp_rank, len(chunks)
         self.actions = build_schedule(schedule, mesh.pp, n_micro, len(chunks))[mesh.pp_rank]
@@ -452,25 +454,33 @@ class Pipeline:
         self.act_shape, self.act_dtype, self.device = torch.Size(act_shape), act_dtype, mesh.device
         self.on_last_backward, self.amp = on_last_backward, amp
         self.clock, self.trace = None, []
-        grad_op = "W" if self.split else "B"
-        self.last_grad = {a.chunk: a for a in self.actions if a.op == grad_op}
+        self.last_b = {a.chunk: a for a in self.actions if a.op == "B"}
+        self.last_w = {a.chunk: a for a in self.actions if a.op == "W"}
+        # ZB-H1: B computes input gradients (and the small parameters'), W the Linears' weight gradients (zb.py)
+        self.deferred = {c: DeferredWeightGrads(ch) for c, ch in self.chunks.items()} if self.split else {}
         self.group = mesh.groups.get("pp") if mesh.pp > 1 else None
         self.ranks = [mesh.rank_of(pp=i) for i in range(mesh.pp)]  # pp index (as in Action) -> global rank
         self._eval_programs = {}  # n -> program of forward_only
         if self.group is not None:
             dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
 
-    def step(self, inputs=None, targets=None, loss_scale: float = 1.0) -> torch.Tensor:
+    def step(self, inputs=None, targets=None, loss_scale: float = 1.0, weights=None) -> torch.Tensor:
         """Forward and backward m micro-batches: inputs[i] token ids (B, T) of micro-batch i (read on the first
-        stage), targets[i] (B, T) (read on the last). Each micro-batch backpropagates loss * loss_scale / m; the
-        chunks' .grad accumulate over the step. Returns the mean loss (0-dim, unscaled) on every pp rank."""
+        stage), targets[i] (B, T) (read on the last). Each micro-batch backpropagates loss * loss_scale * w_i / m
+        (weights w: None = all 1; SFT's token weights, train.token_weights); the chunks' .grad accumulate over the
+        step. Returns the mean of w_i * loss_i (0-dim, unscaled) on every pp rank."""
         self._check(inputs, targets, self.m)
-        return self._execute(self.program, dict(inputs=inputs, targets=targets, scale=loss_scale, train=True))
+        for d in self.deferred.values():
+            d.new_step()
+        w = [1.0] * self.m if weights is None else list(weights)
+        return self._execute(self.program, dict(inputs=inputs, targets=targets, scale=loss_scale, w=w, train=True))
 
     @torch.no_grad()
     def evaluate(self, inputs=None, targets=None, n: int = 1) -> torch.Tensor:
         """The mean loss of n micro-batches, forwards only (`forward_only`; any n), on every pp rank."""
         self._check(inputs, targets, n)
+        for d in self.deferred.values():  # the weights changed since the last step's casts
+            d.new_step()
         if n not in self._eval_programs:
             self._eval_programs[n] = program(forward_only(self.p, n, self.rank, self.v))
         return self._execute(self._eval_programs[n], dict(inputs=inputs, targets=targets, train=False))
@@ -484,8 +494,9 @@ class Pipeline:
         saved, losses, received, outgoing, inflight = {}, {}, {}, {}, []  # messages keyed by label
         with self.amp():
             self._loop(prog, data, saved, losses, received, outgoing, inflight)
-        loss = torch.stack([losses[i] for i in sorted(losses)]).mean() if losses else \
-            torch.zeros((), device=self.device)
+        w = data.get("w")
+        loss = torch.stack([losses[i] * (1.0 if w is None else w[i]) for i in sorted(losses)]).mean() if losses \
+            else torch.zeros((), device=self.device)
         if self.group is not None:  # the last stage's loss, for every rank's log line
             dist.broadcast(loss, self.ranks[-1], group=self.group)
         return loss
@@ -503,8 +514,13 @@ class Pipeline:
                 inflight = _wait(inflight)
             else:
                 a = step[1]
-                if self.on_last_backward is not None and self.last_grad[a.chunk] == a:
-                    self.on_last_backward(self.chunks[a.chunk])
+                if self.on_last_backward is not None:
+                    ch = self.chunks[a.chunk]
+                    if self.last_b.get(a.chunk) == a:
+                        d = self.deferred.get(a.chunk)
+                        self.on_last_backward(ch, list(ch.parameters()) if d is None else d.eager_params)
+                    elif self.last_w.get(a.chunk) == a:
+                        self.on_last_backward(ch, self.deferred[a.chunk].weights)
                 t0 = self.clock() if self.clock else None
                 sent = self._run(a, received.pop(_label(a, "recv"), None), saved, losses, data)
                 if self.clock:
@@ -523,7 +539,7 @@ class Pipeline:
                 losses[a.mb] = y.detach().float()
                 if not data["train"]:
                     return None
-                y = y * data["scale"] / self.m  # the loss is scaled once, here
+                y = y * (data["scale"] * data["w"][a.mb] / self.m)  # the loss is scaled once, here
             elif y.shape != self.act_shape or y.dtype != self.act_dtype:
                 raise ValueError(f"chunk {a.chunk} returns {tuple(y.shape)} {y.dtype}, but the pipeline was "
                                  f"built for messages of {tuple(self.act_shape)} {self.act_dtype}")
@@ -531,16 +547,17 @@ class Pipeline:
                 saved[key] = (x, y)
             return None if ch.last else y.detach()
         with torch.autocast(self.device.type, enabled=False):  # backwards outside autocast; its weight casts kept
-            if a.op == "W":  # the weight gradients of a micro-batch whose input gradient B already sent
-                x, y, grad = saved.pop(key)
-                torch.autograd.backward(y, grad, inputs=[p for p in ch.parameters() if p.requires_grad])
+            if a.op == "W":  # the Linears' weight gradients of a micro-batch whose input gradient B already sent
+                self.deferred[a.chunk].run(a.mb)
                 return None
             x, y = saved.pop(key)
             if not self.split:  # stage-boundary backward: input and weight gradients in one pass
                 torch.autograd.backward(y, got)
                 return None if ch.first else x.grad
-            saved[key] = (x, y, got)  # ZB: B is the input gradient only; the graph stays for W
-            return None if ch.first else torch.autograd.grad(y, x, got, retain_graph=True)[0]
+            d = self.deferred[a.chunk]  # ZB: one walk of the graph; the Linears store their dW inputs for W
+            with d.recording(a.mb):
+                torch.autograd.backward(y, got, inputs=([] if ch.first else [x]) + d.eager_params)
+            return None if ch.first else x.grad
 
 
 def _wait(inflight: list) -> list:

@@ -257,6 +257,36 @@ def test_pp1_pipeline_is_the_single_process_step():
         assert torch.equal(p.grad, q.grad), name
 
 
+def test_zb_split_backward_walks_the_graph_once(monkeypatch):
+    """zb.py: B accumulates everything but the Linears' weights in one walk of the graph and stores their dW
+    inputs; W adds exactly the unsplit backward's weight gradients (bit for bit) with one GEMM per Linear and no
+    second walk: each Linear's backward runs once per micro-batch, B's biases are final before W."""
+    from nanopara import zb
+    torch.manual_seed(0)
+    ref = GPT(_cfg(2))
+    torch.manual_seed(0)
+    (chunk,) = pp.split_model(GPT(_cfg(2)), 1, 0)
+    d = zb.DeferredWeightGrads(chunk)
+    assert len(d.linears) == 2 * 4 and all(w.dim() == 2 for w in d.weights)  # 4 per block; lm_head is wte here
+    calls = []
+    orig = zb._Linear.backward
+    monkeypatch.setattr(zb._Linear, "backward", staticmethod(lambda ctx, dy: calls.append(1) or orig(ctx, dy)))
+    xs, ys = _batches(0, 2, B)
+    for mb, (x, y) in enumerate(zip(xs, ys)):
+        with d.recording(mb):
+            torch.autograd.backward(chunk(x, y) / 2, inputs=d.eager_params)
+        assert all(w.grad is None for w in d.weights) if mb == 0 else True
+        (ref(x, y)[1] / 2).backward()
+    assert len(calls) == 2 * len(d.linears)  # once per Linear per micro-batch
+    bias = chunk.transformer["h"]["0"].mlp.c_fc.bias
+    assert torch.equal(bias.grad, ref.transformer.h[0].mlp.c_fc.bias.grad)  # B's parameters are done
+    for mb in range(2):
+        d.run(mb)
+    assert len(calls) == 2 * len(d.linears) and not d.stored  # W ran no Linear backward, kept nothing
+    for (name, p), (_, q) in zip(chunk.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # distributed: pipelined training against one process
 
@@ -288,10 +318,11 @@ def _worker(rank, world, p, runs, out_file):
         hook_calls = []
         probe = {}  # chunk -> a weight's grad when the hook fires (the last backward has not run yet)
 
-        def hook(ch):
+        def hook(ch, params):  # ZB-H1 calls it twice per chunk: the c_fc weight's gradient comes in W (zb.py)
             w = next(iter(ch.transformer["h"].values())).mlp.c_fc.weight
-            hook_calls.append(ch.index)
-            probe[ch.index] = None if w.grad is None else w.grad.clone()
+            if any(q is w for q in params):
+                hook_calls.append(ch.index)
+                probe[ch.index] = None if w.grad is None else w.grad.clone()
 
         pipe = pp.Pipeline(chunks, mesh, schedule, m, (B, T, C), on_last_backward=hook)
         params = [q for ch in chunks for q in ch.parameters()]
