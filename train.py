@@ -164,6 +164,21 @@ def sample(model: GPT, device, tokens: int, seed: int, amp) -> str:
     return enc.decode([t for t in out[0, 1:].tolist() if t < enc.n_vocab])
 
 
+def token_weights(batches: list, loader, mesh: Mesh) -> list[float] | None:
+    """Per micro-batch loss factors that make the step's loss the mean over every trained target of the step,
+    across micro-batches and dp ranks, rather than the mean of per-micro-batch means (which over-weights a
+    micro-batch with few trained targets). Only loss-masked (SFT) data has unequal counts; otherwise None (all 1).
+    Micro-batch i's mean loss times n_i * dp * m / N, N = trained targets of the whole step: the engines' average
+    over dp and train.py's 1/m then give sum(losses) / N. One scalar all-reduce over dp per step."""
+    if getattr(loader, "masks", None) is None:
+        return None
+    n = torch.tensor([float((y != -1).sum()) for _, y in batches], dtype=torch.float64)
+    total = n.sum().reshape(1).to(mesh.device)
+    if mesh.dp > 1:
+        dist.all_reduce(total, group=mesh.dp_group)
+    return (n * mesh.dp * len(batches) / max(total.item(), 1.0)).tolist()
+
+
 def mean_over(x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     """Mean over the ranks that hold different data (dp x cp)."""
     if mesh.groups.get("dp_cp") is not None:
@@ -181,6 +196,9 @@ def train(cfg: Config) -> dict:
     accum = check_layout(cfg, mesh.world, mesh.device.type)  # micro-steps per optimizer step
     checkpoint.prepare_run_dir(cfg.out_dir, cfg.resume, cfg.overwrite, mesh.is_main)
     loader, val_loader = build_loaders(cfg, mesh, log)
+    if t.cuda_graph and loader.masks is not None:  # token_weights scales each micro-batch; a replay cannot
+        raise ConfigError("train.cuda_graph=true with loss-masked (SFT) shards: each micro-batch's loss is weighted "
+                          "by its trained-token count, which a graph replay's fixed scale cannot do; drop one")
     eval_data = load_evals(cfg)  # train.eval_every: HellaSwag items (nanopara/evals.py)
     resume_path = None
     if cfg.resume:
@@ -224,20 +242,23 @@ def train(cfg: Config) -> dict:
         lr = lr_at(step, t)
         if moe is not None:  # the aux loss's gradient gets the factor the LM loss gets below
             moe.begin_step(scaler.scale / accum)
+        batches = [next(loader) for _ in range(accum)]
+        weights = token_weights(batches, loader, mesh)  # None unless SFT masks make micro-batches unequal
         if engine.pipeline is not None:  # pp > 1: the schedule runs the step's micro-batches (parallel.py)
-            step_loss = pipeline_step(engine, [next(loader) for _ in range(accum)], scaler.scale)
+            step_loss = pipeline_step(engine, batches, scaler.scale, weights)
         else:
             loss_sum = torch.zeros((), device=mesh.device)
-            for micro in range(accum):
-                x, y = (b.to(mesh.device, non_blocking=True) for b in next(loader))
+            for micro, batch in enumerate(batches):
+                x, y = (b.to(mesh.device, non_blocking=True) for b in batch)
+                w = 1.0 if weights is None else weights[micro]
                 if graphed is not None:  # one GPU: no communication to skip or launch
                     loss = graphed(x, y)
                 else:
                     with engine.no_sync(micro < accum - 1):
                         with amp():
                             _, loss = engine.model(x, y)
-                        engine.backward(loss.float() * (scaler.scale / accum))
-                loss_sum += loss.detach().float()
+                        engine.backward(loss.float() * (scaler.scale * w / accum))
+                loss_sum += loss.detach().float() * w
             step_loss = loss_sum / accum
         norm = engine.step(lr, grad_scale=scaler.scale, sync=not reporter.defer)  # NaN loss -> NaN norm: skipped
         last = step == t.steps - 1

@@ -255,11 +255,17 @@ def reference(shards, tmp_path_factory):
 
 
 def _first_loss(model, files, cfg, accum=4, loss_mask="auto"):
-    """The mean over train.py's first step's micro-batches of model's loss (its loader, rank 0 of 1)."""
+    """model's loss over train.py's first step (its loader, rank 0 of 1): the mean over every trained target of
+    the step's micro-batches, i.e. their mean losses weighted by their trained-target counts (train.token_weights)."""
     loader = TokenLoader(files, cfg.train.micro_batch, cfg.train.seq_len, seed=cfg.seed, vocab_size=V,
                          loss_mask=loss_mask)
     with torch.no_grad():
-        return float(np.mean([model(*next(loader))[1].item() for _ in range(accum)]))
+        batches = [next(loader) for _ in range(accum)]
+        losses = np.array([model(x, y)[1].item() for x, y in batches])
+    counts = np.array([float((y != -1).sum()) for _, y in batches])
+    if loss_mask != "off":
+        assert counts.min() < counts.max()  # unequal micro-batches: the weighting is exercised
+    return float((losses * counts).sum() / counts.sum())
 
 
 def test_sft_step0_loss_is_the_masked_loss(shards, reference, tmp_path):
@@ -290,6 +296,13 @@ def test_sft_gloo_layouts_equal_single_process(shards, reference, tmp_path, layo
     out = tmp_path / "losses.json"
     spawn(_worker, 2, argv(shards, tmp_path / "run", *layout), str(out))
     np.testing.assert_allclose(json.loads(out.read_text()), reference["losses"], atol=1e-4, rtol=0)
+
+
+def test_sft_loss_is_the_mean_over_the_steps_trained_tokens(shards, reference, tmp_path):
+    """One micro-batch of 8 rows and four of 2 rows (the same rows) train alike: every trained target of the step
+    weighs the same, however the step is cut into micro-batches (a mean of per-micro-batch means would not)."""
+    whole = train.main(argv(shards, tmp_path / "whole", "--train.micro_batch=8"))["losses"]
+    np.testing.assert_allclose(whole, reference["losses"], atol=2e-5, rtol=0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
