@@ -16,7 +16,8 @@
 #          micro-step of B=32 per GPU (our DDP's scaling against the one-GPU run of the same tree, no-comm control)
 #   tpspeed  issue #30: PRESET (gpt_1b) at B=8 x 1024: BASE runs (1 GPU eager/graphed, dp2 ZeRO-3, tp2 and tp2+sp of
 #          OLD=<tree before>), then tp2 with sp in SPS, parallel.tp_overlap in OVERLAPS ("0 4"), cuda_graph in
-#          GRAPHS ("false true"), of NEW (default this tree): tokens/s, MFU, memory, exposed comm per layer
+#          GRAPHS ("false true"), SP's parallel.sp_keep_gathered in KEEPS ("false"), of NEW (default this tree):
+#          tokens/s, MFU, memory, exposed comm per layer
 #   train  train.py's own step time (metrics.jsonl, bench/step_times.py) at B=16, one micro-step, on 1 and N GPUs,
 #          this tree and OLD="<dir> ..." (other commits' trees) alternating, twice; needs data/shards/shakespeare
 set -uo pipefail
@@ -110,9 +111,12 @@ for s in "$@"; do
                old_tp2_sp) FLAGS="--parallel.tp=2 --parallel.sp=true" prof $b 2 bench/profile_tp.py --tree "$OLD" ;;
              esac; done
              for g in ${GRAPHS:-false true}; do for ov in ${OVERLAPS:-0 4}; do for sp in ${SPS:-false true}; do
+               for keep in $([ $sp = true ] && echo ${KEEPS:-false} || echo false); do
                FLAGS="--parallel.tp=2 --parallel.sp=$sp --parallel.tp_overlap=$ov --train.cuda_graph=$g" \
-                 prof tp2$([ $sp = true ] && echo _sp)_ov$ov$([ $g = true ] && echo _graph) 2 bench/profile_tp.py $new
-             done; done; done; } 2>&1 | grep -v -e Warning -e OMP_NUM -e '^\*\*\*' -e '^ *_warn' -e '^$' \
+               FLAGS="$FLAGS$([ $keep = true ] && echo ' --parallel.sp_keep_gathered=true')" \
+                 prof tp2$([ $sp = true ] && echo _sp)$([ $keep = true ] && echo _keep)_ov$ov$([ $g = true ] && echo _graph) \
+                 2 bench/profile_tp.py $new
+             done; done; done; done; } 2>&1 | grep -v -e Warning -e OMP_NUM -e '^\*\*\*' -e '^ *_warn' -e '^$' \
              | tee -a "$OUT/tpspeed_$P.txt" ;;
     *) echo "unknown section $s"; exit 2 ;;
   esac

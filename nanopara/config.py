@@ -69,6 +69,8 @@ class ParallelConfig:
     tp_overlap: int = 0          # TP: row blocks per GEMM, each block's collective under the next one's GEMM
                                  # (tp_linear.py); 0 = off: one collective per op. Off by default: 4 blocks
                                  # measured 27-29% slower in eager mode, where the host already limits TP (notes/tp.md)
+    sp_keep_gathered: bool = False  # SP: column layers keep their gathered (B, T, C) input for dW: one all-gather a
+                                 # layer fewer in backward, 2 x B*T*C bytes a block more held (default: regather)
     pp_schedule: str = "1f1b"    # gpipe | 1f1b | interleaved (needs pp_virtual >= 2) | zb (ZB-H1, zero bubble)
     pp_virtual: int = 1          # model chunks per pp rank (interleaved 1F1B's v): bubble (p-1)/(v*m), v x the p2p
     pp_layers: str = ""          # blocks per chunk, comma-separated in model order (e.g. "7,6,6,5"); "" = even split
@@ -192,6 +194,8 @@ class Config:
             raise ConfigError("parallel.zero3_unit_blocks applies to ZeRO-3 (parallel.zero=3) only")
         if p.sp and p.tp == 1:
             raise ConfigError("parallel.sp=true needs parallel.tp > 1 (sequence parallel shards within the tp group)")
+        if p.sp_keep_gathered and not p.sp:
+            raise ConfigError("parallel.sp_keep_gathered=true applies to sequence parallel: set parallel.sp=true")
         if p.tp > 1 and m.n_head % p.tp:
             raise ConfigError(f"model.n_head={m.n_head} is not divisible by parallel.tp={p.tp}")
         if p.tp > 1 and (4 * m.n_embd) % p.tp:

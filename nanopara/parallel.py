@@ -87,7 +87,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config):
     p = cfg.parallel
     # 1. tensor parallel (+ sequence parallel): each rank keeps its slices of the full weights
     if mesh.tp > 1:
-        model = apply_tp(model, mesh, sp=p.sp, overlap=p.tp_overlap)
+        model = apply_tp(model, mesh, sp=p.sp, overlap=p.tp_overlap, keep_gathered=p.sp_keep_gathered)
     # 2. context parallel: ring attention over the cp group; each cp rank takes its zigzag chunks of the sequences
     #    (the GPT's forward does, or under pp the first and last chunks: shard_stage_inputs below)
     if mesh.cp > 1:

@@ -90,8 +90,9 @@ class _TPState:
     """Shared by all TP layers of one model: the group, the overlap's row blocks (tp_linear.py; 0 = no overlap),
     switches that generate() flips, and the batch size of the current forward (set by the embedding under SP)."""
 
-    def __init__(self, group, tp: int, rank: int, sp: bool, chunks: int = 0):
+    def __init__(self, group, tp: int, rank: int, sp: bool, chunks: int = 0, keep_gathered: bool = False):
         self.group, self.tp, self.rank, self.sp, self.chunks = group, tp, rank, sp, chunks
+        self.keep_gathered = keep_gathered  # SP column layers keep their gathered input for dW (no regather)
         self.gather_logits = False
         self.batch = None
 
@@ -105,8 +106,9 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x):  # (B, T, in) or the SP shard (B, T/tp, in) -> (B, T, out/tp)
         s = self.state
-        fn = ColumnSP if s.sp else ColumnTP
-        return fn.apply(x, matmul_weight(self.weight), self.bias, s.group, s.chunks)
+        if s.sp:
+            return ColumnSP.apply(x, matmul_weight(self.weight), self.bias, s.group, s.chunks, s.keep_gathered)
+        return ColumnTP.apply(x, matmul_weight(self.weight), self.bias, s.group, s.chunks)
 
 
 class RowParallelLinear(nn.Module):
@@ -291,9 +293,10 @@ def _plan_for(name: str):
     return None, 1
 
 
-def apply_tp(model: GPT, mesh, sp: bool = False, overlap: int = 0) -> GPT:
+def apply_tp(model: GPT, mesh, sp: bool = False, overlap: int = 0, keep_gathered: bool = False) -> GPT:
     """Shard a GPT in place over mesh.tp_group (slicing its full weights, identical on every rank); returns it.
-    overlap: row blocks per GEMM whose collectives overlap the next block's GEMM (tp_linear.py); 0 = off."""
+    overlap: row blocks per GEMM whose collectives overlap the next block's GEMM (tp_linear.py); 0 = off.
+    keep_gathered (SP): column layers keep the gathered input for dW instead of gathering it again in backward."""
     cfg = model.cfg
     if mesh.tp == 1:
         return model
@@ -304,7 +307,7 @@ def apply_tp(model: GPT, mesh, sp: bool = False, overlap: int = 0) -> GPT:
     if model.lm_head.weight is not model.transformer.wte.weight:
         raise ValueError("apply_tp expects GPT-2's tied wte/lm_head weight (the vocab shard is made once for both)")
     tp, rank = mesh.tp, mesh.tp_rank
-    state = model.tp_state = _TPState(mesh.tp_group, tp, rank, sp, overlap)
+    state = model.tp_state = _TPState(mesh.tp_group, tp, rank, sp, overlap, keep_gathered)
     vp = (cfg.padded_vocab + tp - 1) // tp * tp  # padded_vocab is a multiple of 128, so usually vp == padded_vocab
     vocab_weight = None
     with torch.no_grad():

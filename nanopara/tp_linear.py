@@ -104,11 +104,12 @@ class _Fn(torch.autograd.Function):
 
 
 class ColumnSP(_Fn):
-    """y (B, T, out/tp) = AG(x_s) W_r^T + b_r from the SP shard x_s (B, T/tp, in); saves x_s only (Korthikanti
-    et al. 2022, 4.2.2: one more all-gather in backward instead of keeping the (B, T, in) input)."""
+    """y (B, T, out/tp) = AG(x_s) W_r^T + b_r from the SP shard x_s (B, T/tp, in). Saves x_s only and gathers it
+    again in backward for dW (Korthikanti et al. 2022, 4.2.2), or with keep=True the gathered (B, T, in) input:
+    one all-gather fewer per layer for B*T*in more bytes held (parallel.sp_keep_gathered)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, chunks):
+    def forward(ctx, x, weight, bias, group, chunks, keep=False):
         xs, w, b = _Fn._enter(ctx, x, weight, bias, group, chunks)
         k = blocks(xs.shape[0], chunks)
         if k == 1:  # one gather, one GEMM
@@ -123,28 +124,31 @@ class ColumnSP(_Fn):
                 if works[j] is not None:
                     works[j].wait()
                 _linear(full[j], w, b, out=y[j])
-        ctx.save_for_backward(xs, w)
-        ctx.has_bias = b is not None
+        ctx.save_for_backward(full if keep else xs, w)
+        ctx.has_bias, ctx.kept, ctx.rows = b is not None, keep, xs.shape[0]
         B, Ts = x.shape[0], x.shape[1]
         return y.view(B, Ts * ctx.tp, w.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
-        xs, w = ctx.saved_tensors
+        xs, w = ctx.saved_tensors  # the shard, or (keep) the gathered input
         dy = dy.to(w.dtype).reshape(-1, w.shape[0])  # (N, out/tp)
-        k = blocks(xs.shape[0], ctx.chunks)
-        full = xs.new_empty(k, ctx.tp * (xs.shape[0] // k), xs.shape[1])
-        gathers = [_gather(full[j], xs.view(k, -1, xs.shape[1])[j], ctx.group, ctx.sync) for j in range(k)]
-        dxs = xs.new_empty(k, xs.shape[0] // k, xs.shape[1])
+        k = blocks(ctx.rows, ctx.chunks)
+        if ctx.kept:
+            full, gathers = xs, []
+        else:
+            full = xs.new_empty(k, ctx.tp * (xs.shape[0] // k), xs.shape[1])
+            gathers = [_gather(full[j], xs.view(k, -1, xs.shape[1])[j], ctx.group, ctx.sync) for j in range(k)]
+        dxs = xs.new_empty(k, ctx.rows // k, xs.shape[-1])
         parts, scatters = [], []
         for j, dyj in enumerate(dy.view(k, -1, dy.shape[1])):  # dx rows of block j, reduced while j+1 computes
             parts.append(dyj @ w)
             scatters.append(_scatter(dxs[j], parts[-1], ctx.group, ctx.sync))
         _wait(gathers)
-        dw = dy.t() @ full.view(-1, xs.shape[1])  # runs under the reduce-scatters
+        dw = dy.t() @ full.view(-1, xs.shape[-1])  # runs under the reduce-scatters
         db = dy.sum(0) if ctx.has_bias else None
         _wait(scatters)
-        return _Fn._grads(ctx, dxs.view(ctx.shape), dw, db)
+        return (*_Fn._grads(ctx, dxs.view(ctx.shape), dw, db), None)
 
 
 class RowSP(_Fn):

@@ -98,7 +98,8 @@ def _batch(gen, B, T, V):
     return x, y
 
 
-def _check_training(mesh, cfg: ModelConfig, sp: bool, steps=3, accum=2, B=2, T=16, lr=0.1, tol=TOL, overlap=0):
+def _check_training(mesh, cfg: ModelConfig, sp: bool, steps=3, accum=2, B=2, T=16, lr=0.1, tol=TOL, overlap=0,
+                    keep=False):
     """A few SGD steps with grad accumulation and clipping: losses, logits, grads, norms, weights vs one process.
 
     With mesh.dp > 1 the reference runs the dp shards of the batch one after another and averages, which is what
@@ -106,7 +107,7 @@ def _check_training(mesh, cfg: ModelConfig, sp: bool, steps=3, accum=2, B=2, T=1
     """
     torch.manual_seed(0)
     ref = GPT(cfg).to(mesh.device)
-    model = tpmod.apply_tp(copy.deepcopy(ref), mesh, sp=sp, overlap=overlap)
+    model = tpmod.apply_tp(copy.deepcopy(ref), mesh, sp=sp, overlap=overlap, keep_gathered=keep)
     tp_params = dict(model.named_parameters())
     opts = [torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9, weight_decay=0.1) for m in (ref, model)]
     gen = torch.Generator().manual_seed(1)
@@ -275,6 +276,17 @@ def _overlap_layout(mesh):
             outs.append([yf, dx, wi.grad] + ([bi.grad] if bi is not None else []))
         for a, b in zip(*outs):
             torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"{fn.__name__}: {m}")
+    # keep_gathered: dW from the input kept in forward equals dW from the input gathered again in backward
+    rows = shard_rows(B * T, r, n, blocks(B * T // n, 3))
+    runs = []
+    for keep in (False, True):
+        xi = X.reshape(-1, 6)[rows].view(B, T // n, 6).clone().requires_grad_()
+        wi, bi = w.clone().requires_grad_(), bias.clone().requires_grad_()
+        y = ColumnSP.apply(xi, wi, bi, grp, 3, keep)
+        (y * C).sum().backward()
+        runs.append((y, xi.grad, wi.grad, bi.grad))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
 
 
 def _vocab_ce(mesh):
@@ -360,7 +372,7 @@ def _worker_tp2():
     _autocast_bf16(mesh)
     for sp in (False, True):
         _check_training(mesh, _cfg(), sp)
-        _check_training(mesh, _cfg(), sp, steps=2, B=3, T=10, overlap=4)  # 15 rows per rank: 3 blocks of 5
+        _check_training(mesh, _cfg(), sp, steps=2, B=3, T=10, overlap=4, keep=sp)  # 15 rows per rank: 3 blocks of 5
 
 
 def _worker_4():
