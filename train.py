@@ -196,7 +196,7 @@ def train(cfg: Config) -> dict:
     accum = check_layout(cfg, mesh.world, mesh.device.type)  # micro-steps per optimizer step
     checkpoint.prepare_run_dir(cfg.out_dir, cfg.resume, cfg.overwrite, mesh.is_main)
     loader, val_loader = build_loaders(cfg, mesh, log)
-    if t.cuda_graph and getattr(loader, "masks", None) is not None:  # token_weights scales each micro-batch; a replay cannot
+    if t.cuda_graph and getattr(loader, "masks", None) is not None:  # token_weights: a replay has one fixed scale
         raise ConfigError("train.cuda_graph=true with loss-masked (SFT) shards: each micro-batch's loss is weighted "
                           "by its trained-token count, which a graph replay's fixed scale cannot do; drop one")
     eval_data = load_evals(cfg)  # train.eval_every: HellaSwag items (nanopara/evals.py)

@@ -204,7 +204,8 @@ def main():
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "ep.json"), "w") as f:
             json.dump(out, f, indent=1)
-        print(f"{'layout':8s} {'gpus':>4s} {'step ms':>8s} {'mean/max':>13s} {'tok/s':>10s} {'tok/s/gpu':>10s} {'MFU':>6s} "
+        print(f"{'layout':8s} {'gpus':>4s} {'step ms':>8s} {'mean/max':>13s} {'tok/s':>10s} {'tok/s/gpu':>10s} "
+              f"{'MFU':>6s} "
               f"{'peak GB':>8s} {'params/gpu':>11s} {'a2a':>6s}")
         for r in rows:
             mfu = f"{r['mfu']:.1%}" if r["mfu"] else "-"

@@ -152,7 +152,8 @@ def _stage_full(path: str, states: list, sizes: dict, s: int) -> dict:
     tp, world = sizes["tp"], len(states)
     per_tp, tp_meta = [], []
     for t in range(tp):
-        ranks = [r for r in range(world) if grid_coords(r, sizes)["tp"] == t and grid_coords(r, sizes)["pp"] == s]  # dp x cp
+        ranks = [r for r in range(world)  # the dp x cp ranks of tp rank t, stage s
+                 if grid_coords(r, sizes)["tp"] == t and grid_coords(r, sizes)["pp"] == s]
         file = os.path.join(path, f"rank_{ranks[0]:05d}.pt")
         per_tp.append(_join_experts(_dp_full([states[r]["model"] for r in ranks], file), [states[r] for r in ranks],
                                     file))
