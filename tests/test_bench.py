@@ -101,3 +101,18 @@ def test_profile_tp_exposed_comm():
     assert comm == pytest.approx(0.160)  # 50..150 and 210..270
     assert exposed == pytest.approx(0.080)  # 100..120 and 210..270: no compute kernel there
     assert busy == pytest.approx(0.180) and span == pytest.approx(0.270)
+
+
+def test_bench_generate_same_weights_same_greedy_tokens():
+    """bench/bench_generate.py's Hugging Face model holds our weights: greedy continuations agree (skipped where
+    transformers is not installed: it is a benchmark-only dependency, present on the GPU machines)."""
+    pytest.importorskip("transformers")
+    import torch
+    from bench_generate import hf_model, parity
+    from nanopara.config import PRESETS
+    from nanopara.model import GPT
+    torch.manual_seed(0)
+    model = GPT(PRESETS["tiny"]().model).eval()
+    assert parity(model, hf_model(model), torch.device("cpu")) == 0
+    other = GPT(PRESETS["tiny"]().model).eval()  # other random weights: the check can fail
+    assert parity(model, hf_model(other), torch.device("cpu")) > 0

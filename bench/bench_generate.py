@@ -1,0 +1,138 @@
+"""Batched generation against Hugging Face transformers' `generate`, on the same GPT-2 weights (issue #31).
+
+    python3 bench/bench_generate.py [--preset gpt2_124m] [--init_from RUN_OR_BIN] [--batches 1,16,64,256]
+                                    [--prompt 32] [--new 128] [--out DIR]
+
+A benchmark-only comparison: transformers is imported here and nowhere else (the GPU machines have it; on CPU,
+`pip install transformers` into any path on PYTHONPATH). One model, two runtimes:
+  ours  GPT (random init of --preset, or --init_from: a run of this trainer or a GPT-2 .bin) and nanopara's
+        samplers: `model.generate` (one batch, KV cache) and `rl.sample` (RL's batched sampler, rows leave at EOT;
+        here EOT = -1, so no row leaves early);
+  HF    GPT2LMHeadModel built from `to_hf_state_dict(model)`, `generate(do_sample=False, use_cache=True,
+        min_new_tokens=max_new_tokens)`: the same number of tokens for every row.
+1. Parity (fp32): greedy continuations of a few prompts agree token for token (a wrong weight mapping would show).
+2. Speed (bf16 autocast for ours, the HF model cast to bf16, CUDA): per batch size, B random prompts of --prompt
+   tokens, --new greedy tokens each; tokens/s = B * new / wall time after one warm-up call; ratio ours / HF.
+   Goal (issue #31): at least 2x. Results as JSON (GPU, date, versions, rows) in DIR/generate.json.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from nanopara import rl  # noqa: E402
+from nanopara.config import PRESETS  # noqa: E402
+from nanopara.model import GPT, to_hf_state_dict  # noqa: E402
+
+
+def hf_model(model: GPT):
+    """GPT2LMHeadModel holding `model`'s weights (transformers imported here only)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    c = model.cfg
+    cfg = GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
+                     n_head=c.n_head, activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0,
+                     attn_pdrop=0.0, bos_token_id=c.vocab_size - 1, eos_token_id=c.vocab_size - 1,
+                     pad_token_id=c.vocab_size - 1)
+    hf = GPT2LMHeadModel(cfg)
+    missing, unexpected = hf.load_state_dict(to_hf_state_dict(model), strict=False)
+    bad = [k for k in missing if not k.endswith((".attn.bias", ".attn.masked_bias"))]  # causal-mask buffers
+    if bad or unexpected:
+        raise SystemExit(f"weight mapping: missing {bad[:3]}, unexpected {list(unexpected)[:3]}")
+    return hf.eval()
+
+
+def hf_generate(hf, idx: torch.Tensor, new: int) -> torch.Tensor:
+    out = hf.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=new, min_new_tokens=new,
+                      do_sample=False, use_cache=True, pad_token_id=hf.config.pad_token_id)
+    return out[:, idx.shape[1]:]
+
+
+def parity(model: GPT, hf, device, prompts=3, length=8, new=8) -> int:
+    """Rows whose greedy continuation (fp32) differs between the two runtimes (0 = parity)."""
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, model.cfg.vocab_size - 1, (prompts, length), generator=g).to(device)
+    with torch.no_grad():
+        ours = model.generate(idx, new, temperature=0)[:, length:]
+        theirs = hf_generate(hf, idx, new)
+    return int((ours != theirs).any(1).sum())
+
+
+def timed(fn, device) -> float:
+    fn()  # warm-up: kernels, allocator, autotuning
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="gpt2_124m", choices=sorted(PRESETS))
+    ap.add_argument("--init_from", default="", help="a run of this trainer or a GPT-2 .bin (default: random init)")
+    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    import transformers
+    device = torch.device(args.device)
+    cfg = PRESETS[args.preset]().model
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    if args.init_from:
+        from nanopara.sft import init_from
+        init_from(model, args.init_from)
+    model = model.to(device).eval()
+    hf = hf_model(model).to(device)
+    mismatched = parity(model, hf, device)
+    print(f"parity (fp32, greedy): {mismatched} of 3 rows differ", flush=True)
+    amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else contextlib.nullcontext
+    if device.type == "cuda":
+        hf = hf.to(torch.bfloat16)
+    new = min(args.new, cfg.block_size - args.prompt)
+    rows = []
+    for B in [int(b) for b in args.batches.split(",")]:
+        x = torch.randint(0, cfg.vocab_size - 1, (B, args.prompt), generator=torch.Generator().manual_seed(B))
+        xd = x.to(device)
+        res = {"batch": B, "prompt_tokens": args.prompt, "new_tokens": new}
+        with torch.no_grad():
+            for name, fn in (("ours_generate", lambda: model.generate(xd, new, temperature=0)),
+                             ("ours_rl_sample", lambda: rl.sample(model, x.tolist(), new, 0.0, -1, None, amp)),
+                             ("hf_generate", lambda: hf_generate(hf, xd, new))):
+                try:
+                    with (amp() if name == "ours_generate" else contextlib.nullcontext()):
+                        res[f"{name}_tokens_per_s"] = B * new / timed(fn, device)
+                except RuntimeError as e:  # out of memory at a large batch must not lose the other numbers
+                    res[f"{name}_error"] = str(e).splitlines()[0][:200]
+        best = max(res.get("ours_generate_tokens_per_s", 0), res.get("ours_rl_sample_tokens_per_s", 0))
+        if best and res.get("hf_generate_tokens_per_s"):
+            res["ours_over_hf"] = best / res["hf_generate_tokens_per_s"]
+        rows.append(res)
+        print(f"batch {B:4d}: " + " | ".join(f"{k} {v:,.2f}" if isinstance(v, float) else f"{k} {v}"
+                                            for k, v in res.items() if k != "batch"), flush=True)
+    out = {"bench": "generate", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+           "transformers": transformers.__version__, "preset": args.preset, "init_from": args.init_from,
+           "parity_rows_differing": mismatched, "rows": rows}
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "generate.json"), "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
