@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from nanopara.model import KVCache
+from nanopara.model import keep_rows, kv_caches
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/klosax/hellaswag_text_data/main/hellaswag_val_full.txt"
 GSM8K_URL = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/"
@@ -342,7 +342,7 @@ def greedy_complete(model, prompts: list, max_new: int, token_bytes, eot: int | 
     p = model.transformer.wpe.weight
     with amp():
         dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else p.dtype
-    caches = [KVCache(B, blk.attn.n_head, total, blk.attn.head_dim, dev, dtype) for blk in model.transformer.h]
+    caches = kv_caches(model, B, total, dtype)
     outs, texts, alive = [[] for _ in range(B)], [b""] * B, list(range(B))
     with _eval_mode(model):
         with amp():
@@ -360,8 +360,7 @@ def greedy_complete(model, prompts: list, max_new: int, token_bytes, eot: int | 
                 break
             if len(keep) < len(alive):  # drop finished rows from the batch and the caches
                 sel = torch.tensor(keep, device=dev)
-                for c in caches:
-                    c.k, c.v = c.k[sel], c.v[sel]
+                keep_rows(caches, sel)
                 nxt, alive = nxt[sel], [alive[j] for j in keep]
             with amp():
                 logits, _ = model(nxt[:, None], kv_caches=caches, pos0=pos)  # (b, 1, Vp)

@@ -261,6 +261,18 @@ class KVCache:
         return torch.arange(self.end, device=self.k.device)[None, :] <= q_pos  # (T, end) bool
 
 
+def kv_caches(model, B: int, T_max: int, dtype) -> list[KVCache]:
+    """One KVCache per block of `model` (a GPT, or one after apply_tp: its heads per rank) for B rows."""
+    dev = model.transformer.wpe.weight.device
+    return [KVCache(B, blk.attn.n_head, T_max, blk.attn.head_dim, dev, dtype) for blk in model.transformer.h]
+
+
+def keep_rows(caches: list[KVCache], rows: torch.Tensor) -> None:
+    """Keep batch rows `rows` of every cache: finished rows leave a batched generation (evals.py, rl.py)."""
+    for c in caches:
+        c.k, c.v = c.k[rows], c.v[rows]
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -332,9 +344,7 @@ class GPT(nn.Module):
         """Sample continuations of idx (B, T) with a KV cache; temperature 0 means greedy."""
         B, T = idx.shape
         total = min(T + max_new_tokens, self.cfg.block_size)
-        p = self.transformer.wpe.weight
-        caches = [KVCache(B, blk.attn.n_head, total, blk.attn.head_dim, p.device, p.dtype)
-                  for blk in self.transformer.h]
+        caches = kv_caches(self, B, total, self.transformer.wpe.weight.dtype)
         logits, _ = self(idx, kv_caches=caches)
         out = [idx]
         for step in range(total - T):

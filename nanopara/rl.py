@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from nanopara.model import KVCache
+from nanopara.model import keep_rows, kv_caches
 from nanopara.sft import prompt_ids
 
 
@@ -76,7 +76,7 @@ def _sample_batch(model, prompts: list, max_new: int, temperature: float, eot: i
     with amp():
         dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else \
             model.transformer.wpe.weight.dtype
-    caches = [KVCache(B, blk.attn.n_head, total, blk.attn.head_dim, dev, dtype) for blk in model.transformer.h]
+    caches = kv_caches(model, B, total, dtype)
     outs, alive = [[] for _ in range(B)], list(range(B))  # alive[j]: the prompt row that batch row j samples for
     with amp():
         logits, _ = model(torch.tensor(prompts, device=dev), kv_caches=caches)  # (B, L, Vp)
@@ -94,8 +94,7 @@ def _sample_batch(model, prompts: list, max_new: int, temperature: float, eot: i
             break
         if len(keep) < len(alive):  # drop finished rows from the batch and the caches
             sel = torch.tensor(keep, device=dev)
-            for c in caches:
-                c.k, c.v = c.k[sel], c.v[sel]
+            keep_rows(caches, sel)
             nxt, alive = nxt[sel], [alive[j] for j in keep]
         with amp():
             logits, _ = model(nxt[:, None], kv_caches=caches, pos0=pos)  # (b, 1, Vp)
