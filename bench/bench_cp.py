@@ -1,7 +1,8 @@
-"""Context parallel on 2 GPUs: CP efficiency of a training step, zigzag load balance, exposed communication.
+"""Context parallel on N GPUs: CP efficiency of a training step, zigzag load balance, exposed communication.
 
     torchrun --nproc_per_node=2 bench/bench_cp.py --out=DIR                 # gpt_1b, T = 16384: ~2-3 minutes
     torchrun --nproc_per_node=2 bench/bench_cp.py --out=DIR --memory        # + peak memory at T/2 and T, AC on/off
+    torchrun --nproc_per_node=4 bench/bench_cp.py --out=DIR --seq_len=32768  # cp=4 (N = the processes: cp = N)
     torchrun --nproc_per_node=2 bench/bench_cp.py --device=cpu --n_layer=2 --n_embd=64 --n_head=2 --seq_len=64 \
         --out=/tmp/cp  # CPU smoke test of the logic (gloo, reference blocks)
 
@@ -9,21 +10,21 @@ Every step runs the trainer's path (parallel.parallelize -> engine.model / backw
 gpt_1b (18 blocks of 2048, 16 heads of 128) with block_size = seq_len, micro-batch 1, bf16 autocast, the Triton
 kernels. Sections (rank 0 prints; DIR/cp.json holds all numbers with the GPU name and date):
 1. step     one GPU: each rank trains the single-device model alone (a world-of-one mesh, no communication);
-            cp=2: both GPUs share one sequence (ring attention; the dp x cp gradient all-reduce of DDP).
-            CP efficiency = t_1gpu / (2 * t_cp2); tok/s, MFU (6N + 12 L C T FLOPs a token, causal not
+            cp=N: the N GPUs share one sequence (ring attention; the dp x cp gradient all-reduce of DDP).
+            CP efficiency = t_1gpu / (N * t_cpN); tok/s, MFU (6N + 12 L C T FLOPs a token, causal not
             discounted, as train.py; dense bf16 peak) and peak memory per GPU. If one GPU runs out of memory, both
             runs repeat with full activation checkpointing (said in the output).
-2. exposed  the cp=2 step with ring attention's send/recv replaced by a no-op (same kernels and shapes, wrong
-            values): (t_cp2 - t_nocomm) / n_layer = communication not hidden behind compute, per layer, fwd + bwd;
+2. exposed  the cp=N step with ring attention's send/recv replaced by a no-op (same kernels and shapes, wrong
+            values): (t_cpN - t_nocomm) / n_layer = communication not hidden behind compute, per layer, fwd + bwd;
             beside it the time of the messages themselves (one K/V ping between the GPUs, x the messages a layer
             sends: cp-1 K/V forward, cp-1 K/V + cp fp32 dK/dV backward).
-   ulysses  the cp=2 step with parallel.cp_impl=ulysses (all-to-all heads <-> sequence): time, CP efficiency.
-3. balance  one layer's ring attention fwd + bwd at (1, 16, T/2, 128) bf16 per rank, zigzag vs contiguous split:
+   ulysses  the cp=N step with parallel.cp_impl=ulysses (all-to-all heads <-> sequence): time, CP efficiency.
+3. balance  one layer's ring attention fwd + bwd at (1, 16, T/N, 128) bf16 per rank, zigzag vs contiguous split:
             compute per rank (no communication; CUDA events), max/min over ranks, and the ring's wall time.
-4. memory   (--memory) peak memory at T/2 and T, 1 GPU and cp=2, activation checkpointing none and full, and the
+4. memory   (--memory) peak memory at T/2 and T, 1 GPU and cp=N, activation checkpointing none and full, and the
             longest T each would fit in the GPU's memory on a straight line through the two points (activations
             grow linearly in T with flash attention) -- an extrapolation, labelled so.
---profile writes DIR/trace_cp2_rank{0,1}.json: a chrome trace of one cp=2 step per rank (ui.perfetto.dev).
+--profile writes DIR/trace_cpN_rank{0,1,..}.json: a chrome trace of one cp=N step per rank (ui.perfetto.dev).
 """
 from __future__ import annotations
 
@@ -175,7 +176,7 @@ def attention_times(mesh, T, n_head, head_dim, layout, comm: bool, reps=10):
     dev = mesh.device
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     g = torch.Generator(device="cpu").manual_seed(mesh.rank)
-    q, k, v, do = (torch.randn(1, n_head, T // 2, head_dim, generator=g).to(dev, dtype) for _ in range(4))
+    q, k, v, do = (torch.randn(1, n_head, T // mesh.cp, head_dim, generator=g).to(dev, dtype) for _ in range(4))
     prev, nxt = mesh.neighbours("cp")
     ring = cp.Ring(mesh.groups["cp"], mesh.cp_rank, mesh.cp, prev, nxt, layout=layout, triton=dev.type == "cuda")
 
@@ -206,7 +207,7 @@ def attention_times(mesh, T, n_head, head_dim, layout, comm: bool, reps=10):
 
 
 def ping_s(mesh, shape, dtype, reps=10):
-    """Seconds of one send/recv exchange of a tensor of `shape` between the two ring neighbours."""
+    """Seconds of one send/recv exchange of a tensor of `shape` with the ring neighbours."""
     dev = mesh.device
     t = torch.zeros(shape, dtype=dtype, device=dev)
     prev, nxt = mesh.neighbours("cp")
@@ -225,8 +226,9 @@ def ping_s(mesh, shape, dtype, reps=10):
 def main():
     args = parse()
     mesh = Mesh.build(dp=1, cp=int(os.environ.get("WORLD_SIZE", "1")), device=args.device)
-    if mesh.world != 2:
-        raise SystemExit("bench_cp.py runs on 2 processes: torchrun --nproc_per_node=2 bench/bench_cp.py ...")
+    n = mesh.cp
+    if n < 2:
+        raise SystemExit("bench_cp.py runs on N >= 2 processes (cp = N): torchrun --nproc_per_node=2 bench/bench_cp.py")
     log = print if mesh.is_main else (lambda *a, **k: None)
     T, dev = args.seq_len, mesh.device
     res = {"bench": "cp", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -240,34 +242,33 @@ def main():
             with open(os.path.join(args.out, "cp.json"), "w") as f:
                 json.dump(res, f, indent=1)
 
-    # 1. step: one GPU vs cp=2 ---------------------------------------------------------------------------------
+    # 1. step: one GPU vs cp=N ---------------------------------------------------------------------------------
     ac = args.ac
     one = time_config(args, mesh, solo_mesh(mesh), 1, T, ac)
     if one.get("oom") and ac == "none":
         log(f"one GPU: out of memory at T={T} without activation checkpointing; both runs use ac=full")
         ac = "full"
         one = time_config(args, mesh, solo_mesh(mesh), 1, T, ac)
-    two = time_config(args, mesh, mesh, 2, T, ac,
-                      trace=os.path.join(args.out, f"trace_cp2_rank{mesh.rank}.json") if args.profile else "")
-    res["step"] = {"one_gpu": one, "cp2": two, "ac": ac}
+    two = time_config(args, mesh, mesh, n, T, ac,
+                      trace=os.path.join(args.out, f"trace_cp{n}_rank{mesh.rank}.json") if args.profile else "")
+    res["step"] = {"one_gpu": one, f"cp{n}": two, "ac": ac}
     if one.get("step_s") and two.get("step_s"):
-        res["step"]["cp_efficiency"] = one["step_s"] / (2 * two["step_s"])
-    for name, r in (("1 GPU", one), ("cp=2 ", two)):
+        res["step"]["cp_efficiency"] = one["step_s"] / (n * two["step_s"])
+    for name, r in (("1 GPU", one), (f"cp={n} ", two)):
         log(f"{name} T={T} ac={ac}: " + ("out of memory" if r.get("oom") else
             f"{r['step_s'] * 1e3:8.1f} ms/step | {r['tok_s']:9,.0f} tok/s | MFU {r['mfu'] * 100:5.1f}% | "
             f"peak {r['peak_mem_gb']:.1f} GB/GPU"))
     if "cp_efficiency" in res["step"]:
-        log(f"CP efficiency t1 / (2 t_cp2) = {res['step']['cp_efficiency'] * 100:.1f}%")
+        log(f"CP efficiency t1 / ({n} t_cp{n}) = {res['step']['cp_efficiency'] * 100:.1f}%")
     save()
 
     # 2. exposed communication ---------------------------------------------------------------------------------
     if two.get("step_s"):
         with NoComm():
-            quiet = time_config(args, mesh, mesh, 2, T, ac)
+            quiet = time_config(args, mesh, mesh, n, T, ac)
         hd = args.n_embd // args.n_head
-        kv = ping_s(mesh, (2, 1, args.n_head, T // 2, hd), torch.bfloat16 if dev.type == "cuda" else torch.float32)
-        dkv = ping_s(mesh, (2, 1, args.n_head, T // 2, hd), torch.float32)
-        n = mesh.cp
+        kv = ping_s(mesh, (2, 1, args.n_head, T // n, hd), torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        dkv = ping_s(mesh, (2, 1, args.n_head, T // n, hd), torch.float32)
         msgs = 2 * (n - 1) * kv + n * dkv  # one layer's messages, fwd + bwd, if none were overlapped
         exposed = (two["step_s"] - quiet["step_s"]) / args.n_layer if quiet.get("step_s") else None
         res["exposed"] = {"step_s_nocomm": quiet.get("step_s"), "exposed_per_layer_s": exposed,
@@ -279,11 +280,11 @@ def main():
         save()
 
     # 2b. Ulysses: the same step with all-to-all attention (heads <-> sequence) instead of the ring
-    uly = time_config(args, mesh, mesh, 2, T, ac, impl="ulysses")
+    uly = time_config(args, mesh, mesh, n, T, ac, impl="ulysses")
     res["ulysses"] = uly
     if one.get("step_s") and uly.get("step_s"):
-        res["ulysses"]["cp_efficiency"] = one["step_s"] / (2 * uly["step_s"])
-        log(f"cp=2 Ulysses: {uly['step_s'] * 1e3:8.1f} ms/step | CP efficiency "
+        res["ulysses"]["cp_efficiency"] = one["step_s"] / (n * uly["step_s"])
+        log(f"cp={n} Ulysses: {uly['step_s'] * 1e3:8.1f} ms/step | CP efficiency "
             f"{res['ulysses']['cp_efficiency'] * 100:.1f}% | peak {uly['peak_mem_gb']:.1f} GB/GPU")
     save()
 
@@ -304,7 +305,7 @@ def main():
         cap = torch.cuda.get_device_properties(dev).total_memory / GB if dev.type == "cuda" else 0.0
         res["memory"] = {"gpu_gb": cap, "note": "max_seq_len: linear extrapolation of peak memory in T"}
         for mode in ("none", "full"):
-            for cpd, run_mesh in ((1, solo_mesh(mesh)), (2, mesh)):
+            for cpd, run_mesh in ((1, solo_mesh(mesh)), (n, mesh)):
                 pts = [time_config(args, mesh, run_mesh, cpd, L, mode, warmup=1) for L in (T // 2, T)]
                 row = {"points": [(p["seq_len"], p.get("peak_mem_gb")) for p in pts]}
                 if all(p.get("peak_mem_gb") for p in pts):

@@ -1,22 +1,26 @@
-"""Expert parallel: gpt2_moe training throughput on 1 GPU, dp2 (experts replicated) and ep2 (experts split) on 2 GPUs.
+"""Expert parallel: gpt2_moe training throughput on 1 GPU, dpN (experts replicated) and epK (experts split) on N GPUs.
 
     torchrun --nproc_per_node=2 bench/bench_ep.py --out=$OUT/ep                       (~2 minutes on 2 x H100)
+    torchrun --nproc_per_node=4 bench/bench_ep.py --layouts=single,dp4,ep4,ep2 --out=$OUT/ep4
     torchrun --nproc_per_node=2 bench/bench_ep.py --device=cpu --preset=tiny_moe \\
         --micro_batch=2 --seq_len=64 --steps=2 --warmup=1 --out=/tmp/ep                 (CPU smoke: the script runs)
 
 Every layout runs the trainer's own path (parallel.parallelize, engine.backward, engine.step) on synthetic tokens,
 bf16 autocast, the Triton kernels (model.kernels=auto: routing, permute and the grouped GEMM), one micro-step per
 step of micro_batch x seq_len tokens per GPU:
-  single  rank 0 alone (a one-process mesh; rank 1 waits at a barrier): the 1-GPU baseline
-  dp2     DDP over both GPUs, every expert on each (the baseline EP must beat on memory, and match on speed)
-  ep2     dp = ep = 2: each GPU holds 4 of the 8 experts of every MoE layer; two all-to-alls per layer forward,
-          two backward (ep.py)
+  single  rank 0 alone (a one-process mesh; the other ranks wait at a barrier): the 1-GPU baseline
+  dpN     DDP over the N GPUs, every expert on each (the baseline EP must beat on memory, and match on speed)
+  epK     dp = N, ep = K: each GPU holds E/K of the experts of every MoE layer, K consecutive ranks form an ep
+          group (ep4 on 4 GPUs; ep2 on 4 GPUs is ep2 x dp2: two copies of each expert, reduced over "edp");
+          two all-to-alls per layer forward, two backward (ep.py)
 Per layout: tokens/s (global; the slowest rank's median step, each step timed alone; mean and max step beside it:
 a rank that autotunes a new row bucket of the grouped GEMM inside the timed steps shows as one slow step and
 stalls its peer in the all-to-all), tokens/s per GPU, MFU on the active parameters
 (GPT.num_params: k/E of the experts; 6N + attention FLOPs per token over 989 TFLOP/s per H100), peak memory,
-and the share of the step spent in the MoE layers' all-to-alls (CUDA events around them, ep2 only).
-Ratios: ep2 per-GPU tokens/s over single's and over dp2's. One JSON file `ep.json` (GPU, date, rows) under --out.
+and the share of the step spent in the MoE layers' all-to-alls (CUDA events around them, ep layouts only: it includes
+waiting for the slowest peer). Ratios: each epK's per-GPU tokens/s over single's and over dpN's. One JSON file
+`ep.json` (GPU, date, rows) under --out. --profile: one profiled step per layout on rank 0, its top GPU kernels and
+host ops in DIR/profile_<layout>.txt (where an ep step's time goes).
 """
 from __future__ import annotations
 
@@ -56,16 +60,17 @@ def parse():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--layouts", default="single,dp2,ep2")
     ap.add_argument("--out", required=True, help="directory for ep.json")
+    ap.add_argument("--profile", action="store_true", help="top kernels / host ops of one step per layout")
     return ap.parse_args()
 
 
-def make_cfg(args, layout: str):
+def make_cfg(args, layout: str, world: int):
     cfg = PRESETS[args.preset]()
     cfg.device, cfg.model.kernels = args.device, args.kernels
     cfg.train.dtype = "bf16" if args.device == "cuda" else "fp32"
     cfg.train.micro_batch, cfg.train.seq_len, cfg.train.tokens_per_step = args.micro_batch, args.seq_len, 0
-    cfg.parallel.dp = 1 if layout == "single" else 2
-    cfg.parallel.ep = 2 if layout == "ep2" else 1
+    cfg.parallel.dp = 1 if layout == "single" else world
+    cfg.parallel.ep = int(layout[2:]) if layout.startswith("ep") else 1
     cfg.check()
     return cfg
 
@@ -103,7 +108,7 @@ class A2ATimer:
         return sum(s.elapsed_time(e) for s, e in self.pairs)
 
 
-def run(cfg, mesh, args) -> dict:
+def run(cfg, mesh, args, layout: str) -> dict:
     """Warm-up, then timed steps; this rank's numbers."""
     dev = mesh.device
     torch.manual_seed(1337)
@@ -135,6 +140,8 @@ def run(cfg, mesh, args) -> dict:
             times.append(time.perf_counter() - t0)
         step_s = sorted(times)[len(times) // 2]  # the median step
         a2a_ms = a2a.ms() / args.steps if a2a.pairs else None
+    if args.profile:
+        profile_step(step, dev, mesh, os.path.join(args.out, f"profile_{layout}.txt"))
     rec = {"step_s": step_s, "mean_step_s": sum(times) / len(times), "max_step_s": max(times), "a2a_ms": a2a_ms,
            "n_params": n_params,
            "rank_params": sum(p.numel() for p in engine.params),
@@ -145,6 +152,21 @@ def run(cfg, mesh, args) -> dict:
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return rec
+
+
+def profile_step(step, dev, mesh, path):
+    """One step under torch.profiler on every rank; rank 0 writes its top GPU kernels and host ops."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        step()
+        sync(dev)
+    if mesh.rank == 0:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        by = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
+        with open(path, "w") as f:
+            f.write(prof.key_averages().table(sort_by=by, row_limit=30) + "\n")
+            f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30) + "\n")
 
 
 def sync(device):
@@ -172,31 +194,36 @@ def summarize(cfg, layout: str, ranks: list, world: int, device) -> dict:
 def main():
     args = parse()
     base = Mesh.build(dp=-1, device=args.device)  # the default process group, this rank's device
-    if base.world != 2:
-        raise SystemExit(f"bench_ep.py compares 1 and 2 GPUs: run it under torchrun --nproc_per_node=2 "
-                         f"(world is {base.world})")
+    N = base.world
+    layouts = [f"dp{N}" if name == "dp2" and N != 2 else name for name in args.layouts.split(",")]
+    for layout in layouts:
+        if not (layout == "single" or layout == f"dp{N}" or (layout[:2] == "ep" and layout[2:].isdigit()
+                                                              and N % int(layout[2:]) == 0)):
+            raise SystemExit(f"bench_ep.py: layout {layout!r} on {N} GPUs: use single, dp{N}, or epK with K "
+                             f"dividing {N}")
     rows = []
-    for layout in args.layouts.split(","):
-        cfg = make_cfg(args, layout)
+    for layout in layouts:
+        cfg = make_cfg(args, layout, N)
         if layout == "single":
             if base.rank == 0:
-                rows.append(summarize(cfg, layout, [run(cfg, one_process_mesh(base.device), args)], 1, base.device))
+                rows.append(summarize(cfg, layout, [run(cfg, one_process_mesh(base.device), args, layout)], 1,
+                                      base.device))
             dist.barrier()
             continue
-        mesh = Mesh.build(dp=2, device=args.device, ep=cfg.parallel.ep)  # new groups on the same default group
+        mesh = Mesh.build(dp=N, device=args.device, ep=cfg.parallel.ep)  # new groups on the same default group
         ranks = [None] * mesh.world
-        dist.all_gather_object(ranks, run(cfg, mesh, args))
+        dist.all_gather_object(ranks, run(cfg, mesh, args, layout))
         if mesh.rank == 0:
             rows.append(summarize(cfg, layout, ranks, mesh.world, mesh.device))
     mesh = base
     if mesh.rank == 0:
         by = {r["layout"]: r for r in rows}
         ratios = {}
-        if "ep2" in by:
-            for base in ("single", "dp2"):
-                if base in by:
-                    ratios[f"ep2_over_{base}_per_gpu"] = (by["ep2"]["tokens_per_s_per_gpu"]
-                                                          / by[base]["tokens_per_s_per_gpu"])
+        for name in (n for n in by if n.startswith("ep")):
+            for ref in ("single", f"dp{N}"):
+                if ref in by:
+                    ratios[f"{name}_over_{ref}_per_gpu"] = (by[name]["tokens_per_s_per_gpu"]
+                                                            / by[ref]["tokens_per_s_per_gpu"])
         out = {"bench": "ep", "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "torch": torch.__version__, "preset": args.preset, "kernels": args.kernels, "rows": rows,

@@ -18,6 +18,13 @@
 #          OLD=<tree before>), then tp2 with sp in SPS, parallel.tp_overlap in OVERLAPS ("0 4"), cuda_graph in
 #          GRAPHS ("false true"), SP's parallel.sp_keep_gathered in KEEPS ("false"), of NEW (default this tree):
 #          tokens/s, MFU, memory, exposed comm per layer
+#   layouts  issue #28: PRESET (gpt_1b) through bench_layout.py (train.py's step, synthetic tokens): 1 GPU, dpN, tpN
+#          (+sp, +CUDA graph), tpN/2 x dp2, ppN, tp2 x pp2, pp2 x dp2 at G=32 sequences of 1024 a step; 1 GPU, cpN,
+#          tp2 x cp2, cp2 x dp2 at one sequence of 16k. RUNS="label ..." runs some. Then, for the same issue:
+#          sections pp, cp and ep below
+#   pp     bench_pp.py: ppN (N = the GPUs) with PP_SCHEDULES at m = PP_M (16), PRESET (gpt_1b), Triton kernels
+#   cp     bench_cp.py: cpN at one sequence of CP_T (32768) tokens: efficiency, exposed comm, Ulysses, zigzag balance
+#   ep     bench_ep.py: gpt2_moe on 1 GPU, dpN, epN and (N > 2) ep2 x dpN/2, one profiled step per layout
 #   train  train.py's own step time (metrics.jsonl, bench/step_times.py) at B=16, one micro-step, on 1 and N GPUs,
 #          this tree and OLD="<dir> ..." (other commits' trees) alternating, twice; needs data/shards/shakespeare
 set -uo pipefail
@@ -104,20 +111,50 @@ for s in "$@"; do
            new=${NEW:+--tree $NEW}  # NEW: this tree, or another (e.g. a committed snapshot)
            prof() { label=$1; shift; run "$@" --out "$OUT" --label "$label" -- $common $FLAGS; }
            { for b in ${BASE:-1gpu 1gpu_graph dp2_zero3 old_tp2 old_tp2_sp}; do case $b in
-               1gpu) FLAGS="" prof $b 1 bench/profile_tp.py $new ;;
-               1gpu_graph) FLAGS="--train.cuda_graph=true" prof $b 1 bench/profile_tp.py $new ;;
-               dp2_zero3) FLAGS="--parallel.zero=3" prof $b 2 bench/profile_tp.py $new ;;
-               old_tp2) FLAGS="--parallel.tp=2" prof $b 2 bench/profile_tp.py --tree "$OLD" ;;
-               old_tp2_sp) FLAGS="--parallel.tp=2 --parallel.sp=true" prof $b 2 bench/profile_tp.py --tree "$OLD" ;;
+               1gpu) FLAGS="" prof $b 1 bench/bench_layout.py $new ;;
+               1gpu_graph) FLAGS="--train.cuda_graph=true" prof $b 1 bench/bench_layout.py $new ;;
+               dp2_zero3) FLAGS="--parallel.zero=3" prof $b 2 bench/bench_layout.py $new ;;
+               old_tp2) FLAGS="--parallel.tp=2" prof $b 2 bench/bench_layout.py --tree "$OLD" ;;
+               old_tp2_sp) FLAGS="--parallel.tp=2 --parallel.sp=true" prof $b 2 bench/bench_layout.py --tree "$OLD" ;;
              esac; done
              for g in ${GRAPHS:-false true}; do for ov in ${OVERLAPS:-0 4}; do for sp in ${SPS:-false true}; do
                for keep in $([ $sp = true ] && echo ${KEEPS:-false} || echo false); do
                FLAGS="--parallel.tp=2 --parallel.sp=$sp --parallel.tp_overlap=$ov --train.cuda_graph=$g" \
                FLAGS="$FLAGS$([ $keep = true ] && echo ' --parallel.sp_keep_gathered=true')" \
                  prof tp2$([ $sp = true ] && echo _sp)$([ $keep = true ] && echo _keep)_ov$ov$([ $g = true ] && echo _graph) \
-                 2 bench/profile_tp.py $new
+                 2 bench/bench_layout.py $new
              done; done; done; done; } 2>&1 | grep -v -e Warning -e OMP_NUM -e '^\*\*\*' -e '^ *_warn' -e '^$' \
              | tee -a "$OUT/tpspeed_$P.txt" ;;
+    layouts) # issue #28: train.py's step (bench_layout.py) per layout on N GPUs against 1 GPU and dp-only, PRESET
+           # (gpt_1b) at GPT-2's T=1024 and G (32) sequences a step; then T=16k (CP) layouts. RUNS picks some.
+           P=${PRESET:-gpt_1b}; G=${G:-32}; h=$((N / 2))
+           lay() { label=$1; n=$2; shift 2
+             case " ${RUNS:-all} " in *" all "*|*" $label "*) ;; *) return ;; esac
+             timeout ${LAY_TIMEOUT:-180} $PY -m torch.distributed.run --standalone --nproc_per_node=$n \
+               bench/bench_layout.py --out "$OUT" --label "$label" -- --preset=$P "$@"; }
+           t1k="--train.seq_len=1024 --train.tokens_per_step=$((G * 1024))"
+           t16k="--train.seq_len=16384 --model.block_size=16384 --train.micro_batch=1 --train.tokens_per_step=16384"
+           { lay 1gpu 1 $t1k --train.micro_batch=8
+             lay dp$N $N $t1k --train.micro_batch=8
+             lay tp$N $N $t1k --train.micro_batch=8 --parallel.tp=$N
+             lay tp${N}_sp $N $t1k --train.micro_batch=8 --parallel.tp=$N --parallel.sp=true
+             lay tp${N}_graph $N $t1k --train.micro_batch=8 --parallel.tp=$N --train.cuda_graph=true
+             lay tp${h}_dp2 $N $t1k --train.micro_batch=8 --parallel.tp=$h
+             lay pp$N $N $t1k --train.micro_batch=2 --parallel.pp=$N --parallel.pp_layers=${PP_LAYERS:-5,5,5,3}
+             lay tp2_pp2 $N $t1k --train.micro_batch=4 --parallel.tp=2 --parallel.pp=2 --parallel.pp_layers=10,8
+             lay pp2_dp2 $N $t1k --train.micro_batch=4 --parallel.pp=2 --parallel.pp_layers=10,8
+             lay 1gpu_16k 1 $t16k
+             lay cp${N}_16k $N $t16k --parallel.cp=$N
+             lay tp2_cp2_16k $N $t16k --parallel.tp=2 --parallel.cp=2
+             lay cp2_dp2_16k $N $t16k --parallel.cp=2
+           } 2>&1 | grep -v -e Warning -e OMP_NUM -e '^\*\*\*' -e '^ *_warn' -e '^$' | tee -a "$OUT/layouts_$P.txt" ;;
+    pp)    run $N bench/bench_pp.py --preset ${PRESET:-gpt_1b} --kernels auto --n_micro ${PP_M:-16} \
+             --schedules ${PP_SCHEDULES:-1f1b,interleaved:2,zb} --compare '' --out "$OUT/pp$N.jsonl" 2>&1 \
+             | grep -v -e Warning -e OMP_NUM | tee "$OUT/pp$N.txt" ;;
+    cp)    run $N bench/bench_cp.py --seq_len ${CP_T:-32768} --steps 3 --out "$OUT/cp$N" 2>&1 \
+             | grep -v -e Warning -e OMP_NUM | tee "$OUT/cp$N.txt" ;;
+    ep)    run $N bench/bench_ep.py --layouts single,dp$N,ep$N$([ $N -gt 2 ] && echo ,ep2) --profile --out "$OUT/ep$N" \
+             2>&1 | grep -v -e Warning -e OMP_NUM | tee "$OUT/ep$N.txt" ;;
     *) echo "unknown section $s"; exit 2 ;;
   esac
 done

@@ -93,8 +93,8 @@ def test_bench_pp_runs_every_schedule_on_cpu(tmp_path):
 
 
 def test_profile_tp_exposed_comm():
-    """bench/profile_tp.py's exposed communication: NCCL time during which no compute kernel runs."""
-    from profile_tp import exposed_comm
+    """bench/bench_layout.py's exposed communication: NCCL time during which no compute kernel runs."""
+    from bench_layout import exposed_comm
     kernels = [("gemm", 0, 100), ("ncclDevKernel_AllGather", 50, 150), ("gemm", 120, 200),
                ("ncclDevKernel_ReduceScatter", 210, 260), ("ncclDevKernel_AllReduce", 240, 270)]  # us
     comm, exposed, busy, span = exposed_comm(kernels)
@@ -116,3 +116,22 @@ def test_bench_generate_same_weights_same_greedy_tokens():
     assert parity(model, hf_model(model), torch.device("cpu")) == 0
     other = GPT(PRESETS["tiny"]().model).eval()  # other random weights: the check can fail
     assert parity(model, hf_model(other), torch.device("cpu")) > 0
+
+
+@pytest.mark.parametrize("layout", [["--parallel.pp=2", "--parallel.pp_schedule=1f1b"], ["--parallel.tp=2"],
+                                    ["--parallel.dp=2"]])
+def test_bench_layout_runs_train_layouts_on_cpu(tmp_path, layout):
+    """bench_layout.py on 2 gloo processes: a pipeline (its micro-batches through pipeline_step), tp, and dp with
+    accumulation each give one record whose tokens/s counts every micro-step of train.tokens_per_step."""
+    flags = ["--preset=tiny", "--train.micro_batch=1", "--train.seq_len=32", "--train.tokens_per_step=128", *layout]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(ROOT, "bench", "bench_layout.py"), "--steps", "1", "--warmup", "1", "--label", "x",
+           "--out", str(tmp_path), "--", *flags]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (rec,) = [json.loads(line) for line in (tmp_path / "layout.jsonl").read_text().splitlines()]
+    dp = 2 if "--parallel.dp=2" in layout else 1
+    assert rec["micro_steps"] == 128 // (32 * dp) and rec["n_gpu"] == 2 and rec["dropped_flags"] == []
+    assert rec["tokens_per_s"] == pytest.approx(128 / (rec["step_ms"] / 1e3))
+

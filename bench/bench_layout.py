@@ -1,11 +1,13 @@
-"""Exposed communication per layer of a train.py layout, from one profiled step (issue #30's before/after).
+"""Any train.py layout's training step: tokens/s, MFU, peak memory and the communication it exposes.
 
-    torchrun --nproc_per_node=2 bench/profile_tp.py [--tree DIR] [--label NAME] [--out DIR] -- TRAIN.PY FLAGS
+    torchrun --nproc_per_node=N bench/bench_layout.py [--tree DIR] [--label NAME] [--out DIR] -- TRAIN.PY FLAGS
+    e.g. -- --preset=gpt_1b --train.micro_batch=8 --parallel.tp=2 --parallel.pp=2 --train.tokens_per_step=65536
 
-Builds the run as train.py does (Config from the same flags, Mesh, GPT, parallel.parallelize, graph.py's replay
-under --train.cuda_graph=true) on synthetic tokens,
-warms up, times 10 steps with CUDA events (tokens/s, MFU, peak memory) and profiles one step on rank 0. From the
-GPU kernels of that step:
+Builds the run as train.py does (Config from the same flags, Mesh, GPT, parallel.parallelize, the micro-steps of
+train.tokens_per_step with no_sync, pipeline_step under pp, graph.py's replay under --train.cuda_graph=true) on
+synthetic tokens, warms up 5 steps, times --steps steps (the slowest rank's wall time: tokens/s, MFU over all
+GPUs with report.flops_per_token, which counts a MoE's active parameters; peak memory of the fullest GPU) and
+profiles one step on rank 0. From the GPU kernels of that step:
   comm     the union of the NCCL kernels' intervals;
   exposed  the part of it during which no compute kernel runs: the time the step waits on communication.
 Both are printed per step and per layer (divided by n_layer). --tree imports nanopara from another checkout
@@ -63,6 +65,7 @@ def main():
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default="")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("flags", nargs="*")
     args = ap.parse_args()
     root = os.path.abspath(args.tree or os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -72,35 +75,50 @@ def main():
     from nanopara import config as C
     from nanopara.mesh import Mesh
     from nanopara.model import GPT
-    from nanopara.parallel import parallelize
+    from nanopara import parallel as P
+    parallelize = P.parallelize
+    check_layout = getattr(P, "check_layout", None)  # (older trees: no micro-steps, no pipeline)
+    pipeline_step = getattr(P, "pipeline_step", None)
 
     known = set(C._valid_keys(C.parse_args([]))) | {"preset"}
     flags = [f for f in args.flags if f.split("=")[0][2:] in known]
     dropped = sorted(set(args.flags) - set(flags))
     cfg = C.parse_args(flags)
     p, t = cfg.parallel, cfg.train
-    mesh = Mesh.build(p.dp, p.pp, p.cp, p.tp, "cuda", p.timeout_s)
+    ep = {"ep": p.ep} if hasattr(p, "ep") else {}  # (older trees have no expert parallel)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a gloo smoke run of the script (tests/test_bench.py)
+    mesh = Mesh.build(p.dp, p.pp, p.cp, p.tp, dev, p.timeout_s, **ep)
+    accum = check_layout(cfg, mesh.world, dev) if check_layout else 1  # micro-steps per step, as train.py's
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model)
     n_params = model.num_params()
     engine = parallelize(model, mesh, cfg)
+    pipe = getattr(engine, "pipeline", None)
     gen = torch.Generator().manual_seed(mesh.dp_rank)
-    x = torch.randint(0, cfg.model.vocab_size, (t.micro_batch, t.seq_len), generator=gen).to(mesh.device)
-    y = torch.roll(x, -1, 1)
+    batches = []
+    for _ in range(accum):
+        x = torch.randint(0, cfg.model.vocab_size, (t.micro_batch, t.seq_len), generator=gen)
+        batches.append((x, torch.roll(x, -1, 1)))
+    on_gpu = [(x.to(mesh.device), y.to(mesh.device)) for x, y in batches] if pipe is None else []
 
-    amp = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
+    cuda = dev == "cuda"
+    amp = lambda: torch.autocast(dev, dtype=torch.bfloat16, enabled=cuda)  # noqa: E731
     graphed = None
     if getattr(t, "cuda_graph", False):  # train.cuda_graph: forward + backward replayed (graph.py)
         from nanopara.graph import GraphedMicroStep
-        graphed = GraphedMicroStep(engine.model, amp, 1.0, engine)
+        graphed = GraphedMicroStep(engine.model, amp, 1.0 / accum, engine)
 
     def step():
-        if graphed is not None:
-            graphed(x, y)
-        else:
-            with amp():
-                _, loss = engine.model(x, y)
-            engine.backward(loss.float())
+        if pipe is not None:  # the pipeline enters autocast itself (pp.py), once per step
+            pipeline_step(engine, batches)
+        for micro, (x, y) in enumerate(on_gpu):
+            if graphed is not None:
+                graphed(x, y)
+            else:
+                with engine.no_sync(micro < accum - 1):
+                    with amp():
+                        _, loss = engine.model(x, y)
+                    engine.backward(loss.float() / accum)
         engine.step(1e-4)
 
     one = not dist.is_initialized()  # a one-GPU baseline: no process group
@@ -115,40 +133,46 @@ def main():
         if not one:
             dist.barrier()
 
-    for _ in range(5):
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    for _ in range(args.warmup):
         step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     barrier()
     t0 = time.perf_counter()
     for _ in range(args.steps):
         step()
-    torch.cuda.synchronize()
+    sync()
     step_s = reduce_max((time.perf_counter() - t0) / args.steps)
-    tok_s = t.micro_batch * t.seq_len * mesh.dp / step_s
-    flops = 6 * n_params + 12 * cfg.model.n_layer * cfg.model.n_embd * t.seq_len
-    mfu = flops * tok_s / (mesh.world * 989e12)
-    peak = reduce_max(torch.cuda.max_memory_allocated() / 1e9)
+    tok_s = accum * t.micro_batch * t.seq_len * mesh.dp / step_s
+    flops = 6 * n_params + 12 * cfg.model.n_layer * cfg.model.n_embd * t.seq_len  # report.flops_per_token
+    mfu = flops * tok_s / (mesh.world * 989e12)  # H100 / H200 dense bf16
+    peak = reduce_max(torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0)
 
     from torch.profiler import ProfilerActivity, profile
     barrier()
     kernels = []
-    if mesh.is_main:
+    if mesh.is_main and cuda:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             step()
-            torch.cuda.synchronize()
+            sync()
         kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA]
     else:
         step()
-        torch.cuda.synchronize()
+        sync()
     barrier()
     if mesh.is_main:
-        comm, exposed, busy, span = exposed_comm(kernels)
+        comm, exposed, busy, span = exposed_comm(kernels) if kernels else (0.0, 0.0, 0.0, 0.0)
         L = cfg.model.n_layer
         res = dict(label=args.label or ("old" if args.tree else "new"), tree=args.tree or ".", flags=flags,
-                   dropped_flags=dropped, gpu=torch.cuda.get_device_name(), n_gpu=mesh.world,
-                   date=datetime.date.today().isoformat(), step_ms=step_s * 1e3, tokens_per_s=tok_s, mfu=mfu,
+                   dropped_flags=dropped, gpu=torch.cuda.get_device_name() if cuda else "cpu",
+                   n_gpu=mesh.world, date=datetime.date.today().isoformat(), micro_steps=accum, step_ms=step_s * 1e3,
+                   tokens_per_s=tok_s, mfu=mfu,
                    peak_mem_gb=peak, profiled_step_span_ms=span, compute_busy_ms=busy, comm_ms=comm,
                    exposed_comm_ms=exposed, comm_per_layer_ms=comm / L, exposed_per_layer_ms=exposed / L)
         print(f"{res['label']:>14}: {tok_s:10,.0f} tok/s  MFU {mfu * 100:4.1f}%  peak {peak:5.1f} GB | "
@@ -156,7 +180,7 @@ def main():
               f"({exposed / L:5.2f} ms/layer)" + (f"  [dropped {dropped}]" if dropped else ""), flush=True)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "profile_tp.jsonl"), "a") as fh:
+            with open(os.path.join(args.out, "layout.jsonl"), "a") as fh:
                 fh.write(json.dumps(res) + "\n")
     barrier()
     if not one:
