@@ -113,6 +113,34 @@ def test_pipeline_chunks_with_split_backward(mode):
     _assert_same(run(mode), run("none"))
 
 
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_awkward_shape_and_retained_graph(mode):
+    """Odd sizes (B 3, T 7, C 24, 3 heads, 5 layers), bf16, dropout; the graph retained by a first backward
+    (autograd.grad of the input, as ZB's B) and walked again (the weights): full's holders and selective's recipes
+    serve both walks, and gradients equal none's."""
+    cfg = ModelConfig(n_layer=5, n_head=3, n_embd=24, block_size=7, vocab_size=V, vocab_multiple=64,
+                      kernels="torch", dropout=0.1)
+
+    def run(m):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        apply_activation_checkpointing(model.transformer.h, m)
+        x = torch.randn(3, 7, 24, requires_grad=True)
+        ops = model.ops_for(x.device)
+        torch.manual_seed(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            r, h = x, None
+            for block in model.transformer.h:
+                r, h = block(r, ops, None, h)
+            loss = (r.float() * 1.5 + h.float()).square().mean()
+        dx = torch.autograd.grad(loss, x, retain_graph=True)[0]
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        grads["x"] = dx
+        return loss.detach(), grads
+    _assert_same(run(mode), run("none"))
+
+
 def test_modes_keep_names_generation_and_reapplying():
     torch.manual_seed(0)
     model = GPT(_cfg())
