@@ -5,6 +5,8 @@
 #   lnsweep  LayerNorm tiles and bandwidth per shape, A/B against .carry/old if that checkout exists
 #   e2e      GPT-2 124M training throughput: nanopara vs torch / torch.compile
 #   curve    GPT-2 124M loss curve on the offline book corpus (needs .carry/data, see README)
+#   fp8      FP8 end to end (issue #26): fp8bench (bench/bench_fp8_e2e.py throughput + profile, ~4 min) then
+#            fp8curve (gpt_1b on books, train.fp8=none vs tensor, 1000 steps each, and their comparison)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 PY=${PY:-python3}
@@ -23,6 +25,20 @@ for s in "$@"; do
              $PY train.py --preset=gpt2_124m --data.dataset=books --out_dir="$OUT/curve" --train.micro_batch=16 \
                --train.steps=${CURVE_STEPS:-3000} --train.warmup_steps=200 --train.lr=1.2e-3 --train.val_every=250 \
                --train.log_every=50 --ckpt.final=false ${CURVE_ARGS:-} 2>&1 | grep -v '^ \|^[{}]' | tee "$OUT/curve.txt" | tail -8 ;;
+    fp8|fp8bench|fp8curve)
+             if [ "$s" != fp8curve ]; then
+               $PY bench/bench_fp8_e2e.py --profile --out "$OUT/fp8_e2e.jsonl" ${FP8_ARGS:-} 2>&1 \
+                 | tee "$OUT/fp8_e2e.txt" | grep -v '^{' | tail -45; fi
+             if [ "$s" != fp8bench ]; then
+               [ -f data/shards/books/books_val_000000.bin ] || \
+                 $PY data/prepare.py books --mirror .carry/data > "$OUT/prepare.txt" 2>&1
+               for m in none tensor; do
+                 $PY train.py --preset=gpt_1b --data.dataset=books --out_dir="$OUT/fp8_curve_$m" --train.fp8=$m \
+                   --train.steps=${FP8_CURVE_STEPS:-1000} --train.micro_batch=8 --train.warmup_steps=100 \
+                   --train.log_every=50 --train.val_every=250 --ckpt.final=false ${FP8_CURVE_ARGS:-} 2>&1 \
+                   | grep -v '^ \|^[{}]' | tee "$OUT/fp8_curve_$m.txt" | tail -4; done
+               $PY bench/bench_fp8_e2e.py --compare "$OUT/fp8_curve_none" "$OUT/fp8_curve_tensor" \
+                 --plot "$OUT/fp8_curve.png" --out "$OUT/fp8_e2e.jsonl" 2>&1 | tee "$OUT/fp8_compare.txt"; fi ;;
     *) echo "unknown section $s"; exit 2 ;;
   esac
 done

@@ -135,3 +135,47 @@ def test_bench_layout_runs_train_layouts_on_cpu(tmp_path, layout):
     assert rec["micro_steps"] == 128 // (32 * dp) and rec["n_gpu"] == 2 and rec["dropped_flags"] == []
     assert rec["tokens_per_s"] == pytest.approx(128 / (rec["step_ms"] / 1e3))
 
+
+def test_bench_fp8_e2e_runs_on_cpu(tmp_path):
+    """bench/bench_fp8_e2e.py's throughput and profile sections on the tiny preset (fp32, the FP8 references): a row
+    per mode with a throughput, the FP8 weights re-cast once per step (the engine's step hook), a profile row."""
+    import bench_fp8_e2e
+    out = tmp_path / "fp8.jsonl"
+    bench_fp8_e2e.main(["--device", "cpu", "--presets", "tiny", "--modes", "bf16,tensor", "--steps", "1",
+                        "--warmup", "1", "--profile", "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    tp = [r for r in rows if r["section"] == "throughput"]
+    assert [r["mode"] for r in tp] == ["bf16", "tensor"], rows
+    assert all(r["tokens_per_s"] > 0 and r["loss_last"] == r["loss_last"] for r in tp), rows
+    assert tp[0]["fp8_linears"] == 0 and tp[1]["fp8_linears"] == 16  # 4 blocks x 4 Linears, lm_head stays
+    assert tp[1]["weight_casts"] == 2 * 16 and tp[1]["vs_bf16"] > 0  # 2 steps, one cast per Linear per step
+    prof = [r for r in rows if r["section"] == "profile"]
+    assert len(prof) == 1 and prof[0]["mode"] == "tensor" and prof[0]["families"], rows
+    assert bench_fp8_e2e.family("_fp8_matmul_kernel") == "fp8 gemm"
+    assert bench_fp8_e2e.family("_cast_kernel") == "fp8 quantization/cast"
+    assert bench_fp8_e2e.family("_attn_fwd_ws_kernel") == "attention"
+    assert bench_fp8_e2e.family("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT") == "bf16 gemm"
+
+
+def test_bench_fp8_e2e_compare(tmp_path):
+    """--compare: final train loss over the last steps both runs logged, last validation loss, relative gaps."""
+    import bench_fp8_e2e
+    for name, off in (("a", 0.0), ("b", 0.02)):
+        run = tmp_path / name
+        run.mkdir()
+        recs = [{"step": s, "loss": 4.0 - 0.001 * s + off, "tokens_per_s": 1000.0 * (2 if name == "b" else 1)}
+                for s in range(100)]
+        recs += [{"step": s, "val_loss": 3.9 - 0.001 * s + off / 2} for s in (49, 99)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    r = bench_fp8_e2e.compare_runs(str(tmp_path / "a"), str(tmp_path / "b" / "metrics.jsonl"), tail=10)
+    ta = 4.0 - 0.001 * 94.5  # mean over steps 90..99
+    assert r["tail_steps"] == 10 and r["last_step"] == 99
+    assert r["train_a"] == pytest.approx(ta) and r["train_gap"] == pytest.approx(0.02 / ta)
+    assert r["val_step"] == 99 and r["val_gap"] == pytest.approx(0.01 / (3.9 - 0.099))
+    assert r["val_gap_max"] == pytest.approx(0.01 / (3.9 - 0.099))  # the later step: the smaller loss
+    assert r["tokens_per_s_b"] == 2 * r["tokens_per_s_a"] == 2000.0
+    assert r["within_1pct"] is True  # train gap ~0.52 %, val gap ~0.26 %
+    far = tmp_path / "far.jsonl"  # 0.05 above a: a train gap of ~1.3 %
+    far.write_text("".join(json.dumps({"step": s, "loss": 4.05 - 0.001 * s}) + "\n" for s in range(100)))
+    r = bench_fp8_e2e.compare_runs(str(tmp_path / "a"), str(far), tail=10)
+    assert r["within_1pct"] is False and "val_gap" not in r and r["tokens_per_s_b"] is None
