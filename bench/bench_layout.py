@@ -137,11 +137,11 @@ def main():
         if cuda:
             torch.cuda.synchronize()
 
+    if cuda:  # before the warm-up: a CUDA graph's private pool is allocated at capture, then never again
+        torch.cuda.reset_peak_memory_stats()
     for _ in range(args.warmup):
         step()
     sync()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
     barrier()
     t0 = time.perf_counter()
     for _ in range(args.steps):

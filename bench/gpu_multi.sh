@@ -20,15 +20,23 @@
 #          tokens/s, MFU, memory, exposed comm per layer
 #   layouts  issue #28: PRESET (gpt_1b) through bench_layout.py (train.py's step, synthetic tokens): 1 GPU, dpN, tpN
 #          (+sp, +CUDA graph), tpN/2 x dp2, ppN, tp2 x pp2, pp2 x dp2 at G=32 sequences of 1024 a step; 1 GPU, cpN,
-#          tp2 x cp2, cp2 x dp2 at one sequence of 16k. RUNS="label ..." runs some. Then, for the same issue:
+#          tp2 x cp2, cp2 x dp2 at one sequence of 16k, 1 GPU and cpN + ZeRO-1 at four 16k sequences a step.
+#          RUNS="label ..." runs some. Then, for the same issue:
 #          sections pp, cp and ep below
+#   layouts3d  issue #29 (8 GPUs): 1 GPU, dpN + ZeRO-1, tp2 x pp2 x dpN/4, tp4 x pp2 (+sp) at G=64 sequences of 1024
+#          a step; tp2 x cp2 x dpN/4 at 16k (PRESET gpt_1b, then PRESET=gpt2_1558m); with `ep` for the MoE (ep8, ep4)
 #   pp     bench_pp.py: ppN (N = the GPUs) with PP_SCHEDULES at m = PP_M (16), PRESET (gpt_1b), Triton kernels
 #   cp     bench_cp.py: cpN at one sequence of CP_T (32768) tokens: efficiency, exposed comm, Ulysses, zigzag balance
-#   ep     bench_ep.py: gpt2_moe on 1 GPU, dpN, epN and (N > 2) ep2 x dpN/2, one profiled step per layout
+#   ep     bench_ep.py: gpt2_moe on 1 GPU, dpN, epN and (N > 2) epN/2 x dp2, one profiled step per layout
 #   train  train.py's own step time (metrics.jsonl, bench/step_times.py) at B=16, one micro-step, on 1 and N GPUs,
 #          this tree and OLD="<dir> ..." (other commits' trees) alternating, twice; needs data/shards/shakespeare
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
+lay() {  # LABEL NGPU TRAIN.PY-FLAGS...: one bench_layout.py run of PRESET $P, unless RUNS names others
+  label=$1; n=$2; shift 2
+  case " ${RUNS:-all} " in *" all "*|*" $label "*) ;; *) return ;; esac
+  timeout ${LAY_TIMEOUT:-180} $PY -m torch.distributed.run --standalone --nproc_per_node=$n \
+    bench/bench_layout.py --out "$OUT" --label "$label" -- --preset=$P "$@"; }
 PY=${PY:-python3}
 N=$(nvidia-smi -L | wc -l)
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -128,10 +136,6 @@ for s in "$@"; do
     layouts) # issue #28: train.py's step (bench_layout.py) per layout on N GPUs against 1 GPU and dp-only, PRESET
            # (gpt_1b) at GPT-2's T=1024 and G (32) sequences a step; then T=16k (CP) layouts. RUNS picks some.
            P=${PRESET:-gpt_1b}; G=${G:-32}; h=$((N / 2))
-           lay() { label=$1; n=$2; shift 2
-             case " ${RUNS:-all} " in *" all "*|*" $label "*) ;; *) return ;; esac
-             timeout ${LAY_TIMEOUT:-180} $PY -m torch.distributed.run --standalone --nproc_per_node=$n \
-               bench/bench_layout.py --out "$OUT" --label "$label" -- --preset=$P "$@"; }
            t1k="--train.seq_len=1024 --train.tokens_per_step=$((G * 1024))"
            t16k="--train.seq_len=16384 --model.block_size=16384 --train.micro_batch=1 --train.tokens_per_step=16384"
            { lay 1gpu 1 $t1k --train.micro_batch=8
@@ -147,13 +151,33 @@ for s in "$@"; do
              lay cp${N}_16k $N $t16k --parallel.cp=$N
              lay tp2_cp2_16k $N $t16k --parallel.tp=2 --parallel.cp=2
              lay cp2_dp2_16k $N $t16k --parallel.cp=2
+             # four 16k sequences a step with ZeRO-1: the gradient reduction and AdamW amortised as a real run's
+             lay 1gpu_16k_acc4 1 $t16k --train.tokens_per_step=65536
+             lay cp${N}_16k_acc4_zero1 $N $t16k --parallel.cp=$N --train.tokens_per_step=65536 --parallel.zero=1
            } 2>&1 | grep -v -e Warning -e OMP_NUM -e '^\*\*\*' -e '^ *_warn' -e '^$' | tee -a "$OUT/layouts_$P.txt" ;;
+    layouts3d) # issue #29 (8 GPUs): 3D layouts of PRESET (gpt_1b; gpt2_1558m) against 1 GPU and dpN at G (64)
+           # sequences of 1024 a step, and tp2 x cp2 x dp at 16k; the stages balanced for the head (bench_pp.py's rule)
+           P=${PRESET:-gpt_1b}; G=${G:-64}
+           L2=$($PY -c "import sys; sys.path.insert(0, 'bench'); from bench_pp import PRESETS, balanced_layers as b
+m = PRESETS['$P']().model; print(','.join(map(str, b(m.n_layer, 2, 2 * m.padded_vocab / (24 * m.n_embd + 4096)))))")
+           t1k="--train.seq_len=1024 --train.tokens_per_step=$((G * 1024))"
+           t16k="--train.seq_len=16384 --model.block_size=16384 --train.micro_batch=1 --train.tokens_per_step=$((N / 4 * 16384))"
+           { lay 1gpu 1 $t1k --train.micro_batch=8
+             lay dp$N $N $t1k --train.micro_batch=8 --parallel.zero=1
+             lay tp2_pp2_dp$((N / 4)) $N $t1k --train.micro_batch=4 --parallel.tp=2 --parallel.pp=2 --parallel.pp_layers=$L2 \
+               --parallel.zero=1
+             lay tp4_pp2 $N $t1k --train.micro_batch=4 --parallel.tp=4 --parallel.pp=2 --parallel.pp_layers=$L2
+             lay tp4_pp2_sp $N $t1k --train.micro_batch=4 --parallel.tp=4 --parallel.sp=true --parallel.pp=2 \
+               --parallel.pp_layers=$L2
+             lay 1gpu_16k 1 $t16k --train.tokens_per_step=16384
+             lay tp2_cp2_dp$((N / 4))_16k $N $t16k --parallel.tp=2 --parallel.cp=2 --parallel.zero=1
+           } 2>&1 | grep -v -e Warning -e OMP_NUM -e '^\*\*\*' -e '^ *_warn' -e '^$' | tee -a "$OUT/layouts3d_$P.txt" ;;
     pp)    run $N bench/bench_pp.py --preset ${PRESET:-gpt_1b} --kernels auto --n_micro ${PP_M:-16} \
              --schedules ${PP_SCHEDULES:-1f1b,interleaved:2,zb} --compare '' --out "$OUT/pp$N.jsonl" 2>&1 \
              | grep -v -e Warning -e OMP_NUM | tee "$OUT/pp$N.txt" ;;
     cp)    run $N bench/bench_cp.py --seq_len ${CP_T:-32768} --steps 3 --out "$OUT/cp$N" 2>&1 \
              | grep -v -e Warning -e OMP_NUM | tee "$OUT/cp$N.txt" ;;
-    ep)    run $N bench/bench_ep.py --layouts single,dp$N,ep$N$([ $N -gt 2 ] && echo ,ep2) --profile --out "$OUT/ep$N" \
+    ep)    run $N bench/bench_ep.py --layouts single,dp$N,ep$N$([ $N -gt 2 ] && echo ,ep$((N / 2))) --profile --out "$OUT/ep$N" \
              2>&1 | grep -v -e Warning -e OMP_NUM | tee "$OUT/ep$N.txt" ;;
     *) echo "unknown section $s"; exit 2 ;;
   esac
