@@ -222,7 +222,8 @@ def train(cfg: Config) -> dict:
         engine.model = torch.compile(engine.model)
     graphed = GraphedMicroStep(engine.model, amp, scaler.scale / accum, engine) if t.cuda_graph else None
 
-    moe = TrainHook(engine, mesh.groups.get("dp_cp")) if cfg.model.moe_experts else None  # nanopara/moe.py
+    moe = TrainHook(engine, mesh.groups.get("dp_cp"), mesh.groups.get("tp") if cfg.parallel.sp else None) \
+        if cfg.model.moe_experts else None  # nanopara/moe.py
     metrics = Metrics(cfg.out_dir, mesh.is_main)
     if mesh.is_main:
         os.makedirs(cfg.out_dir, exist_ok=True)

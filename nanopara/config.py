@@ -235,15 +235,13 @@ class Config:
 
     def _check_fp8(self) -> None:
         """FP8 (nanopara/fp8.py) with the layouts it is not built for; compile is fine (one graph break per FP8
-        Linear, whose forward runs eagerly), and so are DDP, ZeRO-1/2/3 and pp (every rank converts its own part)."""
+        Linear, whose forward runs eagerly), and so are DDP, ZeRO-1/2/3, pp (every rank converts its own part) and
+        tp/sp (the column/row-parallel linears run FP8 on their shards, tp.py)."""
         t, p = self.train, self.parallel
         if t.fp8 == "none":
             if t.fp8_filter.strip():
                 raise ConfigError("train.fp8_filter applies to FP8 training only: set train.fp8=tensor|row|block")
             return
-        if p.tp > 1:
-            raise ConfigError(f"train.fp8={t.fp8} with parallel.tp > 1: FP8 with TP is not built yet (tp.apply_tp "
-                              f"replaces the Linears with column/row-parallel ones, which have no FP8 path)")
         if t.cuda_graph:
             raise ConfigError(f"train.fp8={t.fp8} with train.cuda_graph=true: the FP8 weight cast is cached on the "
                               f"Python side (once per optimizer step), which a graph replay would skip; use one")
@@ -269,7 +267,8 @@ class Config:
                               f"model.vocab_size={m.vocab_size}")
 
     def _check_moe(self) -> None:
-        """MoE (moe_experts > 0) where it is built: one device, dp/ZeRO, expert parallel (ep.py) with DDP/ZeRO-1/2."""
+        """MoE (moe_experts > 0) where it is built: one device, dp/ZeRO, tp (+sp: experts whole on every tp rank), pp,
+        expert parallel (ep.py) with DDP/ZeRO-1/2, tp and pp."""
         m, p, t = self.model, self.parallel, self.train
         if m.moe_experts == 0:
             if p.ep > 1:
@@ -283,12 +282,6 @@ class Config:
             check_moe_config(m)
         except ValueError as e:
             raise ConfigError(f"model.{e}") from None
-        if p.tp > 1:
-            raise ConfigError("model.moe_experts > 0 with parallel.tp > 1: tp.apply_tp has no plan for the expert "
-                              "weights (E, out, in) or the router yet (notes/moe.md, integration item 8)")
-        if p.pp > 1:
-            raise ConfigError("model.moe_experts > 0 with parallel.pp > 1: the pipeline schedules do not set the "
-                              "aux-loss gradient scale per micro-batch yet (notes/moe.md, integration item 4)")
         if t.cuda_graph:
             raise ConfigError("model.moe_experts > 0 with train.cuda_graph=true: the MoE stats and the bias load are "
                               "set from Python per forward, which a graph replay would skip; use one")

@@ -182,7 +182,9 @@ def full_model_state(ckpt_path: str) -> tuple[dict, ModelConfig]:
             if twice:
                 raise CheckpointError(f"checkpoint {path}: pipeline stage {s} holds {twice[:3]} too")
             full.update(stage)
-        full.update(states[0].get("buffers") or {})  # replicated persistent buffers (MoE's expert_bias)
+        for s in range(sizes["pp"]):  # persistent buffers (MoE's expert_bias): replicated within a stage
+            first = min(r for r in range(world) if grid_coords(r, sizes)["pp"] == s)
+            full.update(states[first].get("buffers") or {})
         return _check_against_model(full, cfg, path), cfg
     except CheckpointError:
         raise

@@ -43,17 +43,19 @@ from nanopara.mesh import Mesh
 from nanopara.optim import clip_coef
 from nanopara.optim import decays
 
-REPLICATED, TP_SHARDED, SP_PARTIAL, PP_COPY, EXPERT = 0, 1, 2, 3, 4
+REPLICATED, TP_SHARDED, SP_PARTIAL, PP_COPY, EXPERT, EXPERT_SP = 0, 1, 2, 3, 4, 5
+PARTIAL_OVER_TP = (SP_PARTIAL, EXPERT_SP)
 
 
 def param_kind(p: torch.Tensor) -> int:
     """How a parameter relates to tp (tp.py's contract): sharded (tp_dim), partial grads (sp_partial), replicated;
     PP_COPY: the last pipeline stage's copy of the tied weight (pp.py), left out of the norm (the first stage's
-    copy has the same gradient); EXPERT: this ep rank's experts (ep.py's `ep_dim`), reduced over the edp group."""
+    copy has the same gradient); EXPERT: this ep rank's experts (ep.py's `ep_dim`), reduced over the edp group;
+    EXPERT_SP: the same under sequence parallel, whose tp ranks routed different tokens: also summed over tp."""
     if getattr(p, "pp_tied_copy", False):
         return PP_COPY
     if hasattr(p, "ep_dim"):
-        return EXPERT
+        return EXPERT_SP if getattr(p, "sp_partial", False) else EXPERT
     if hasattr(p, "tp_dim"):
         return TP_SHARDED
     return SP_PARTIAL if getattr(p, "sp_partial", False) else REPLICATED
@@ -247,7 +249,7 @@ class Engine:
         self._finish_grads()
         self._live = set()
         pieces = self._grad_pieces()  # [(grad, kind)]: every gradient (or shard) this rank holds
-        sum_over([g for g, k in pieces if k == SP_PARTIAL], self.tp_group)
+        sum_over([g for g, k in pieces if k in PARTIAL_OVER_TP], self.tp_group)
         sq = self._global_sq(pieces)
         if self.async_step:
             norm = sq.sqrt() / grad_scale
@@ -282,7 +284,7 @@ class Engine:
         """The squared global norm of the gradients: fp32, 0-dim, on the device (no host sync)."""
         sq = torch.stack([sum_sq([g for g, k in pieces if k in (REPLICATED, SP_PARTIAL)], self.device),  # tp-repl.
                           sum_sq([g for g, k in pieces if k == TP_SHARDED], self.device),  # tp-sharded
-                          sum_sq([g for g, k in pieces if k == EXPERT], self.device)])  # this ep rank's experts; (3,)
+                          sum_sq([g for g, k in pieces if k in (EXPERT, EXPERT_SP)], self.device)])  # ep's; (3,)
         if self.sharded_grads and self.group is not None:  # ZeRO: expert shards too (edp x ep = dp x cp)
             dist.all_reduce(sq, group=self.group)
         elif self.ep_group is not None:  # replicated engines: the ep ranks hold different experts

@@ -153,6 +153,8 @@ def apply_ep(model: nn.Module, mesh) -> dict:
                     continue
                 q = nn.Parameter(p.detach()[lo:hi].clone(), requires_grad=p.requires_grad)
                 q.ep_dim = 0
+                if getattr(p, "sp_partial", False):  # tp + sp (tp.apply_tp ran first): still summed over tp
+                    q.sp_partial = True
                 setattr(lin, pname, q)
                 full = f"{names[id(layer)]}.experts.{lin_name}.{pname}"
                 meta[full] = {"dim": 0, "full_shape": list(p.shape), "slices": [[lo, hi]], "ep": base.size,

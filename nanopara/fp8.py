@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import types
 
 import torch
 import torch.nn as nn
@@ -165,7 +166,7 @@ class FP8LinearFunction(torch.autograd.Function):
         ctx.weight = weight if (getattr(weight, "grad_into", None) is not None and weight.grad is None
                                 and not torch.compiler.is_compiling()) else None
         ctx.w_dtype = weight.dtype
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])  # 2-D: not a view (tp.py reduces it in place)
 
     @staticmethod
     def backward(ctx, dy):
@@ -205,12 +206,7 @@ class FP8Linear(Linear):
     def from_linear(cls, lin: nn.Linear, state: FP8State) -> "FP8Linear":
         new = cls(lin.in_features, lin.out_features, bias=lin.bias is not None, device="meta")
         new.weight, new.bias = lin.weight, lin.bias  # the same Parameter objects (ties, optimizer, engine views)
-        new.fp8_state = state
-        new._w8, new._w8_key = None, None
-        new.hist_x = new.hist_dy = None
-        if state.recipe.delayed:
-            new.hist_x, new.hist_dy = AmaxHistory(state.recipe.history), AmaxHistory(state.recipe.history)
-        return new
+        return attach_fp8(new, state)
 
     def weight_fp8(self, w: torch.Tensor, triton: bool) -> FP8Tensors:
         """The FP8 weight and its transpose, quantized at most once per (weight version, generation)."""
@@ -229,6 +225,20 @@ class FP8Linear(Linear):
         return super().extra_repr() + f", fp8={self.fp8_state.recipe.mode}"
 
 
+def attach_fp8(layer: nn.Module, state: FP8State) -> nn.Module:
+    """Give a module with `weight` what FP8LinearFunction reads: the shared state, the weight-cast cache
+    (`weight_fp8`) and, for delayed scaling, the amax histories of X and dY. Used by FP8Linear and by tp.py's
+    column/row-parallel linears, which run FP8LinearFunction on their shard between their collectives."""
+    layer.fp8_state = state
+    layer._w8, layer._w8_key = None, None
+    layer.hist_x = layer.hist_dy = None
+    if state.recipe.delayed:
+        layer.hist_x, layer.hist_dy = AmaxHistory(state.recipe.history), AmaxHistory(state.recipe.history)
+    if not isinstance(layer, FP8Linear):
+        layer.weight_fp8 = types.MethodType(FP8Linear.weight_fp8, layer)
+    return layer
+
+
 def _selector(filter):
     """filter -> predicate(name): None = every Linear but DEFAULT_EXCLUDE; a string = comma-separated fnmatch
     patterns of module names to convert (e.g. "*.mlp.*,*.attn.c_attn"); a callable(name, module) as is."""
@@ -242,7 +252,8 @@ def _selector(filter):
 
 def apply_fp8(model: nn.Module, mode: str = "tensor", filter=None, recipe: FP8Recipe | None = None,
               interpret: bool = False) -> nn.Module:
-    """Swap the model's nn.Linear modules (model.Linear included) that `filter` selects for FP8Linear, in place;
+    """Swap the model's nn.Linear modules (model.Linear included) that `filter` selects for FP8Linear, in place (and
+    switch tp.py's column/row-parallel linears to FP8 on their shards);
     returns the model with `model.fp8` (the FP8State: call `.step()` after each optimizer step). mode "none":
     unchanged. recipe: overrides beyond the mode (grad_dtype, pow2, delayed, ...)."""
     if mode not in MODES:
@@ -253,8 +264,12 @@ def apply_fp8(model: nn.Module, mode: str = "tensor", filter=None, recipe: FP8Re
     state = FP8State(recipe, interpret)
     keep = _selector(filter)
     for name, mod in list(model.named_modules()):
-        if type(mod) in (nn.Linear, Linear) and keep(name, mod):
+        if not keep(name, mod):
+            continue
+        if type(mod) in (nn.Linear, Linear):
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, FP8Linear.from_linear(mod, state))
+        elif getattr(mod, "takes_fp8", False):  # tp.py's column/row-parallel linears: FP8 on their shard
+            attach_fp8(mod, state)
     model.fp8 = state
     return model

@@ -241,6 +241,8 @@ class MoEMLP(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(E))  # aux-loss-free balancing (checkpointed)
         self.register_buffer("load", torch.zeros(E), persistent=False)  # assignments since the last bias update
         self.aux_grad_scale = 1.0  # the trainer's factor on its loss (1 / micro-steps), see the module docstring
+        self.aux_shards = 1  # sequence parallel (tp.apply_tp): the tp ranks' shards of one micro-batch, whose aux
+        #                      losses are averaged (their router gradients are summed over tp like every SP grad)
         self.ep = None  # ep.EPGroup once ep.apply_ep shards the experts: this rank then holds E / ep of them
         self.aux_loss = None
         self.stats = {}
@@ -317,7 +319,7 @@ class MoEMLP(nn.Module):
         self.stats = dict(aux=lb.detach(), z=zl.detach(), drop=1 - kept.float() / (N * self.top_k),
                           load_min=counts.min().float() / mean, load_max=counts.max().float() / mean)
         if torch.is_grad_enabled() and self.aux_loss.requires_grad and (self.aux_coef > 0 or self.z_coef > 0):
-            y = _AuxLossGrad.apply(y, self.aux_loss, self.aux_grad_scale)
+            y = _AuxLossGrad.apply(y, self.aux_loss, self.aux_grad_scale / self.aux_shards)
         return y
 
     @torch.no_grad()
@@ -392,12 +394,18 @@ class TrainHook:
     """train.py's MoE calls in one place. begin_step(f) before a step's forwards, f = the factor train.py puts on
     the loss (loss scale / micro-steps; engine.backward divides by dp*cp as well, so the aux gradient does too);
     end_step() after the optimizer step: the aux-loss-free bias update (loads summed over `group`, the dp group, so
-    replicas agree) and this rank's last micro-batch's stats for the log line."""
+    replicas agree; under sequence parallel also over the tp group, whose ranks saw different tokens) and this rank's
+    last micro-batch's stats for the log line."""
 
-    def __init__(self, engine, group=None):
+    def __init__(self, engine, group=None, sp_group=None):
         import torch.distributed as dist
         self.engine = engine  # engine.model is read each time: torch.compile may wrap it later
-        self.all_reduce = (lambda t: dist.all_reduce(t, group=group)) if group is not None else None
+        groups = [g for g in (group, sp_group) if g is not None]  # sp_group: the tp ranks' sequence shards
+
+        def all_reduce(t):
+            for g in groups:
+                dist.all_reduce(t, group=g)
+        self.all_reduce = all_reduce if groups else None
 
     def begin_step(self, loss_factor: float) -> None:
         set_aux_grad_scale(self.engine.model, loss_factor / self.engine.n)

@@ -34,7 +34,7 @@ from nanopara.cp import apply_cp, ring_of, shard_stage_inputs
 from nanopara.dp import DDP, SingleDevice
 from nanopara.engine import compute_dtype, weak_method
 from nanopara.ep import apply_ep
-from nanopara.fp8 import FP8Linear, apply_fp8
+from nanopara.fp8 import apply_fp8
 from nanopara.mesh import Mesh, check_degrees
 from nanopara.pp import Pipeline, Stage, build_schedule, embedding_group, split_layers, split_model, sync_tied_grads
 from nanopara.recompute import apply_activation_checkpointing
@@ -117,7 +117,8 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config):
     # 5. data parallel / ZeRO over dp x cp: the engine owns the optimizer and the gradient reduction
     engine = build_engine(model, mesh, cfg)
     engine.tp_shards = tp_shards
-    engine.ep_shards = ep_shards
+    held = dict(model.named_parameters())
+    engine.ep_shards = {k: v for k, v in ep_shards.items() if k in held}  # under pp: this stage's MoE layers
     if fp8 is not None:  # the fused AdamW bumps no version counter: re-cast the FP8 weights after every update
         engine.step_hooks.append(fp8.step)
     if chunks is not None:
@@ -133,7 +134,7 @@ def _apply_fp8(model: nn.Module, cfg: Config):
     if t.fp8 == "none":
         return None
     apply_fp8(model, t.fp8, filter=t.fp8_filter if t.fp8_filter.strip() else None)
-    if not any(isinstance(m, FP8Linear) for m in model.modules()) and cfg.parallel.pp == 1:
+    if not any(getattr(m, "fp8_state", None) is not None for m in model.modules()) and cfg.parallel.pp == 1:
         raise ConfigError(f"train.fp8_filter={t.fp8_filter!r} selects no Linear (names look like "
                           f"transformer.h.0.mlp.c_fc)")
     return model.fp8

@@ -41,6 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanopara.model import GPT
+from nanopara.moe import moe_layers
 from nanopara.zb import DeferredWeightGrads
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -458,6 +459,8 @@ class Pipeline:
         self.last_w = {a.chunk: a for a in self.actions if a.op == "W"}
         # ZB-H1: B computes input gradients (and the small parameters'), W the Linears' weight gradients (zb.py)
         self.deferred = {c: DeferredWeightGrads(ch) for c, ch in self.chunks.items()} if self.split else {}
+        # MoE layers take their aux loss's gradient factor at forward time: each micro-batch's, as its LM loss gets
+        self.moe = {c: moe_layers(ch) for c, ch in self.chunks.items()}
         self.group = mesh.groups.get("pp") if mesh.pp > 1 else None
         self.ranks = [mesh.rank_of(pp=i) for i in range(mesh.pp)]  # pp index (as in Action) -> global rank
         self._eval_programs = {}  # n -> program of forward_only
@@ -534,6 +537,8 @@ class Pipeline:
         ch, key = self.chunks[a.chunk], (a.chunk, a.mb)
         if a.op == "F":
             x = data["inputs"][a.mb] if ch.first else got.requires_grad_(data["train"])
+            for layer in self.moe[a.chunk] if data["train"] else ():
+                layer.aux_grad_scale = data["scale"] * data["w"][a.mb] / self.m
             y = ch(x, data["targets"][a.mb] if ch.last else None)
             if ch.last:
                 losses[a.mb] = y.detach().float()

@@ -34,9 +34,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanopara.comm import all_gather_along, all_reduce_sum, g
+from nanopara.comm import all_gather_along, all_reduce_sum, f, g
+from nanopara.fp8 import FP8LinearFunction
 from nanopara.model import GPT, matmul_weight
-from nanopara.tp_linear import ColumnSP, ColumnTP, RowSP, RowTP, blocks, shard_rows, sp_scatter
+from nanopara.tp_linear import ColumnSP, ColumnTP, RowSP, RowTP, blocks, shard_rows, sp_all_gather, sp_scatter
 
 # ----------------------------------------------------------------------------------------------------------------
 # the plan: which module becomes what (walked by apply_tp in named_modules order)
@@ -98,7 +99,11 @@ class _TPState:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y_r = x W_r^T + b_r with W's output rows split over tp; x replicated, or an SP shard (tp_linear.py)."""
+    """y_r = x W_r^T + b_r with W's output rows split over tp; x replicated, or an SP shard (tp_linear.py).
+    FP8 (fp8.apply_fp8 attaches `fp8_state`): the collective, then FP8LinearFunction on this rank's shard; scales
+    are per shard (the weight shard's own amax): each GEMM dequantizes its output before any reduction, so a scale
+    shared over tp would cost an all-reduce of amaxes per cast and change nothing but the rounding. No overlap."""
+    takes_fp8 = True
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, state: _TPState):
         super().__init__()
@@ -106,13 +111,19 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x):  # (B, T, in) or the SP shard (B, T/tp, in) -> (B, T, out/tp)
         s = self.state
+        if getattr(self, "fp8_state", None) is not None:
+            x = sp_all_gather(x, s.group, s.chunks) if s.sp else f(x, s.group)
+            return FP8LinearFunction.apply(x, self.weight, self.bias, self)
         if s.sp:
             return ColumnSP.apply(x, matmul_weight(self.weight), self.bias, s.group, s.chunks, s.keep_gathered)
         return ColumnTP.apply(x, matmul_weight(self.weight), self.bias, s.group, s.chunks)
 
 
 class RowParallelLinear(nn.Module):
-    """y = sum_r x_r W_r^T + b with W's input columns split over tp; b replicated, added once after the reduce."""
+    """y = sum_r x_r W_r^T + b with W's input columns split over tp; b replicated, added once after the reduce.
+    FP8: FP8LinearFunction on this rank's input columns (per-row scales of X then cover a row's in/tp columns),
+    then the all-reduce, or the reduce-scatter under SP, of its bf16 output."""
+    takes_fp8 = True
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, state: _TPState):
         super().__init__()
@@ -120,7 +131,12 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x):  # (B, T, in/tp) -> (B, T, out), or the SP shard (B, T/tp, out)
         s = self.state
-        y = (RowSP if s.sp else RowTP).apply(x, matmul_weight(self.weight), None, s.group, s.chunks)
+        if getattr(self, "fp8_state", None) is not None:
+            y = FP8LinearFunction.apply(x.reshape(-1, x.shape[-1]), self.weight, None, self)  # (N, out), fresh
+            y = sp_scatter(y.view(*x.shape[:-1], -1), s.group, s.chunks) if s.sp else \
+                g(y, s.group).view(*x.shape[:-1], -1)
+        else:
+            y = (RowSP if s.sp else RowTP).apply(x, matmul_weight(self.weight), None, s.group, s.chunks)
         return y if self.bias is None else y + self.bias.to(y.dtype)  # keep autocast's dtype, like nn.Linear
 
 
@@ -334,6 +350,8 @@ def apply_tp(model: GPT, mesh, sp: bool = False, overlap: int = 0, keep_gathered
             model.transformer.wpe = SeqShardedPositions(model.transformer.wpe.weight, state)
     for block in model.transformer.h:
         block.attn.n_head = cfg.n_head // tp
+        if sp and hasattr(block.mlp, "aux_shards"):  # MoE: experts stay whole on every rank; under SP each rank
+            block.mlp.aux_shards = tp                # routes its own T/tp tokens (moe.py's aux_shards)
     for p in model.parameters():
         if sp and not hasattr(p, "tp_dim"):  # under SP every replicated parameter sees only T/tp tokens
             p.sp_partial = True

@@ -236,28 +236,53 @@ class RowTP(_Fn):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the SP layout's entry and exit without a GEMM (the embedding's reduce-scatter; tests)
+# the SP layout's entry and exit without a GEMM (the embedding's reduce-scatter; FP8's GEMMs; tests)
+
+def _reduce_scatter_rows(x: torch.Tensor, group, chunks: int) -> torch.Tensor:
+    """(B, T, C) partial sums -> this rank's SP shard (B, T/tp, C) of their sum (no autograd)."""
+    tp = dist.get_world_size(group)
+    x2 = x.contiguous().view(-1, x.shape[-1])
+    k = blocks(x2.shape[0] // tp, chunks)
+    out = x2.new_empty(k, x2.shape[0] // (k * tp), x2.shape[1])
+    _wait([_scatter(out[j], xj, group, False) for j, xj in enumerate(x2.view(k, -1, x2.shape[1]))])
+    return out.view(x.shape[0], x.shape[1] // tp, x.shape[2])
+
 
 class _Scatter(torch.autograd.Function):
     """fwd: (B, T, C) partial sums -> this rank's SP shard (B, T/tp, C) of their sum; bwd: the all-gather."""
 
     @staticmethod
     def forward(ctx, x, group, chunks):
-        ctx.group, ctx.chunks, ctx.tp = group, chunks, dist.get_world_size(group)
-        x2 = x.reshape(-1, x.shape[-1])
-        k = blocks(x2.shape[0] // ctx.tp, chunks)
-        out = x2.new_empty(k, x2.shape[0] // (k * ctx.tp), x2.shape[1])
-        _wait([_scatter(out[j], xj, group, False) for j, xj in enumerate(x2.view(k, -1, x2.shape[1]))])
-        return out.view(x.shape[0], x.shape[1] // ctx.tp, x.shape[2])
+        ctx.group, ctx.chunks = group, chunks
+        return _reduce_scatter_rows(x, group, chunks)
 
     @staticmethod
     def backward(ctx, grad):
         return sp_gather(grad, ctx.group, ctx.chunks), None, None
 
 
+class _Gather(torch.autograd.Function):
+    """fwd: SP shards (B, T/tp, C) -> the full (B, T, C); bwd: the reduce-scatter of the gradient."""
+
+    @staticmethod
+    def forward(ctx, xs, group, chunks):
+        ctx.group, ctx.chunks = group, chunks
+        return sp_gather(xs, group, chunks)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_rows(grad, ctx.group, ctx.chunks), None, None
+
+
 def sp_scatter(x: torch.Tensor, group, chunks: int) -> torch.Tensor:
     """Reduce-scatter (B, T, C) into this rank's SP shard (B, T/tp, C); backward all-gathers."""
     return _Scatter.apply(x, group, chunks)
+
+
+def sp_all_gather(xs: torch.Tensor, group, chunks: int) -> torch.Tensor:
+    """All-gather SP shards (B, T/tp, C) into the full (B, T, C); backward reduce-scatters. For a GEMM that is not
+    one of the four Functions above (FP8: tp.py runs FP8LinearFunction between these collectives)."""
+    return _Gather.apply(xs, group, chunks)
 
 
 def sp_gather(xs: torch.Tensor, group, chunks: int) -> torch.Tensor:

@@ -189,7 +189,7 @@ def run_layouts(tmp_path, world, runs):
     return json.loads(out.read_text())
 
 
-def check_equal(got, one_losses, one_dir, ep_dir):
+def check_equal(got, one_losses, one_dir, ep_dir, atol=5e-5):
     assert len(got) == STEPS and np.allclose(got, one_losses, atol=1e-4, rtol=0), np.abs(np.subtract(got, one_losses))
     norms = [[r["grad_norm"] for r in read_metrics(d / "metrics.jsonl")[0]] for d in (one_dir, ep_dir)]
     assert np.allclose(norms[1], norms[0], rtol=1e-4, atol=0), norms  # expert shards' squares summed over ep
@@ -197,7 +197,7 @@ def check_equal(got, one_losses, one_dir, ep_dir):
     b, _ = full_model_state(str(ep_dir))  # the experts joined from every ep rank's shard
     assert a.keys() == b.keys()
     for k in a:  # c_attn's key bias: zero gradient in exact arithmetic, so AdamW turns rounding into steps
-        torch.testing.assert_close(b[k], a[k], atol=2e-4 if k.endswith("c_attn.bias") else 5e-5, rtol=0, msg=k)
+        torch.testing.assert_close(b[k], a[k], atol=2e-4 if k.endswith("c_attn.bias") else atol, rtol=0, msg=k)
 
 
 def test_ep2_zero1_capacity_equals_single_process_and_resumes(shards, tmp_path):
@@ -222,6 +222,57 @@ def test_world4_equals_single_process(shards, tmp_path):
                                                 "--parallel.zero=2", "--train.activation_checkpointing=full"))])
     check_equal(got["ep4"], one, tmp_path / "one", tmp_path / "ep4")
     check_equal(got["ep2dp2"], one, tmp_path / "one", tmp_path / "ep2dp2")
+
+
+def test_moe_pipeline_equals_single_process(shards, tmp_path):
+    """MoE under pp2 (four blocks: an MoE layer on each stage), 1F1B and ZB-H1 with 4 micro-batches: each
+    micro-batch's aux loss gets its own gradient factor at its forward (pp.Pipeline), as train.py's loss does."""
+    tps, four = "--train.tokens_per_step=256", "--model.n_layer=4"
+    one = train.main(argv(shards, tmp_path / "one", tps, four))["losses"]
+    pp = ("--parallel.pp=2", tps, four)
+    got = run_layouts(tmp_path, 2, [("1f1b", (shards, tmp_path / "1f1b", *pp)),
+                                    ("zb", (shards, tmp_path / "zb", *pp, "--parallel.pp_schedule=zb"))])
+    for name in ("1f1b", "zb"):
+        check_equal(got[name], one, tmp_path / "one", tmp_path / name)
+
+
+def test_moe_pipeline_with_expert_parallel_equals_single_process(shards, tmp_path):
+    """pp2 x ep2 (dp = ep = 2 on each stage): the all-to-alls of each stage's MoE layer run in the pipeline's order
+    on both ranks of its ep group; ZeRO-1 over dp."""
+    tps, four = "--train.tokens_per_step=256", "--model.n_layer=4"
+    one = train.main(argv(shards, tmp_path / "one", tps, four))["losses"]
+    got = run_layouts(tmp_path, 4, [("pp2ep2", (shards, tmp_path / "pp2ep2", tps, four, "--parallel.pp=2",
+                                                "--parallel.ep=2", "--parallel.zero=1"))])
+    check_equal(got["pp2ep2"], one, tmp_path / "one", tmp_path / "pp2ep2")
+
+
+# weights after 12 AdamW steps at lr 1e-2 under tp2: the dense MLP's column/row split sums in another order; measured
+# worst 1.23e-4 (transformer.h.0.mlp.c_fc.weight, tp2 without SP), the experts <= 2e-5
+TP_ATOL = 2e-4
+
+
+def test_moe_tensor_parallel_equals_single_process(shards, tmp_path):
+    """MoE under tp2: the experts stay whole on both tp ranks. Without SP both ranks route the same tokens (the aux
+    losses included, equal to one process); with SP each routes its own T/2 rows: its aux loss is its shard's, so
+    the SP run turns the aux and z losses off, and the expert-bias loads are summed over tp (replicas agree)."""
+    tps, no_aux = "--train.tokens_per_step=128", ("--model.moe_aux_coef=0", "--model.moe_z_coef=0")
+    one = train.main(argv(shards, tmp_path / "one", tps))["losses"]
+    one_sp = train.main(argv(shards, tmp_path / "one_sp", tps, *no_aux))["losses"]
+    got = run_layouts(tmp_path, 2, [("tp2", (shards, tmp_path / "tp2", tps, "--parallel.tp=2")),
+                                    ("tp2sp", (shards, tmp_path / "tp2sp", tps, *no_aux, "--parallel.tp=2",
+                                               "--parallel.sp=true"))])
+    check_equal(got["tp2"], one, tmp_path / "one", tmp_path / "tp2", atol=TP_ATOL)
+    check_equal(got["tp2sp"], one_sp, tmp_path / "one_sp", tmp_path / "tp2sp", atol=TP_ATOL)
+
+
+def test_moe_tensor_and_expert_parallel_equals_single_process(shards, tmp_path):
+    """tp2 x ep2 (dp = ep = 2 in each tp line) with SP: each tp rank's rows go to the experts of its own ep group,
+    the expert grads sum over tp (SP) and over their replicas (edp)."""
+    tps, no_aux = "--train.tokens_per_step=256", ("--model.moe_aux_coef=0", "--model.moe_z_coef=0")
+    one = train.main(argv(shards, tmp_path / "one", tps, *no_aux))["losses"]
+    got = run_layouts(tmp_path, 4, [("tp2ep2", (shards, tmp_path / "tp2ep2", tps, *no_aux, "--parallel.tp=2",
+                                                "--parallel.sp=true", "--parallel.ep=2"))])
+    check_equal(got["tp2ep2"], one, tmp_path / "one", tmp_path / "tp2ep2", atol=TP_ATOL)
 
 
 @pytest.mark.parametrize("extra, msg", [
