@@ -277,11 +277,21 @@ def all_gather_flat(shard: torch.Tensor, group, dtype: torch.dtype, out: torch.T
 
     Asynchronous: wait on `work` before reading `out`; keep `sent` (the cast shard) alive until then.
     """
+    if group is None:  # a group of one (ZeRO-3's experts when each is held by one rank): a copy is the gather
+        out = shard.detach().to(dtype, copy=True) if out is None else out.copy_(shard)
+        return out, _Done(), out
     sent = shard.detach().to(dtype)
     if out is None:
         out = torch.empty(dist.get_world_size(group) * shard.numel(), dtype=dtype, device=shard.device)
     work = dist.all_gather_into_tensor(out, sent, group=group, async_op=True)
     return out, work, sent
+
+
+class _Done:
+    """A finished collective's handle (a group of one has nothing to send)."""
+
+    def wait(self):
+        return True
 
 
 def flat_views(full: torch.Tensor, shapes) -> list:
@@ -310,6 +320,9 @@ class _ZeroGather(torch.autograd.Function):
         n = sum(x.numel() for x in grads)                       # the same sums as DDP's
         torch.cat([x.reshape(-1) for x in grads], out=g[:n])  # one copy kernel, casting on the way
         g[n:].zero_()  # the flat buffer's padding
+        if ctx.group is None:  # a group of one: the whole gradient is this rank's shard
+            ctx.on_reduce(_Done(), g, g)
+            return None, None, None, None, None
         k = g.numel() // dist.get_world_size(ctx.group)
         out = g[dist.get_rank(ctx.group) * k:][:k]  # (k,): this rank's shard, in place (recv = send + r*k)
         work = dist.reduce_scatter_tensor(out, g, group=ctx.group, async_op=True)

@@ -268,7 +268,7 @@ class Config:
 
     def _check_moe(self) -> None:
         """MoE (moe_experts > 0) where it is built: one device, dp/ZeRO, tp (+sp: experts whole on every tp rank), pp,
-        expert parallel (ep.py) with DDP/ZeRO-1/2, tp and pp."""
+        expert parallel (ep.py) with DDP/ZeRO-1/2/3, tp and pp."""
         m, p, t = self.model, self.parallel, self.train
         if m.moe_experts == 0:
             if p.ep > 1:
@@ -289,9 +289,6 @@ class Config:
             if m.moe_experts % p.ep:
                 raise ConfigError(f"model.moe_experts={m.moe_experts} is not divisible by parallel.ep={p.ep} (each ep "
                                   f"rank holds moe_experts/ep experts)")
-            if p.zero == 3:
-                raise ConfigError("parallel.ep > 1 with parallel.zero=3: ZeRO-3 would have to gather the expert shards "
-                                  "over their replicas only, which is not built; use parallel.zero=0|1|2")
 
     def _check_pipeline(self) -> None:
         """The pipeline checks that need no world size (those that need m, the micro-batches per step, are in

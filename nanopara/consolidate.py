@@ -29,7 +29,7 @@ from nanopara.checkpoint import CheckpointError
 from nanopara.config import ModelConfig
 from nanopara.mesh import AXES, grid_coords
 from nanopara.model import GPT
-from nanopara.zero import unshard_model
+from nanopara.zero import unshard, unshard_model
 
 
 def resolve(path: str) -> tuple[str, str]:
@@ -96,27 +96,32 @@ def _load_shard(path: str, rank: int, sizes: dict) -> dict:
 # ----------------------------------------------------------------------------------------------------------------
 # reassembly
 
-def _dp_full(models: list[dict], file: str) -> dict:
-    """{name: tensor} of one tp rank from its dp x cp ranks' model states (listed in dp x cp order)."""
+def _dp_full(models: list[dict], file: str, ep: int = 1) -> tuple[dict, list[dict] | None]:
+    """{name: tensor} of one tp rank from its dp x cp ranks' model states (listed in dp x cp order), and under
+    ZeRO-3 with expert parallel each ep rank's {name: its experts} (their flats are sharded over edp), else None."""
     fmt = models[0].get("format")
     if fmt is None:  # replicated: every dp x cp rank holds the same tensors
-        return dict(models[0])
+        return dict(models[0]), None
     if fmt != "flat_shard":
         raise CheckpointError(f"checkpoint shard {file}: unknown model state format {fmt!r}")
     if any(m.get("format") != "flat_shard" or m.get("world") != len(models) for m in models):
         raise CheckpointError(f"checkpoint shard {file}: ZeRO-3 shards over {models[0].get('world')} ranks, but the "
                               f"layout has {len(models)} data-parallel ranks per tp rank")
-    return unshard_model(models)
+    if ep > 1:
+        return unshard(models, "param", ep)
+    return unshard_model(models), None
 
 
-def _join_experts(full: dict, states: list[dict], file: str) -> dict:
+def _join_experts(full: dict, states: list[dict], file: str, local: list[dict] | None = None) -> dict:
     """Expert parallel (ep.py): each expert tensor of `full` (one rank's E/ep experts) replaced by all E, placed
-    from the dp x cp ranks' pieces at the expert rows their "ep_shards" entries name (one piece per ep rank)."""
+    from the dp x cp ranks' pieces at the expert rows their "ep_shards" entries name (one piece per ep rank).
+    local: ZeRO-3's experts per ep rank (_dp_full); else each rank's model state holds its own."""
     for name, m0 in (states[0].get("ep_shards") or {}).items():
         pieces = {}
         for st in states:
             m = st["ep_shards"][name]
-            pieces.setdefault(m["ep_rank"], (st["model"][name], m))
+            piece = local[m["ep_rank"]][name] if local is not None else st["model"][name]
+            pieces.setdefault(m["ep_rank"], (piece, m))
         if sorted(pieces) != list(range(m0["ep"])):
             raise CheckpointError(f"checkpoint shard {file}: {name} is split over ep={m0['ep']} ranks, found the "
                                   f"pieces of ep ranks {sorted(pieces)}")
@@ -155,8 +160,9 @@ def _stage_full(path: str, states: list, sizes: dict, s: int) -> dict:
         ranks = [r for r in range(world)  # the dp x cp ranks of tp rank t, stage s
                  if grid_coords(r, sizes)["tp"] == t and grid_coords(r, sizes)["pp"] == s]
         file = os.path.join(path, f"rank_{ranks[0]:05d}.pt")
-        per_tp.append(_join_experts(_dp_full([states[r]["model"] for r in ranks], file), [states[r] for r in ranks],
-                                    file))
+        ep = max([m.get("ep", 1) for m in (states[ranks[0]].get("ep_shards") or {}).values()], default=1)
+        full, local = _dp_full([states[r]["model"] for r in ranks], file, ep)
+        per_tp.append(_join_experts(full, [states[r] for r in ranks], file, local))
         tp_meta.append(states[ranks[0]].get("tp_shards") or {})
     if tp > 1 and not tp_meta[0]:
         raise CheckpointError(f"checkpoint {path}: tp={tp} but its shards carry no tp_shards metadata")

@@ -455,6 +455,7 @@ class Flat:
         self.padded = -(-self.numel // n) * n
         self.shard = self.padded // n
         self.lo, self.hi = r * self.shard, (r + 1) * self.shard
+        self.expert = any(hasattr(p, "ep_dim") for p in self.params)  # ep.py: sharded over the edp group
         self.classes = []  # [start, end, decay, kind]
         for p, nm, off, size in zip(self.params, self.names, self.offsets, self.sizes):
             key = [decays(nm, p), param_kind(p)]
@@ -471,8 +472,9 @@ class Flat:
                 yield x - self.lo, y - self.lo, decay, kind
 
     def meta(self) -> dict:
-        return {"params": [[n, list(s), o] for n, s, o in zip(self.names, self.shapes, self.offsets)],
-                "numel": self.numel, "padded": self.padded, "lo": self.lo, "hi": self.hi}
+        m = {"params": [[n, list(s), o] for n, s, o in zip(self.names, self.shapes, self.offsets)],
+             "numel": self.numel, "padded": self.padded, "lo": self.lo, "hi": self.hi}
+        return {**m, "expert": True} if self.expert else m  # (unchanged for checkpoints without experts)
 
     def slice_of(self, full: dict, device) -> torch.Tensor:
         """This rank's [lo, hi) of the flat buffer built from {name: full tensor} (padding and missing names: 0)."""

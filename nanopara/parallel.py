@@ -114,11 +114,11 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config):
     fp8 = _apply_fp8(model, cfg)
     model.to(mesh.device)
     tp_shards = shard_metadata(model, mesh)  # after the split: this stage's names
+    ep_shards = {k: v for k, v in ep_shards.items() if k in dict(model.named_parameters())}  # pp: the stage's own
     # 5. data parallel / ZeRO over dp x cp: the engine owns the optimizer and the gradient reduction
     engine = build_engine(model, mesh, cfg)
     engine.tp_shards = tp_shards
-    held = dict(model.named_parameters())
-    engine.ep_shards = {k: v for k, v in ep_shards.items() if k in held}  # under pp: this stage's MoE layers
+    engine.ep_shards = ep_shards
     if fp8 is not None:  # the fused AdamW bumps no version counter: re-cast the FP8 weights after every update
         engine.step_hooks.append(fp8.step)
     if chunks is not None:

@@ -40,18 +40,23 @@ from nanopara.mesh import Mesh
 # ----------------------------------------------------------------------------------------------------------------
 # checkpoints: every rank's shards -> full tensors
 
-def unshard(shards: list[dict], key: str) -> dict:
-    """Every rank's "flat_shard" dict (one layout) -> {param name: full tensor} of `key` ("param", "exp_avg", ..)."""
+def unshard(shards: list[dict], key: str, ep: int = 1) -> dict | tuple[dict, list[dict]]:
+    """Every rank's "flat_shard" dict (one layout) -> {param name: full tensor} of `key` ("param", "exp_avg", ..).
+    Expert flats (ep.py, ZeRO-3 under expert parallel) are sharded over the edp group instead, the ranks holding the
+    same experts (dp x cp positions j, j + ep, j + 2 ep, ...): with ep > 1 also returns, per ep rank j, {name: its
+    experts' tensors}."""
     shards = sorted(shards, key=lambda s: s["rank"])
     if [s["rank"] for s in shards] != list(range(shards[0]["world"])):
         raise ValueError(f"unshard needs the shards of all {shards[0]['world']} ranks, got ranks "
                          f"{[s['rank'] for s in shards]}")
-    out = {}
+    out, experts = {}, [{} for _ in range(ep)]
     for i, flat in enumerate(shards[0]["flats"]):
-        full = torch.cat([s["flats"][i][key] for s in shards])  # (padded,): the ranks' [lo, hi) in rank order
-        for name, shape, off in flat["params"]:
-            out[name] = full[off:off + math.prod(shape)].view(shape).clone()
-    return out
+        for j, dest in ([(0, out)] if not flat.get("expert") else enumerate(experts)):
+            held = shards if not flat.get("expert") else shards[j::ep]  # (the edp group of ep rank j)
+            full = torch.cat([s["flats"][i][key] for s in held])  # (padded,): the ranks' [lo, hi) in rank order
+            for name, shape, off in flat["params"]:
+                dest[name] = full[off:off + math.prod(shape)].view(shape).clone()
+    return (out, experts) if ep > 1 else out
 
 
 def unshard_model(shards: list[dict]) -> dict:
@@ -269,8 +274,9 @@ class Zero(BucketHooks, Engine):
         return 0
 
     def _check_layout(self, sd: dict):
+        keys = ("params", "numel", "padded", "lo", "hi", "expert")
         ok = sd.get("world") == self.n and sd.get("rank") == self.r and len(sd["flats"]) == len(self.flats) and \
-            all({k: a[k] for k in ("params", "numel", "padded", "lo", "hi")} == b.meta()
+            all({k: a.get(k) for k in keys} == {k: b.meta().get(k) for k in keys}
                 for a, b in zip(sd["flats"], self.flats))
         if not ok:
             raise ValueError(f"flat shard of rank {sd.get('rank')}/{sd.get('world')} does not match this engine's "

@@ -11,7 +11,9 @@ reduce-scattered (comm.zero_gathered, whose backward starts the reduce-scatter a
 fp32 gradients in flight, older ones drained inside backward). The root stays gathered from forward through
 backward: the tied wte is used at both ends. Gather dtypes: a unit's matrices in the compute dtype (bf16 under
 autocast: exactly the values autocast would cast fp32 weights to, so the numerics are DDP's, at half the bytes),
-its vectors (LayerNorm, biases) and the root in fp32 (the residual stream stays fp32).
+its vectors (LayerNorm, biases) and the root in fp32 (the residual stream stays fp32). Under expert parallel
+(ep.py) a unit's experts are flats of their own over the edp group (the ranks holding the same experts; a group
+of one when each expert has one holder: comm.py then copies instead of communicating).
 
 K trades memory for host time: the hooks, gathers and reduce-scatters of a step scale with the number of units
 (at small micro-batches a unit's Python work takes about as long as a block's GPU work), while 1 + PREFETCH units
@@ -31,7 +33,7 @@ import torch.nn as nn
 
 from nanopara.comm import all_gather_flat, flat_views, zero_gathered
 from nanopara.config import Config
-from nanopara.engine import Flat, compute_dtype, weak_method
+from nanopara.engine import Flat, compute_dtype, reduce_group, weak_method
 from nanopara.mesh import Mesh
 from nanopara.zero import Zero
 
@@ -99,8 +101,12 @@ class Zero3(Zero):
         for u, chunk in enumerate(chunks):
             mine = [p for p in self.params if block_of.get(id(p), -1) // k == u]
             name = f"h[{u * k}:{u * k + len(chunk)}]"
-            specs.append([(f"{name}.matrices", [p for p in mine if p.dim() >= 2], dtype),
-                          (f"{name}.vectors", [p for p in mine if p.dim() < 2], torch.float32)])
+            unit = []
+            for kind, ps in (("", [p for p in mine if not hasattr(p, "ep_dim")]),  # expert parallel (ep.py): this
+                             (".experts", [p for p in mine if hasattr(p, "ep_dim")])):  # rank's experts, flats of
+                unit += [(f"{name}{kind}.matrices", [p for p in ps if p.dim() >= 2], dtype),  # their own over edp
+                         (f"{name}{kind}.vectors", [p for p in ps if p.dim() < 2], torch.float32)]
+            specs.append(unit)
         self.flats, self.units, self.param_objs = [], [], {}
         self.anchor = torch.zeros(0, device=self.device, requires_grad=True)  # makes backward reach every unit
         for spec in specs:
@@ -108,7 +114,9 @@ class Zero3(Zero):
             for name, params, gather_dtype in spec:
                 if not params:
                     continue
-                f = Flat(name, params, [self.names[id(p)] for p in params], self.n, self.r)
+                group, n, r = reduce_group(self, params)  # dp x cp, or the edp group for experts
+                f = Flat(name, params, [self.names[id(p)] for p in params], n, r)
+                f.group = group
                 f.master = self._flatten(f)[f.lo:f.hi].clone()  # fp32 (shard,); the full buffer is dropped
                 f.grad_shard = torch.zeros(f.shard, device=self.device)
                 f.owners = [owners[id(p)] for p in f.params]
@@ -151,13 +159,13 @@ class Zero3(Zero):
             if f.pending is not None:
                 continue
             if not into_own:
-                f.pending = (*all_gather_flat(f.master, self.group, f.gather_dtype), None)
+                f.pending = (*all_gather_flat(f.master, f.group, f.gather_dtype), None)
                 continue
             f.full.untyped_storage().resize_(f.padded * f.full.element_size())
             # autograd saved views of f.full in forward; refilling it with the same values must not count as an
             # in-place edit. The backend may write (bumping the version) any time before the wait: restore after.
             keep = torch.autograd._unsafe_preserve_version_counter(f.full)
-            f.pending = (*all_gather_flat(f.master, self.group, f.gather_dtype, out=f.full), keep)
+            f.pending = (*all_gather_flat(f.master, f.group, f.gather_dtype, out=f.full), keep)
 
     @staticmethod
     def _wait(f: Flat) -> torch.Tensor:
@@ -179,7 +187,7 @@ class Zero3(Zero):
         for f in self.units[i]:
             full = f.full = self._wait(f)
             if torch.is_grad_enabled():
-                views = zero_gathered(self.anchor, full, self.group, functools.partial(self._on_unit_grad_weak, f),
+                views = zero_gathered(self.anchor, full, f.group, functools.partial(self._on_unit_grad_weak, f),
                                       f.shapes)
             else:
                 views = flat_views(full, f.shapes)
@@ -239,7 +247,7 @@ class Zero3(Zero):
         """{name: full fp32 tensor} on every rank: each flat's master shards all-gathered (collective)."""
         out = {}
         for f in self.flats:
-            full, work, _ = all_gather_flat(f.master, self.group, torch.float32)
+            full, work, _ = all_gather_flat(f.master, f.group, torch.float32)
             work.wait()
             for name, view, shape in zip(f.names, full.split(f.sizes + [f.padded - f.numel]), f.shapes):
                 out[name] = view.view(shape).clone()

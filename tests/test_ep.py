@@ -224,6 +224,22 @@ def test_world4_equals_single_process(shards, tmp_path):
     check_equal(got["ep2dp2"], one, tmp_path / "one", tmp_path / "ep2dp2")
 
 
+def test_zero3_with_expert_parallel_equals_single_process(shards, tmp_path):
+    """ZeRO-3 under EP: each unit's experts are flats of their own, sharded and gathered over the edp group (ep2 x
+    dp2: pairs) or held whole (ep4: each expert on one rank, a group of one: no collective), the rest over dp x cp;
+    a resume from step 6 repeats the losses bit for bit."""
+    tps = "--train.tokens_per_step=256"
+    one = train.main(argv(shards, tmp_path / "one", tps))["losses"]
+    ep2 = (shards, tmp_path / "ep2z3", tps, "--parallel.ep=2", "--parallel.zero=3", "--ckpt.every=6",
+           "--ckpt.keep=10")
+    got = run_layouts(tmp_path, 4, [("ep2z3", ep2), ("resumed", (*ep2, "--resume")),
+                                    ("ep4z3", (shards, tmp_path / "ep4z3", tps, "--parallel.ep=4",
+                                               "--parallel.zero=3"))])
+    check_equal(got["ep2z3"], one, tmp_path / "one", tmp_path / "ep2z3")
+    check_equal(got["ep4z3"], one, tmp_path / "one", tmp_path / "ep4z3")
+    assert got["resumed"] == got["ep2z3"][6:]
+
+
 def test_moe_pipeline_equals_single_process(shards, tmp_path):
     """MoE under pp2 (four blocks: an MoE layer on each stage), 1F1B and ZB-H1 with 4 micro-batches: each
     micro-batch's aux loss gets its own gradient factor at its forward (pp.Pipeline), as train.py's loss does."""
@@ -277,7 +293,6 @@ def test_moe_tensor_and_expert_parallel_equals_single_process(shards, tmp_path):
 
 @pytest.mark.parametrize("extra, msg", [
     (["--parallel.ep=3"], "moe_experts=4 is not divisible by parallel.ep=3"),
-    (["--parallel.ep=2", "--parallel.zero=3"], "zero=3"),
     (["--parallel.ep=2", "--model.moe_experts=0"], "has none"),
 ])
 def test_config_errors(extra, msg):

@@ -101,7 +101,6 @@ def test_decay_groups():
 
 @pytest.mark.parametrize("extra, msg", [
     (["--parallel.ep=3"], "not divisible by parallel.ep=3"),
-    (["--parallel.ep=2", "--parallel.zero=3"], "zero=3"),
     (["--model.moe_top_k=5"], "moe_top_k"),
     (["--model.moe_score=relu"], "moe_score"),
     (["--model.moe_impl=fast"], "moe_impl"),
