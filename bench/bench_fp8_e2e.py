@@ -18,6 +18,8 @@ Synthetic tokens. Modes:
                           records why and the run goes on)
     nanogpt               gpt2_124m only: bench_gpt.py's `torch+compile` mode (PyTorch ops under torch.compile:
                           nanoGPT's training step, the project's e2e baseline, notes/e2e.md)
+    bf16+graph, tensor+graph, row+graph   the same modes with forward + backward replayed from a CUDA graph
+                          (nanopara/graph.py, train.py's --train.cuda_graph=true; GPU only): the host's share gone
 Per mode: median step ms over --steps timed steps after --warmup (the FP8 GEMMs tune themselves on first use:
 the warmup covers it), tok/s, TFLOP/s and MFU (nanopara/report.py), peak memory, loss of the last step, ratio to
 the preset's bf16. Between modes everything is freed and memory_allocated checked (a warning above 256 MB).
@@ -72,7 +74,8 @@ from nanopara.report import flops_per_token, peak_flops, read_metrics  # noqa: E
 
 NANOPARA_FP8 = ("tensor", "row", "block")
 TORCHAO = {"ao_tensorwise": "tensorwise", "ao_rowwise": "rowwise"}
-MODES = ("bf16", *NANOPARA_FP8, *TORCHAO, "nanogpt")
+GRAPHED = ("bf16+graph", "tensor+graph", "row+graph")  # the same, forward + backward replayed from a CUDA graph
+MODES = ("bf16", *NANOPARA_FP8, *TORCHAO, "nanogpt", *GRAPHED)
 DEFAULT_BATCH = {"gpt_1b": 8, "gpt2_124m": 32, "tiny": 2}
 LR = 1e-5  # small: the weights barely move over the timed steps
 LEAK_BYTES = 256 * 2**20
@@ -98,6 +101,7 @@ def torchao_convert(model, recipe: str):
 
 def build(preset: str, mode: str, batch: int, seq: int, mesh):
     """(cfg, model, engine) for a mode, through train.py's path (parallelize applies train.fp8 and its hook)."""
+    mode = mode.split("+")[0]  # "tensor+graph": tensor, replayed (timed())
     cfg = PRESETS[preset]()
     cfg.model.kernels = "auto"
     cfg.train.seq_len, cfg.train.micro_batch = seq, batch
@@ -111,10 +115,13 @@ def build(preset: str, mode: str, batch: int, seq: int, mesh):
     return cfg, model, engine
 
 
-def train_step(engine, x, y):
-    with amp(x.device):
-        _, loss = engine.model(x, y)
-    engine.backward(loss)
+def train_step(engine, x, y, graphed=None):
+    if graphed is not None:  # nanopara/graph.py, as train.py's --train.cuda_graph=true
+        loss = graphed(x, y)
+    else:
+        with amp(x.device):
+            _, loss = engine.model(x, y)
+        engine.backward(loss)
     engine.step(LR, sync=False)  # engine.step_hooks: model.fp8.step() for the nanopara FP8 modes
     return loss
 
@@ -134,15 +141,19 @@ def timed(preset, mode, args, mesh) -> dict:
         n_params = model.num_params()
         fp8_linears = sum(type(m).__name__ in ("FP8Linear", "Float8Linear") for m in model.modules())
         x, y = tokens(dev, batch, seq, cfg.model.vocab_size)
+        graphed = None
+        if mode.endswith("+graph"):
+            from nanopara.graph import GraphedMicroStep
+            graphed = GraphedMicroStep(engine.model, lambda: amp(dev), 1.0, engine)
         for _ in range(args.warmup):
-            loss = train_step(engine, x, y)
+            loss = train_step(engine, x, y, graphed)
         sync(dev)
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         times = []
         for _ in range(args.steps):
             t0 = time.perf_counter()
-            loss = train_step(engine, x, y)
+            loss = train_step(engine, x, y, graphed)
             sync(dev)
             times.append(time.perf_counter() - t0)
         loss = loss.item()
@@ -403,6 +414,8 @@ def main(argv=None):
         for mode in modes:
             if mode == "nanogpt" and preset != "gpt2_124m":
                 continue  # the nanoGPT baseline is GPT-2 124M's
+            if mode.endswith("+graph") and not on_gpu:
+                continue  # CUDA graphs
             free(reset_peak=True)
             alloc = torch.cuda.memory_allocated() if on_gpu else 0
             if alloc > LEAK_BYTES:

@@ -242,9 +242,6 @@ class Config:
             if t.fp8_filter.strip():
                 raise ConfigError("train.fp8_filter applies to FP8 training only: set train.fp8=tensor|row|block")
             return
-        if t.cuda_graph:
-            raise ConfigError(f"train.fp8={t.fp8} with train.cuda_graph=true: the FP8 weight cast is cached on the "
-                              f"Python side (once per optimizer step), which a graph replay would skip; use one")
 
     def _check_evals(self) -> None:
         """train.eval_every runs evals.py's tasks on the whole model each dp rank holds (train.run_evals)."""

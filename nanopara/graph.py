@@ -18,7 +18,8 @@ Limits, checked by parallel.check_layout before any work: a CUDA device; one pro
 (TP's collectives run inside forward and backward, so the graph records them, NCCL kernels included; DDP/ZeRO and
 the pipeline launch communication from Python hooks, which a replay would not run); fixed shapes (every
 micro-batch is micro_batch x seq_len, as the loader makes them); no fp16 dynamic loss scaling (its scale changes
-between steps).
+between steps). FP8 (train.fp8): the weight casts are captured and run on every replay (once per micro-step
+instead of once per step: the same values); the activation scales are computed on the device, nothing syncs.
 
 Tested by tests/test_graph.py (GPU: graphed and eager training give the same losses and weights; CPU: the layout
 errors); measured by bench/bench_gpt.py (`triton:graph=1`).
@@ -57,6 +58,9 @@ class GraphedMicroStep:
                 self._fwd_bwd(self.x, self.y)
         torch.cuda.current_stream().wait_stream(side)
         self.engine.zero_grad_buffers()
+        fp8 = getattr(self.model, "fp8", None)
+        if fp8 is not None:  # FP8 (fp8.py): a stale weight cache now makes the capture record each layer's weight
+            fp8.step()       # cast, so every replay casts the weights it reads (the cache's Python check never runs)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.loss = self._fwd_bwd(self.x, self.y)
