@@ -60,7 +60,9 @@ class GraphedMicroStep:
         self.engine.zero_grad_buffers()
         fp8 = getattr(self.model, "fp8", None)
         if fp8 is not None:  # FP8 (fp8.py): a stale weight cache now makes the capture record each layer's weight
-            fp8.step()       # cast, so every replay casts the weights it reads (the cache's Python check never runs)
+            if fp8.recipe.delayed:  # cast, so every replay casts the weights it reads (no Python check on replay)
+                raise ValueError("cuda_graph with FP8 delayed scaling: the amax histories advance in Python")
+            fp8.step()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.loss = self._fwd_bwd(self.x, self.y)
