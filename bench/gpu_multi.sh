@@ -25,6 +25,8 @@
 #          sections pp, cp and ep below
 #   layouts3d  issue #29 (8 GPUs): 1 GPU, dpN + ZeRO-1, tp2 x pp2 x dpN/4, tp4 x pp2 (+sp) at G=64 sequences of 1024
 #          a step; tp2 x cp2 x dpN/4 at 16k (PRESET gpt_1b, then PRESET=gpt2_1558m); with `ep` for the MoE (ep8, ep4)
+#   compose  layouts built without GPU numbers yet: FP8 on 1 GPU / tp2 (+sp, +CUDA graph), gpt2_moe under pp2,
+#          tp2 + sp, ep2 + ZeRO-3 and (4 GPUs) ep2 x pp2, each beside its plain run
 #   pp     bench_pp.py: ppN (N = the GPUs) with PP_SCHEDULES at m = PP_M (16), PRESET (gpt_1b), Triton kernels
 #   cp     bench_cp.py: cpN at one sequence of CP_T (32768) tokens: efficiency, exposed comm, Ulysses, zigzag balance
 #   ep     bench_ep.py: gpt2_moe on 1 GPU, dpN, epN and (N > 2) epN/2 x dp2, one profiled step per layout
@@ -172,6 +174,24 @@ m = PRESETS['$P']().model; print(','.join(map(str, b(m.n_layer, 2, 2 * m.padded_
              lay 1gpu_16k 1 $t16k --train.tokens_per_step=16384
              lay tp2_cp2_dp$((N / 4))_16k $N $t16k --parallel.tp=2 --parallel.cp=2 --parallel.zero=1
            } 2>&1 | grep -v -e Warning -e OMP_NUM -e '^\*\*\*' -e '^ *_warn' -e '^$' | tee -a "$OUT/layouts3d_$P.txt" ;;
+    compose) # the compositions without GPU numbers yet: FP8 on tp2 (+sp, +CUDA graph) of gpt_1b; gpt2_moe under
+           # pp2, tp2 + sp, ep2 x pp2 and ep x ZeRO-3, each against its plain run (bench_layout.py, 1 or 2+ GPUs)
+           P=gpt_1b; t1k="--train.seq_len=1024 --train.micro_batch=8 --train.tokens_per_step=$((N * 8192))"
+           { lay 1gpu_fp8 1 $t1k --train.tokens_per_step=8192 --train.fp8=tensor
+             lay 1gpu_fp8_graph 1 $t1k --train.tokens_per_step=8192 --train.fp8=tensor --train.cuda_graph=true
+             lay tp2 2 $t1k --train.tokens_per_step=8192 --parallel.tp=2
+             lay tp2_fp8 2 $t1k --train.tokens_per_step=8192 --parallel.tp=2 --train.fp8=tensor
+             lay tp2_sp_fp8 2 $t1k --train.tokens_per_step=8192 --parallel.tp=2 --parallel.sp=true --train.fp8=tensor
+             lay tp2_fp8_graph 2 $t1k --train.tokens_per_step=8192 --parallel.tp=2 --train.fp8=tensor \
+               --train.cuda_graph=true
+             P=gpt2_moe; m="--train.seq_len=1024 --train.micro_batch=8"
+             lay moe_1gpu 1 $m --train.tokens_per_step=32768
+             lay moe_pp2 2 $m --train.tokens_per_step=32768 --parallel.pp=2 --parallel.pp_layers=8,4
+             lay moe_tp2_sp 2 $m --train.tokens_per_step=16384 --parallel.tp=2 --parallel.sp=true
+             lay moe_ep2_zero3 2 $m --train.tokens_per_step=16384 --parallel.ep=2 --parallel.zero=3
+             [ $N -ge 4 ] && lay moe_ep2_pp2 4 $m --train.tokens_per_step=32768 --parallel.ep=2 --parallel.pp=2 \
+               --parallel.pp_layers=8,4
+           } 2>&1 | grep -v -e Warning -e OMP_NUM -e '^\*\*\*' -e '^ *_warn' -e '^$' | tee -a "$OUT/compose.txt" ;;
     pp)    run $N bench/bench_pp.py --preset ${PRESET:-gpt_1b} --kernels auto --n_micro ${PP_M:-16} \
              --schedules ${PP_SCHEDULES:-1f1b,interleaved:2,zb} --compare '' --out "$OUT/pp$N.jsonl" 2>&1 \
              | grep -v -e Warning -e OMP_NUM | tee "$OUT/pp$N.txt" ;;
