@@ -23,6 +23,8 @@ same dy tiles. All accumulate in fp32; dw and db are written in the parameters' 
 grads, no cast pass). Autotuned per (N, K, rows rounded up to a power of 2) on the GPU; bf16 there (fp16 works
 too). In the interpreter tl.dot on bf16 is wrong (shared/TRITON_CPU.md), so CPU tests use fp32/fp16.
 
+FP8 (kernels/grouped_gemm_fp8.py): the same forward/dgrad kernel with SCALED: e4m3 operands, a scale per row of
+A and per (group, output column) of B applied before the bias and the epilogue.
 Callers: nanopara/moe.py (the Triton expert path). Public ops (`grouped_linear`, `grouped_mlp`) take the Triton path
 on CUDA tensors and the reference (a loop over groups) on CPU; `*_triton` force Triton (tests: TRITON_INTERPRET=1).
 Run: `python -m kernels.grouped_gemm [--out FILE]`: parity, then TFLOP/s of fwd / dgrad / wgrad against one dense
@@ -98,11 +100,13 @@ def _configs(kind):
 
 
 @triton.jit
-def _mm_tile(A, B, BIAS, C, PRE, e, row0, row_end, nt, N, K,
-             stride_am, stride_be, stride_bk, stride_bn, stride_biase, stride_cm, stride_pm,
-             HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+def _mm_tile(A, B, BIAS, C, PRE, SA, SB, e, row0, row_end, nt, N, K,
+             stride_am, stride_be, stride_bk, stride_bn, stride_biase, stride_cm, stride_pm, stride_sbe,
+             HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, INPUT_PRECISION: tl.constexpr, SCALED: tl.constexpr,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """C[rows] = epilogue(A[rows] @ B[e] + bias[e]) for rows [row0, row0 + BLOCK_M) < row_end, columns of tile nt."""
+    """C[rows] = epilogue(A[rows] @ B[e] + bias[e]) for rows [row0, row0 + BLOCK_M) < row_end, columns of tile nt.
+    SCALED (FP8, kernels/grouped_gemm_fp8.py): A and B in fp8, the product times SA[row] * SB[e, column] (row
+    scales of A, per-expert output-column scales of B) before the bias and the epilogue."""
     rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
     rmask = rows < row_end
     cols = nt * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -115,9 +119,16 @@ def _mm_tile(A, B, BIAS, C, PRE, e, row0, row_end, nt, N, K,
         kmask = ks < K - k0
         a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        if SCALED:
+            acc = tl.dot(a, b, acc)
+        else:
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_bk
+    if SCALED:
+        sa = tl.load(SA + rows, mask=rmask, other=0.0)
+        sb = tl.load(SB + e.to(tl.int64) * stride_sbe + cols, mask=nmask, other=0.0)
+        acc = acc * sa[:, None] * sb[None, :]
     if HAS_BIAS:
         acc += tl.load(BIAS + e.to(tl.int64) * stride_biase + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
     mask = rmask[:, None] & nmask[None, :]
@@ -131,11 +142,12 @@ def _mm_tile(A, B, BIAS, C, PRE, e, row0, row_end, nt, N, K,
     tl.store(C + rows[:, None] * stride_cm + cols[None, :], acc.to(C.dtype.element_ty), mask=mask)
 
 
-@triton.autotune(configs=_configs("mm"), key=["N", "K", "R_BUCKET", "EPILOGUE"])
+@triton.autotune(configs=_configs("mm"), key=["N", "K", "R_BUCKET", "EPILOGUE", "SCALED"])
 @triton.jit
-def _grouped_mm_kernel(A, B, BIAS, C, PRE, OFFSETS, N, K, E, R_BUCKET,
-                       stride_am, stride_be, stride_bk, stride_bn, stride_biase, stride_cm, stride_pm,
+def _grouped_mm_kernel(A, B, BIAS, C, PRE, SA, SB, OFFSETS, N, K, E, R_BUCKET,
+                       stride_am, stride_be, stride_bk, stride_bn, stride_biase, stride_cm, stride_pm, stride_sbe,
                        HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                       SCALED: tl.constexpr,
                        BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUP_M: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr):  # PROGRAMS_PER_SM sizes the grid only
     """Forward (B = w^T) and dgrad (B = w) over all groups. EPILOGUE: 0 none, 1 GELU (stores PRE), 2 times
@@ -159,9 +171,9 @@ def _grouped_mm_kernel(A, B, BIAS, C, PRE, OFFSETS, N, K, E, R_BUCKET,
         here = experts == e
         row0 = tl.sum(tl.where(here, g_start + (mt - tile_end + m_tiles) * BLOCK_M, 0), 0)
         row_end = tl.sum(tl.where(here, g_end, 0), 0)
-        _mm_tile(A, B, BIAS, C, PRE, e, row0, row_end, nt, N, K,
-                 stride_am, stride_be, stride_bk, stride_bn, stride_biase, stride_cm, stride_pm,
-                 HAS_BIAS, EPILOGUE, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        _mm_tile(A, B, BIAS, C, PRE, SA, SB, e, row0, row_end, nt, N, K,
+                 stride_am, stride_be, stride_bk, stride_bn, stride_biase, stride_cm, stride_pm, stride_sbe,
+                 HAS_BIAS, EPILOGUE, INPUT_PRECISION, SCALED, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.autotune(configs=_configs("wgrad"), key=["N", "K", "R_BUCKET"])
@@ -244,18 +256,22 @@ def _mm_grid(R, E, N, device):
     return grid
 
 
-def _launch_mm(a, b, stride_be, stride_bk, stride_bn, bias, offsets, N, K, epilogue, pre=None):
+def _launch_mm(a, b, stride_be, stride_bk, stride_bn, bias, offsets, N, K, epilogue, pre=None, scales=None,
+               out_dtype=None):
+    """scales: (sa (R,), sb (E, N)) fp32 for fp8 a and b (grouped_gemm_fp8.py); out_dtype: c's (default a's)."""
     a = a.contiguous()
     R, E = a.shape[0], offsets.shape[0] - 1
-    c = a.new_empty(R, N)
+    c = torch.empty(R, N, dtype=out_dtype or a.dtype, device=a.device)
     if epilogue == "gelu":
-        pre = a.new_empty(R, N)
+        pre = torch.empty_like(c)
+    sa, sb = scales if scales is not None else (None, None)
     if R > 0 and N > 0:
         _mm[_mm_grid(R, E, N, a.device)](
-            a, b, bias, c, pre, offsets, N, K, E, _bucket(R), a.stride(0), stride_be, stride_bk, stride_bn,
+            a, b, bias, c, pre, sa, sb, offsets, N, K, E, _bucket(R), a.stride(0), stride_be, stride_bk, stride_bn,
             0 if bias is None else bias.stride(0), c.stride(0), 0 if pre is None else pre.stride(0),
+            0 if sb is None else sb.stride(0),
             HAS_BIAS=bias is not None, EPILOGUE=_EPILOGUE[epilogue], INPUT_PRECISION=_precision(a.dtype),
-            BLOCK_E=triton.next_power_of_2(E))
+            SCALED=scales is not None, BLOCK_E=triton.next_power_of_2(E))
     return c, pre
 
 

@@ -145,6 +145,7 @@ class ExpertLinear(nn.Module):
 
 class Experts(nn.Module):
     """E GPT-2 MLPs: c_fc C -> 4C, GELU (tanh), c_proj 4C -> C."""
+    takes_fp8 = True  # fp8.apply_fp8 marks them (`fp8_state`): their MLP then runs kernels/grouped_gemm_fp8.py
 
     def __init__(self, n_experts, n_embd, bias=True):
         super().__init__()
@@ -300,6 +301,9 @@ class MoEMLP(nn.Module):
 
     def _run_experts(self, impl, xs, offsets):
         """This rank's experts on the expert-sorted rows xs, group bounds offsets (E_local + 1,)."""
+        if getattr(self.experts, "fp8_state", None) is not None:  # train.fp8: kernels/grouped_gemm_fp8.py
+            from kernels.grouped_gemm_fp8 import grouped_mlp_fp8
+            return grouped_mlp_fp8(xs, *self.experts.params(), offsets, triton=impl == "triton" or xs.is_cuda)
         if impl == "triton":
             return _kernels()[1].grouped_mlp_triton(xs, *self.experts.params(), offsets)
         return experts_sorted(xs, offsets, self.experts, impl == "grouped_mm")
