@@ -25,7 +25,7 @@
 #          sections pp, cp and ep below
 #   layouts3d  issue #29 (8 GPUs): 1 GPU, dpN + ZeRO-1, tp2 x pp2 x dpN/4, tp4 x pp2 (+sp) at G=64 sequences of 1024
 #          a step; tp2 x cp2 x dpN/4 at 16k (PRESET gpt_1b, then PRESET=gpt2_1558m); with `ep` for the MoE (ep8, ep4)
-#   compose  layouts built without GPU numbers yet: FP8 on 1 GPU / tp2 (+sp, +CUDA graph), gpt2_moe under pp2,
+#   compose  layouts built without GPU numbers yet: FP8 on 1 GPU / tp2 (+sp, +CUDA graph), gpt2_moe (FP8 experts) under pp2,
 #          tp2 + sp, ep2 + ZeRO-3 and (4 GPUs) ep2 x pp2, each beside its plain run
 #   pp     bench_pp.py: ppN (N = the GPUs) with PP_SCHEDULES at m = PP_M (16), PRESET (gpt_1b), Triton kernels
 #   cp     bench_cp.py: cpN at one sequence of CP_T (32768) tokens: efficiency, exposed comm, Ulysses, zigzag balance
@@ -186,6 +186,7 @@ m = PRESETS['$P']().model; print(','.join(map(str, b(m.n_layer, 2, 2 * m.padded_
                --train.cuda_graph=true
              P=gpt2_moe; m="--train.seq_len=1024 --train.micro_batch=8"
              lay moe_1gpu 1 $m --train.tokens_per_step=32768
+             lay moe_1gpu_fp8_experts 1 $m --train.tokens_per_step=32768 --train.fp8=row --train.fp8_filter='*.experts'
              lay moe_pp2 2 $m --train.tokens_per_step=32768 --parallel.pp=2 --parallel.pp_layers=8,4
              lay moe_tp2_sp 2 $m --train.tokens_per_step=16384 --parallel.tp=2 --parallel.sp=true
              lay moe_ep2_zero3 2 $m --train.tokens_per_step=16384 --parallel.ep=2 --parallel.zero=3
