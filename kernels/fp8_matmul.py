@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_quant import BLOCK, block_of, fp8_dequantize_ref
+from kernels.fp8_quant import BLOCK, _cdiv, _next_pow2, block_of, fp8_dequantize_ref
 from kernels.launch import fast, tma_scratch
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -278,10 +278,10 @@ def fp8_matmul_triton(a, b, a_scale, b_scale, bias=None, out_dtype=torch.bfloat1
         tma = (not _INTERPRET and _capability(a.device)[0] >= 9 and _tma_ok(a, b, out))
     if tma and a.is_cuda:
         triton.set_allocator(tma_scratch)
-    tiles = lambda meta: triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])  # noqa: E731
+    tiles = lambda meta: _cdiv(M, meta["BLOCK_M"]) * _cdiv(N, meta["BLOCK_N"])  # noqa: E731  (host ints: fp8_quant)
     programs = _sm_count(a.device)
     grid = lambda meta: (min(tiles(meta), programs) if meta["PERSISTENT"] else tiles(meta),)  # noqa: E731
-    _mm[grid](a, b, out, bias, a_scale, b_scale, M, N, K, triton.next_power_of_2(M),
+    _mm[grid](a, b, out, bias, a_scale, b_scale, M, N, K, _next_pow2(M),
               a.stride(0), b.stride(0), out.stride(0), sam, sak, sbn, sbk,
               BLOCK_SCALED=block_scaled, B_SCALE_ROWS=b_rows, HAS_BIAS=bias is not None, TMA=bool(tma),
               FAST_ACCUM=bool(fast_accum))

@@ -29,6 +29,7 @@ Casts: the GPU casts with the hardware's cvt.rn.satfinite; Triton's interpreter 
 no carry into the exponent), so under TRITON_INTERPRET the kernels round to nearest even with integer arithmetic.
 Run: `python -m kernels.fp8_quant` (= `bench/bench_fp8.py --only parity,quant`: GB/s against copy bandwidth).
 """
+import functools
 import os
 from typing import NamedTuple, Optional
 
@@ -47,6 +48,17 @@ AMAX_EPS = 1e-12  # all-zero groups: scale from this amax (finite, no NaN; pytor
 _AMAX_EPS = tl.constexpr(AMAX_EPS)
 BLOCK = 128  # DeepSeek-V3's block: 1x128 for activations and gradients, 128x128 for weights
 MAX_ROW = 8192  # rows up to this width are quantized from registers; wider ones are read twice (L2)
+
+
+def _cdiv(a: int, b: int) -> int:
+    """triton.cdiv for host ints. triton's is a constexpr_function: ~1.5 us a call from Python (triton 3.6), and an
+    FP8 linear's forward + backward made ~25 such calls (notes/fp8.md, host overhead)."""
+    return (a + b - 1) // b
+
+
+def _next_pow2(n: int) -> int:
+    """triton.next_power_of_2 for host ints n >= 1 (the same constexpr_function cost)."""
+    return 1 << (n - 1).bit_length()
 
 
 class FP8Tensors(NamedTuple):
@@ -73,7 +85,7 @@ def fp8_quantize_ref(x, dtype=E4M3, block=None, pow2=False, amax=None):
     amax (delayed scaling): a scale grid's worth of amaxes to take the scales from instead of x's own."""
     R, C = x.shape
     br, bc = (R, C) if block is None else (min(block[0], max(R, 1)), min(block[1], max(C, 1)))
-    gr, gc = triton.cdiv(R, br), triton.cdiv(C, bc)
+    gr, gc = _cdiv(R, br), _cdiv(C, bc)
     xf = x.float()
     pad = torch.zeros(gr * br, gc * bc, dtype=torch.float32, device=x.device)
     pad[:R, :C] = xf
@@ -97,9 +109,10 @@ def block_of(s, R, C):
     """The block (br, bc) a scale grid s (gr, gc) stands for over an (R, C) operand, in this file's conventions:
     rows 1 (gr == R), all (gr == 1) or 128 (gr == ceil(R/128)); columns all (gc == 1) or 128 (gc == ceil(C/128))."""
     gr, gc = s.shape
-    if gr not in (R, 1, triton.cdiv(R, BLOCK)) or gc not in (1, triton.cdiv(C, BLOCK)):
+    rb, cb = _cdiv(R, BLOCK), _cdiv(C, BLOCK)
+    if gr not in (R, 1, rb) or gc not in (1, cb):
         raise ValueError(f"fp8: a scale grid of shape {tuple(s.shape)} fits no block of an ({R}, {C}) operand: "
-                         f"rows ({R}, 1 or {triton.cdiv(R, BLOCK)}) x columns (1 or {triton.cdiv(C, BLOCK)})")
+                         f"rows ({R}, 1 or {rb}) x columns (1 or {cb})")
     br = 1 if gr == R else (max(R, 1) if gr == 1 else BLOCK)
     return br, (max(C, 1) if gc == 1 else BLOCK)
 
@@ -291,14 +304,31 @@ def _check_dtype(x, dtype):
         raise ValueError(f"fp8 quantize: input must be fp32, bf16 or fp16, got {x.dtype}")
 
 
+_FMT = {}
+
+
 def _fmt(dtype, pow2):
-    mant, bias = _FORMAT[dtype]
-    return dict(FP8_MAX=FP8_MAX[dtype], MANT=mant, BIAS=bias, POW2=bool(pow2), SOFT=_INTERPRET)
+    """The format constexprs, built once per (dtype, pow2); callers unpack the dict (**), never change it."""
+    key = (dtype, bool(pow2))
+    fmt = _FMT.get(key)
+    if fmt is None:
+        mant, bias = _FORMAT[dtype]
+        fmt = _FMT[key] = dict(FP8_MAX=FP8_MAX[dtype], MANT=mant, BIAS=bias, POW2=bool(pow2), SOFT=_INTERPRET)
+    return fmt
 
 
 def _amax_bits(n, device):
-    """Zeroed int32 buffer for the atomic amax (bits of non-negative fp32: 0 is +0.0)."""
-    return torch.zeros(n, dtype=torch.int32, device=device)
+    """Zeroed int32 buffer (1, n) for the atomic amax (bits of non-negative fp32: 0 is +0.0); the kernels see only
+    its address, the (1, n) shape is the amax the launchers return (one view, no reshape)."""
+    return torch.zeros(1, n, dtype=torch.int32, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def _rows_tile(K):
+    """quantize_rows' (BLOCK_M, BLOCK_K, num_warps) for rows of K elements."""
+    block_k = min(_next_pow2(max(K, 1)), 64 if _INTERPRET else MAX_ROW)
+    block_m = max(1, min(16 if _INTERPRET else 8, (4096 if not _INTERPRET else 512) // block_k))
+    return block_m, block_k, 4 if block_k <= 1024 else 8
 
 
 def quantize_tensor(x, dtype=E4M3, pow2=False, amax=None, write_q=True, transpose=False):
@@ -313,10 +343,10 @@ def quantize_tensor(x, dtype=E4M3, pow2=False, amax=None, write_q=True, transpos
     s = torch.empty(1, 1, dtype=torch.float32, device=x.device)
     bits = _amax_bits(1, x.device)
     bm, bk = TILE
-    grid = (triton.cdiv(M, bm), triton.cdiv(K, bk))
+    grid = (_cdiv(M, bm), _cdiv(K, bk))
     if M * K and amax is None:
         _amax_k[grid](x, bits, M, K, x.stride(0), PER_COL=False, BLOCK_M=bm, BLOCK_K=bk, num_warps=WARPS)
-    own = bits.view(torch.float32).view(1, 1)
+    own = bits.view(torch.float32)  # (1, 1)
     given = own if amax is None else amax.float().reshape(1).contiguous()
     if M * K:
         _cast_k[grid](x, q if write_q else qt, qt, s, given, bits, M, K, x.stride(0), K, M, PER_COL=False,
@@ -336,16 +366,17 @@ def quantize_cols_t(x, dtype=E4M3, pow2=False):
     qt = torch.empty(K, M, dtype=dtype, device=x.device)
     st = torch.empty(K, 1, dtype=torch.float32, device=x.device)
     bits = _amax_bits(K, x.device)
+    own = bits.view(torch.float32)  # (1, K)
     bm, bk = TILE
-    grid = (triton.cdiv(M, bm), triton.cdiv(K, bk))
+    grid = (_cdiv(M, bm), _cdiv(K, bk))
     if M * K:
         _amax_k[grid](x, bits, M, K, x.stride(0), PER_COL=True, BLOCK_M=bm, BLOCK_K=bk, num_warps=WARPS)
-        _cast_k[grid](x, qt, qt, st, bits.view(torch.float32), bits, M, K, x.stride(0), K, M, PER_COL=True,
+        _cast_k[grid](x, qt, qt, st, own, bits, M, K, x.stride(0), K, M, PER_COL=True,
                       WRITE_Q=False, WRITE_QT=True, RECORD=False, **_fmt(dtype, pow2), BLOCK_M=bm, BLOCK_K=bk,
                       num_warps=WARPS)
     else:
         st.copy_(scales_from_amax_ref(torch.zeros(K, 1, device=x.device), dtype, pow2)[1])
-    return FP8Tensors(None, None, qt, st, bits.view(torch.float32).view(1, K))
+    return FP8Tensors(None, None, qt, st, own)
 
 
 def quantize_rows(x, dtype=E4M3, pow2=False):
@@ -357,10 +388,9 @@ def quantize_rows(x, dtype=E4M3, pow2=False):
     s = torch.empty(M, 1, dtype=torch.float32, device=x.device)
     if M == 0:
         return FP8Tensors(q, s)
-    block_k = min(triton.next_power_of_2(max(K, 1)), 64 if _INTERPRET else MAX_ROW)
-    block_m = max(1, min(16 if _INTERPRET else 8, (4096 if not _INTERPRET else 512) // block_k))
-    _rows_k[(triton.cdiv(M, block_m),)](x, q, s, M, K, x.stride(0), q.stride(0), **_fmt(dtype, pow2),
-                                        BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4 if block_k <= 1024 else 8)
+    block_m, block_k, warps = _rows_tile(K)
+    _rows_k[(_cdiv(M, block_m),)](x, q, s, M, K, x.stride(0), q.stride(0), **_fmt(dtype, pow2),
+                                  BLOCK_M=block_m, BLOCK_K=block_k, num_warps=warps)
     return FP8Tensors(q, s)
 
 
@@ -376,14 +406,14 @@ def quantize_1x128(x, dtype=E4M3, pow2=False, transpose=False):
     _check_dtype(x, dtype)
     x = _as_rows(x)
     M, K = x.shape
-    kb, mb = triton.cdiv(K, BLOCK), triton.cdiv(M, BLOCK)
+    kb, mb = _cdiv(K, BLOCK), _cdiv(M, BLOCK)
     q = torch.empty(M, K, dtype=dtype, device=x.device)
     s = _scale_grid_kmajor(M, kb, x.device)
     qt = torch.empty(K, M, dtype=dtype, device=x.device) if transpose else None
     st = _scale_grid_kmajor(K, mb, x.device) if transpose else None
     block_m = BLOCK if transpose else (32 if _INTERPRET else 64)
     if M * K:
-        _blocks_k[(triton.cdiv(M, block_m), kb)](
+        _blocks_k[(_cdiv(M, block_m), kb)](
             x, q, s, qt, st, M, K, x.stride(0), q.stride(0), M, s.stride(0), s.stride(1),
             0 if st is None else st.stride(0), 0 if st is None else st.stride(1), TILE_SCALE=False,
             WRITE_QT=transpose, **_fmt(dtype, pow2), BLOCK_M=block_m, BLOCK_K=BLOCK,
@@ -397,7 +427,7 @@ def quantize_128x128(x, dtype=E4M3, pow2=False, transpose=False):
     _check_dtype(x, dtype)
     x = _as_rows(x)
     M, K = x.shape
-    mb, kb = triton.cdiv(M, BLOCK), triton.cdiv(K, BLOCK)
+    mb, kb = _cdiv(M, BLOCK), _cdiv(K, BLOCK)
     q = torch.empty(M, K, dtype=dtype, device=x.device)
     s = torch.empty(mb, kb, dtype=torch.float32, device=x.device)
     qt = torch.empty(K, M, dtype=dtype, device=x.device) if transpose else None

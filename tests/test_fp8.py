@@ -145,6 +145,18 @@ def test_quantize_rejects_bad_input():
         fq.quantize_rows(torch.ones(2, 3, 4))
 
 
+def test_launcher_host_arithmetic_matches_triton():
+    """The launchers' plain-int cdiv / next_power_of_2 (triton's are ~1.5 us constexpr_function calls from host
+    code) give triton's values, so grids and tiles are unchanged; the format constexprs are built once."""
+    import triton
+    for n in [*range(1, 3000), 8191, 8192, 8193, 2 ** 31 - 1, 2 ** 31, 2 ** 40 + 3]:
+        assert fq._next_pow2(n) == triton.next_power_of_2(n)
+        for d in (1, 16, 32, 64, 128):
+            assert fq._cdiv(n, d) == triton.cdiv(n, d) and fq._cdiv(0, d) == 0
+    assert fq._fmt(E5M2, 1) is fq._fmt(E5M2, True) and fq._fmt(E5M2, True)["MANT"] == 2
+    assert fq._fmt(E4M3, False) == dict(FP8_MAX=448.0, MANT=3, BIAS=7, POW2=False, SOFT=fq._INTERPRET)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GEMM
 
