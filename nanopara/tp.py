@@ -104,6 +104,7 @@ class ColumnParallelLinear(nn.Module):
     are per shard (the weight shard's own amax): each GEMM dequantizes its output before any reduction, so a scale
     shared over tp would cost an all-reduce of amaxes per cast and change nothing but the rounding. No overlap."""
     takes_fp8 = True
+    fp8_state = None  # fp8.attach_fp8's instance attribute shadows it: no failing nn.Module.__getattr__ per forward
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, state: _TPState):
         super().__init__()
@@ -111,7 +112,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x):  # (B, T, in) or the SP shard (B, T/tp, in) -> (B, T, out/tp)
         s = self.state
-        if getattr(self, "fp8_state", None) is not None:
+        if self.fp8_state is not None:
             x = sp_all_gather(x, s.group, s.chunks) if s.sp else f(x, s.group)
             return FP8LinearFunction.apply(x, self.weight, self.bias, self)
         if s.sp:
@@ -124,6 +125,7 @@ class RowParallelLinear(nn.Module):
     FP8: FP8LinearFunction on this rank's input columns (per-row scales of X then cover a row's in/tp columns),
     then the all-reduce, or the reduce-scatter under SP, of its bf16 output."""
     takes_fp8 = True
+    fp8_state = None  # fp8.attach_fp8's instance attribute shadows it: no failing nn.Module.__getattr__ per forward
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, state: _TPState):
         super().__init__()
@@ -131,13 +133,14 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x):  # (B, T, in/tp) -> (B, T, out), or the SP shard (B, T/tp, out)
         s = self.state
-        if getattr(self, "fp8_state", None) is not None:
+        if self.fp8_state is not None:
             y = FP8LinearFunction.apply(x.reshape(-1, x.shape[-1]), self.weight, None, self)  # (N, out), fresh
             y = sp_scatter(y.view(*x.shape[:-1], -1), s.group, s.chunks) if s.sp else \
                 g(y, s.group).view(*x.shape[:-1], -1)
         else:
             y = (RowSP if s.sp else RowTP).apply(x, matmul_weight(self.weight), None, s.group, s.chunks)
-        return y if self.bias is None else y + self.bias.to(y.dtype)  # keep autocast's dtype, like nn.Linear
+        b = self.bias
+        return y if b is None else y + (b if b.dtype == y.dtype else b.to(y.dtype))  # autocast's dtype, as nn.Linear
 
 
 class ParallelLMHead(ColumnParallelLinear):

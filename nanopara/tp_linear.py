@@ -75,7 +75,9 @@ def _wait(works):
 
 
 def _cast(t, dtype):
-    return None if t is None else t.to(dtype)
+    """t in dtype; t itself (as t.to would return) when it is None or in dtype already: a no-op .to costs ~0.7 us
+    of dispatch per call, and these run several times per TP layer per pass on the host's critical path."""
+    return t if t is None or t.dtype == dtype else t.to(dtype)
 
 
 def _linear(x, w, b=None, out=None):
@@ -95,12 +97,12 @@ class _Fn(torch.autograd.Function):
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.group, ctx.chunks, ctx.sync = group, chunks, chunks == 0
         ctx.tp, ctx.shape = dist.get_world_size(group), x.shape
-        return x.to(dtype).reshape(-1, x.shape[-1]), weight.to(dtype), _cast(bias, dtype)
+        return _cast(x, dtype).reshape(-1, x.shape[-1]), _cast(weight, dtype), _cast(bias, dtype)
 
     @staticmethod
     def _grads(ctx, dx, dw, db):
-        return (dx.to(ctx.dtypes[0]), dw.to(ctx.dtypes[1]), None if db is None else db.to(ctx.dtypes[2]),
-                None, None)
+        xd, wd, bd = ctx.dtypes
+        return _cast(dx, xd), _cast(dw, wd), _cast(db, bd), None, None
 
 
 class ColumnSP(_Fn):
@@ -132,8 +134,23 @@ class ColumnSP(_Fn):
     @staticmethod
     def backward(ctx, dy):
         xs, w = ctx.saved_tensors  # the shard, or (keep) the gathered input
-        dy = dy.to(w.dtype).reshape(-1, w.shape[0])  # (N, out/tp)
+        dy = _cast(dy, w.dtype).reshape(-1, w.shape[0])  # (N, out/tp)
         k = blocks(ctx.rows, ctx.chunks)
+        if k == 1:  # one gather, one GEMM, one reduce-scatter: the order below without the block views and lists
+            full, gather = xs, None
+            if not ctx.kept:
+                full = xs.new_empty(ctx.tp * xs.shape[0], xs.shape[1])
+                gather = _gather(full, xs, ctx.group, ctx.sync)
+            dxs = xs.new_empty(ctx.rows, xs.shape[-1])
+            part = dy @ w  # held (like `parts` below) until its reduce-scatter is waited for
+            scatter = _scatter(dxs, part, ctx.group, ctx.sync)
+            if gather is not None:
+                gather.wait()
+            dw = dy.t() @ full.view(-1, xs.shape[-1])  # runs under the reduce-scatter
+            db = dy.sum(0) if ctx.has_bias else None
+            if scatter is not None:
+                scatter.wait()
+            return (*_Fn._grads(ctx, dxs.view(ctx.shape), dw, db), None)
         if ctx.kept:
             full, gathers = xs, []
         else:
@@ -158,9 +175,17 @@ class RowSP(_Fn):
     def forward(ctx, x, weight, bias, group, chunks):
         xr, w, _ = _Fn._enter(ctx, x, weight, None, group, chunks)
         k = blocks(xr.shape[0] // ctx.tp, chunks)
+        if k == 1:  # one GEMM, one reduce-scatter
+            ys = xr.new_empty(xr.shape[0] // ctx.tp, w.shape[0])
+            part = _linear(xr, w)  # held until the reduce-scatter is waited for
+            work = _scatter(ys, part, group, ctx.sync)
+            if work is not None:
+                work.wait()
+            ctx.save_for_backward(xr, w)
+            return ys.view(x.shape[0], x.shape[1] // ctx.tp, w.shape[0])
         ys = xr.new_empty(k, xr.shape[0] // (k * ctx.tp), w.shape[0])
         parts, works = [], []
-        for j, xj in enumerate(xr.view(k, -1, xr.shape[1]) if k > 1 else [xr]):
+        for j, xj in enumerate(xr.view(k, -1, xr.shape[1])):
             parts.append(_linear(xj, w))
             works.append(_scatter(ys[j], parts[-1], group, ctx.sync))
         _wait(works)
@@ -170,8 +195,16 @@ class RowSP(_Fn):
     @staticmethod
     def backward(ctx, dys):
         xr, w = ctx.saved_tensors
-        dys = dys.to(w.dtype).reshape(-1, w.shape[0])  # (N/tp, out)
+        dys = _cast(dys, w.dtype).reshape(-1, w.shape[0])  # (N/tp, out)
         k = blocks(dys.shape[0], ctx.chunks)
+        if k == 1:  # one gather, one GEMM
+            full = dys.new_empty(ctx.tp * dys.shape[0], dys.shape[1])
+            work = _gather(full, dys, ctx.group, ctx.sync)
+            dx = xr.new_empty(full.shape[0], w.shape[1])
+            if work is not None:
+                work.wait()
+            torch.matmul(full, w, out=dx)
+            return _Fn._grads(ctx, dx.view(ctx.shape), full.t() @ xr, None)
         full = dys.new_empty(k, ctx.tp * (dys.shape[0] // k), dys.shape[1])
         works = [_gather(full[j], dys.view(k, -1, dys.shape[1])[j], ctx.group, ctx.sync) for j in range(k)]
         dx = xr.new_empty(k, full.shape[1], w.shape[1])
@@ -197,8 +230,16 @@ class ColumnTP(_Fn):
     @staticmethod
     def backward(ctx, dy):
         x2, w = ctx.saved_tensors
-        dy = dy.to(w.dtype).reshape(-1, w.shape[0])
+        dy = _cast(dy, w.dtype).reshape(-1, w.shape[0])
         dx = x2.new_empty(x2.shape)
+        if ctx.chunks <= 1:  # one GEMM, one all-reduce (tensor_split into 1 block is the whole tensor)
+            torch.matmul(dy, w, out=dx)
+            work = _reduce(dx, ctx.group, ctx.sync)
+            dw = dy.t() @ x2  # under the all-reduce
+            db = dy.sum(0) if ctx.has_bias else None
+            if work is not None:
+                work.wait()
+            return _Fn._grads(ctx, dx.view(ctx.shape), dw, db)
         works = []
         for dyj, dxj in zip(dy.tensor_split(max(ctx.chunks, 1)), dx.tensor_split(max(ctx.chunks, 1))):
             torch.matmul(dyj, w, out=dxj)
@@ -217,7 +258,9 @@ class RowTP(_Fn):
         x2, w, _ = _Fn._enter(ctx, x, weight, None, group, chunks)
         if chunks <= 1:
             y = _linear(x2, w)
-            _wait([_reduce(y, group, ctx.sync)])
+            work = _reduce(y, group, ctx.sync)
+            if work is not None:
+                work.wait()
         else:
             y = x2.new_empty(x2.shape[0], w.shape[0])
             works = []
@@ -231,7 +274,7 @@ class RowTP(_Fn):
     @staticmethod
     def backward(ctx, dy):
         x2, w = ctx.saved_tensors
-        dy = dy.to(w.dtype).reshape(-1, w.shape[0])
+        dy = _cast(dy, w.dtype).reshape(-1, w.shape[0])
         return _Fn._grads(ctx, (dy @ w).view(ctx.shape), dy.t() @ x2, None)
 
 

@@ -425,6 +425,41 @@ def test_tp2_layers_ce_generate_training():
     _spawn(_worker_tp2, 2)
 
 
+def _worker_one_block():
+    """tp_linear.py's one-block paths (k == 1: no block views or lists), asynchronous too (chunks=1; or rows that
+    no block count up to `chunks` divides) and with keep_gathered, equal to the blocked overlap (chunks=3)."""
+    mesh = Mesh.build(tp=2, device="cpu")
+    n, r, grp = mesh.tp, mesh.tp_rank, mesh.tp_group
+    gen = torch.Generator().manual_seed(5)
+    w, bias = torch.randn(10, 6, generator=gen), torch.randn(10, generator=gen)
+    B, T = 3, 10  # 15 rows per rank: chunks 1 and 2 give one block, chunks 3 gives three
+    X, C = torch.randn(B, T, 6, generator=gen), torch.randn(B, T, 10, generator=gen)
+    for fn in (ColumnSP, RowSP, ColumnTP, RowTP):
+        outs = []
+        for chunks, keep in ((3, False), (0, False), (1, False), (2, False), (0, True), (1, True)):
+            if keep and fn is not ColumnSP:
+                continue
+            rows = shard_rows(B * T, r, n, blocks(B * T // n, chunks))
+            x = X.reshape(-1, 6)[rows].view(B, T // n, 6) if fn is ColumnSP else X * (r + 1)
+            xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+            bi = bias.clone().requires_grad_() if fn in (ColumnSP, ColumnTP) else None
+            y = fn.apply(xi, wi, bi, grp, chunks, *([keep] if fn is ColumnSP else []))
+            (y * (C.reshape(-1, 10)[rows].view(y.shape) if fn is RowSP else C)).sum().backward()
+            yf, dx = y.reshape(-1, 10), xi.grad.reshape(-1, 6)
+            if fn is RowSP:
+                yf = all_reduce_sum(torch.zeros(B * T, 10).index_copy(0, rows, yf), grp)
+            if fn is ColumnSP:
+                dx = all_reduce_sum(torch.zeros(B * T, 6).index_copy(0, rows, dx), grp)
+            outs.append([yf, dx, wi.grad] + ([bi.grad] if bi is not None else []))
+        for other in outs[1:]:
+            for a, b in zip(outs[0], other):
+                torch.testing.assert_close(b, a, **TOL, msg=lambda m: f"{fn.__name__}: {m}")
+
+
+def test_tp2_one_block_paths():
+    _spawn(_worker_one_block, 2)
+
+
 def test_tp4_and_dp2_tp2():
     _spawn(_worker_4, 4)
 
