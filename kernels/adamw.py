@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import cdiv
+
 
 def adamw_ref(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, wd_mask=None):
     """In-place AdamW step in PyTorch, op for op as torch.optim.AdamW's single-tensor path."""
@@ -108,7 +110,7 @@ def adamw_step_triton_(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, wd
     for lo, hi in ((0, n_main), (n_main, n)):
         if hi > lo:
             sl = slice(lo, hi)
-            _adamw_kernel[(triton.cdiv(hi - lo, BLOCK),)](
+            _adamw_kernel[(cdiv(hi - lo, BLOCK),)](
                 p[sl], g[sl], m[sl], v[sl], None if mask is None else mask[sl], hi - lo, *scalars,
                 HAS_MASK=mask is not None, BLOCK=BLOCK, num_warps=4)
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.launch import fast, tma_scratch
+from kernels.launch import cdiv, fast, next_pow2, tma_scratch
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
 LN2 = 0.6931471805599453  # ln(2): converts the kernel's base-2 lse back to natural log
@@ -465,8 +465,8 @@ def _launch_args(q, k, causal, sm_scale):
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"attention wants fp16/bf16/fp32 inputs, got {q.dtype}")
     scale = sm_scale if sm_scale is not None else D ** -0.5
-    meta = dict(HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)), CAUSAL=bool(causal))
-    buckets = (triton.next_power_of_2(max(Tq, Tk)), min(triton.next_power_of_2(B * H), 1024))  # autotune key
+    meta = dict(HEAD_DIM=D, BLOCK_D=max(16, next_pow2(D)), CAUSAL=bool(causal))
+    buckets = (next_pow2(max(Tq, Tk)), min(next_pow2(B * H), 1024))  # autotune key
     return B, H, Tq, Tk, D, scale, meta, buckets
 
 
@@ -518,7 +518,7 @@ def attention_block_fwd_triton(q, k, v, causal, sm_scale=None):
         return out, lse
 
     def grid(cfg):
-        return (triton.cdiv(Tq, cfg["BLOCK_M"]), B * H)
+        return (cdiv(Tq, cfg["BLOCK_M"]), B * H)
 
     tma = _use_tma(meta, k, v)
     if tma and q.is_cuda:
@@ -556,10 +556,10 @@ def attention_block_bwd(do, q, k, v, out, lse, causal, sm_scale=None, grads=None
         return dq, dk.zero_(), dv.zero_()
 
     def grid_q(cfg):  # one axis: _grouped_order maps it to (query block, (b, h))
-        return (triton.cdiv(Tq, cfg["BLOCK_M"]) * B * H, )
+        return (cdiv(Tq, cfg["BLOCK_M"]) * B * H, )
 
     def grid_kv(cfg):
-        return (triton.cdiv(Tk, cfg["BLOCK_N"]), B * H)
+        return (cdiv(Tk, cfg["BLOCK_N"]), B * H)
 
     tma_dq, tma_dkdv = _use_tma(meta, k, v), _use_tma(meta, q, do)
     if (tma_dq or tma_dkdv) and q.is_cuda:
@@ -771,7 +771,7 @@ def _bench(argv=None):
                  for n, kern in (("fwd", _attn_fwd_kernel), ("dq", _attn_bwd_dq_kernel),
                                  ("dkdv", _attn_bwd_dkdv_kernel))}  # the autotuner's pick for this shape's key
         hop = [f"gluon fwd {c}" for key, c in attention_hopper._TUNED.items() if key[:2] == (D, causal)
-               and key[2:] == (triton.next_power_of_2(T), min(triton.next_power_of_2(B * H), 1024))]
+               and key[2:] == (next_pow2(T), min(next_pow2(B * H), 1024))]
         print("#   tuned tiles: " + "; ".join(hop + [
             f"{n} {c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']} w{c.num_warps} s{c.num_stages}"
             for n, cs in tiles.items() for c in cs]))
@@ -810,7 +810,7 @@ def _hopper_rows(shapes, rounds, rep):
                     ms[case] = min(ms[case], triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
         finally:
             HOPPER_BWD = saved
-        key = (D, True, triton.next_power_of_2(T), min(triton.next_power_of_2(B * H), 1024))
+        key = (D, True, next_pow2(T), min(next_pow2(B * H), 1024))
         cfg = attention_hopper._TUNED.get(key, "triton")
         for op in ("fwd", "bwd"):
             row = dict(B=B, H=H, T=T, D=D, causal=True, mode=f"hopper-{op}", gpu=torch.cuda.get_device_name(),

@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels import tuning
-from kernels.launch import fast
+from kernels.launch import cdiv, fast, next_pow2
 
 LOG2E = 1.4426950408889634
 ROWS = 64  # query rows per consumer warpgroup (one wgmma M tile); a work item is 2 * ROWS rows
@@ -526,7 +526,7 @@ def _launch_args(q, k, v, out, lse, causal, scale, cfg):
     q_desc, qr = _desc(q, ROWS)
     k_desc, kr = _desc(k, BLOCK_N)
     v_desc, vr = _desc(v, BLOCK_N)
-    grid = (min(triton.cdiv(Tq, 2 * ROWS) * B * H, _num_sms(q.device)), )
+    grid = (min(cdiv(Tq, 2 * ROWS) * B * H, _num_sms(q.device)), )
     return grid, (q_desc, k_desc, v_desc, out, lse, *out.stride()[:3], scale * LOG2E, H, Tq, k.shape[2], B * H,
                   *qr, *kr, *vr), dict(BLOCK_N=BLOCK_N, NUM_BUF=NUM_BUF, CAUSAL=bool(causal), PINGPONG=PINGPONG,
                                        num_warps=4)
@@ -544,7 +544,7 @@ def _config(q, k, v, out, lse, causal, scale, fallback):
     (kernels/tuning.py): a later process on the same GPU skips the timing and compiles only the chosen kernel."""
     B, H, _, D = q.shape
     cands = [c for c in CONFIGS[D] if c != TRITON or fallback is not None]
-    key = (D, bool(causal), triton.next_power_of_2(k.shape[2]), min(triton.next_power_of_2(B * H), 1024))
+    key = (D, bool(causal), next_pow2(k.shape[2]), min(next_pow2(B * H), 1024))
     if key not in _TUNED and len(cands) > 1:
         stored = _FWD_TUNER.get(key)  # a JSON list, or TRITON
         stored = tuple(stored) if isinstance(stored, list) else stored
@@ -616,7 +616,7 @@ def attention_bwd_dkdv(q, k, v, do, lse, delta, dk, dv, causal, sm_scale=None, c
     vec = gl.NVMMASharedLayout.get_default_for([1, BLOCK_Q], gl.float32)  # lse, delta: (B*H, Tq) rows, Tq % 4 == 0
     l_desc = TensorDescriptor(lse, [B * H, Tq], [Tq, 1], [1, BLOCK_Q], vec)
     d_desc = TensorDescriptor(delta, [B * H, Tq], [Tq, 1], [1, BLOCK_Q], vec)
-    grid = (min(triton.cdiv(Tk, 2 * ROWS) * B * H, _num_sms(q.device)), )
+    grid = (min(cdiv(Tk, 2 * ROWS) * B * H, _num_sms(q.device)), )
     _bwd_ws[grid](q_desc, k_desc, v_desc, do_desc, l_desc, d_desc, dk, dv, *dk.stride()[:3], *dv.stride()[:3],
                   scale * LOG2E, scale, H, Tq, Tk, B * H, *qr, *kr, *vr, *dor,
                   BLOCK_Q=BLOCK_Q, NUM_BUF=NUM_BUF, CAUSAL=bool(causal), num_warps=4)
@@ -701,7 +701,7 @@ def _bench(sweep=False):
             cud = _graph_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
         flops = 4 * B * H * T * T * D / 2
         attention_fwd(q, k, v, True)  # tunes this shape outside the graph capture
-        key = _TUNED[(D, True, triton.next_power_of_2(T), min(triton.next_power_of_2(B * H), 1024))]
+        key = _TUNED[(D, True, next_pow2(T), min(next_pow2(B * H), 1024))]
         for cfg in ([c for c in CONFIGS[D] if c != TRITON] if sweep else [None]):
             ours = _graph_ms(lambda: attention_fwd(q, k, v, True, config=cfg))
             c = cfg or key

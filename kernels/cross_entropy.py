@@ -32,7 +32,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.launch import fast
+from kernels.launch import cdiv, fast
 
 
 def cross_entropy_ref(logits, targets, n_vocab=None, ignore_index=-1, reduction="mean", loss_scale=1.0):
@@ -215,7 +215,7 @@ def cross_entropy_bwd(dlogits, grad_loss):
     n = dlogits.numel()
     block = 8192
     if n > 0:
-        _scale[(triton.cdiv(n, block),)](dlogits, _as_scalar_tensor(grad_loss, dlogits.device), n,
+        _scale[(cdiv(n, block),)](dlogits, _as_scalar_tensor(grad_loss, dlogits.device), n,
                                          BLOCK=block, num_warps=8)
     return dlogits
 

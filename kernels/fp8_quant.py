@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import fast
+from kernels.launch import cdiv as _cdiv, fast, next_pow2 as _next_pow2
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -48,17 +48,6 @@ AMAX_EPS = 1e-12  # all-zero groups: scale from this amax (finite, no NaN; pytor
 _AMAX_EPS = tl.constexpr(AMAX_EPS)
 BLOCK = 128  # DeepSeek-V3's block: 1x128 for activations and gradients, 128x128 for weights
 MAX_ROW = 8192  # rows up to this width are quantized from registers; wider ones are read twice (L2)
-
-
-def _cdiv(a: int, b: int) -> int:
-    """triton.cdiv for host ints. triton's is a constexpr_function: ~1.5 us a call from Python (triton 3.6), and an
-    FP8 linear's forward + backward made ~25 such calls (notes/fp8.md, host overhead)."""
-    return (a + b - 1) // b
-
-
-def _next_pow2(n: int) -> int:
-    """triton.next_power_of_2 for host ints n >= 1 (the same constexpr_function cost)."""
-    return 1 << (n - 1).bit_length()
 
 
 class FP8Tensors(NamedTuple):

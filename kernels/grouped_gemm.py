@@ -40,7 +40,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.launch import fast
+from kernels.launch import cdiv, fast, next_pow2
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MAX_E = 1024  # experts held in registers by every program (the tile -> group search)
@@ -228,7 +228,7 @@ def _sm_count(device):
 def _bucket(R):
     """Rows, rounded up to a power of 2 (>= 4096), for the autotune key: the tile that wins depends on the rows
     (waves of tiles over the SMs), not only on (N, K). Unused inside the kernels."""
-    return max(4096, triton.next_power_of_2(R))
+    return max(4096, next_pow2(R))
 
 
 def _precision(dtype):
@@ -250,7 +250,7 @@ def _check(x, w, offsets, name):
 
 def _mm_grid(R, E, N, device):
     def grid(meta):
-        tiles = (triton.cdiv(R, meta["BLOCK_M"]) + E) * triton.cdiv(N, meta["BLOCK_N"])  # bound on the real count
+        tiles = (cdiv(R, meta["BLOCK_M"]) + E) * cdiv(N, meta["BLOCK_N"])  # bound on the real count
         p = meta["PROGRAMS_PER_SM"]
         return (tiles if p == 0 else max(1, min(tiles, p * _sm_count(device))),)
     return grid
@@ -271,7 +271,7 @@ def _launch_mm(a, b, stride_be, stride_bk, stride_bn, bias, offsets, N, K, epilo
             0 if bias is None else bias.stride(0), c.stride(0), 0 if pre is None else pre.stride(0),
             0 if sb is None else sb.stride(0),
             HAS_BIAS=bias is not None, EPILOGUE=_EPILOGUE[epilogue], INPUT_PRECISION=_precision(a.dtype),
-            SCALED=scales is not None, BLOCK_E=triton.next_power_of_2(E))
+            SCALED=scales is not None, BLOCK_E=next_pow2(E))
     return c, pre
 
 
@@ -310,7 +310,7 @@ def grouped_wgrad(dy, x, offsets, dtype=None, bias=True):
     dw = torch.empty(E, N, K, dtype=dtype, device=dy.device)
     db = torch.empty(E, N, dtype=dtype, device=dy.device) if bias else None
     if E > 0 and N > 0 and K > 0:
-        grid = lambda meta: (E * triton.cdiv(N, meta["BLOCK_N"]) * triton.cdiv(K, meta["BLOCK_K"]),)  # noqa: E731
+        grid = lambda meta: (E * cdiv(N, meta["BLOCK_N"]) * cdiv(K, meta["BLOCK_K"]),)  # noqa: E731
         _wgrad[grid](dy, x, offsets, dw, db, N, K, _bucket(R), dy.stride(0), x.stride(0), dw.stride(0), dw.stride(1),
                      dw.stride(2), 0 if db is None else db.stride(0),
                      HAS_BIAS=bias, INPUT_PRECISION=_precision(dy.dtype))

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.launch import fast
+from kernels.launch import cdiv, fast, next_pow2
 
 MAX_C = 16384  # whole row lives in registers (16384: the backward spills a little)
 
@@ -291,7 +291,7 @@ def _sm_count(device):
 
 def _fwd_grid(M, sms, meta):
     """One program per tile, or (persistent) PROGRAMS_PER_SM programs per SM walking the tiles."""
-    tiles = triton.cdiv(M, meta["BLOCK_M"])
+    tiles = cdiv(M, meta["BLOCK_M"])
     return (tiles if meta["PROGRAMS_PER_SM"] == 0 else min(tiles, meta["PROGRAMS_PER_SM"] * sms),)
 
 
@@ -317,7 +317,7 @@ def layernorm_fwd(x, weight, bias, eps, residual=None, out_dtype=None):
         _fwd[functools.partial(_fwd_grid, M, _sm_count(x.device))](
             x2, r2, h, y, weight, bias, mean, rstd, M, C, x2.stride(0),
             0 if r2 is None else r2.stride(0), 0 if h is None else h.stride(0), y.stride(0), eps,
-            ADD_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, BLOCK_C=triton.next_power_of_2(C))
+            ADD_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, BLOCK_C=next_pow2(C))
     return y.view(x.shape), (None if h is None else h.view(x.shape)), mean, rstd
 
 
@@ -328,10 +328,10 @@ def _bwd_groups(M, C, device, n_groups=None):
     groups, uneven sizes), or n_groups if given; whole tiles per group, so only the very last tile of the last group
     is partial."""
     n_groups = n_groups or (_bwd_groups_per_sm(C) * _sm_count(device) if device.type == "cuda" else 3)
-    rows_per_group = triton.cdiv(max(M, 1), n_groups)
+    rows_per_group = cdiv(max(M, 1), n_groups)
     if rows_per_group >= 4 * BWD_GROUP_ALIGN:
-        rows_per_group = triton.cdiv(rows_per_group, BWD_GROUP_ALIGN) * BWD_GROUP_ALIGN
-    return triton.cdiv(max(M, 1), rows_per_group), rows_per_group
+        rows_per_group = cdiv(rows_per_group, BWD_GROUP_ALIGN) * BWD_GROUP_ALIGN
+    return cdiv(max(M, 1), rows_per_group), rows_per_group
 
 
 def layernorm_bwd(dy, x, weight, has_bias, mean, rstd, dh=None, n_groups=None):
@@ -350,7 +350,7 @@ def layernorm_bwd(dy, x, weight, has_bias, mean, rstd, dh=None, n_groups=None):
         _bwd[(n_groups,)](
             x2, dy2, dh2, dx, weight, mean, rstd, part[0], part[-1], M, C, rows_per_group,
             x2.stride(0), dy2.stride(0), 0 if dh2 is None else dh2.stride(0), dx.stride(0),
-            HAS_DH=dh is not None, HAS_BIAS=has_bias, BLOCK_C=triton.next_power_of_2(C))
+            HAS_DH=dh is not None, HAS_BIAS=has_bias, BLOCK_C=next_pow2(C))
     else:
         part.zero_()
     # second stage over the (n_groups, C) partials (~1.6 MB for C = 768, 17 MB at 16384): latency bound, so many
@@ -359,7 +359,7 @@ def layernorm_bwd(dy, x, weight, has_bias, mean, rstd, dh=None, n_groups=None):
     # above; with one group per SM (<= 192 groups) 64 rows a step on one warp (2.8 vs 4.2 us at 128 x 8192)
     block_c = 8 if C <= 1024 else 16
     block_g, warps = (64, 1) if n_groups <= 192 else (256, 4)
-    _dwdb[(triton.cdiv(C, block_c),)](part[0], part[-1], dw, db, n_groups, C, HAS_BIAS=has_bias,
+    _dwdb[(cdiv(C, block_c),)](part[0], part[-1], dw, db, n_groups, C, HAS_BIAS=has_bias,
                                       BLOCK_G=block_g, BLOCK_C=block_c, num_warps=warps)
     return dx.view(x.shape), dw, db
 

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import fast
+from kernels.launch import cdiv, fast, next_pow2
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 NO_CAPACITY = 2 ** 31 - 1  # dropless: every rank is below it
@@ -225,7 +225,7 @@ def _move_configs():
 def _move_prune(configs, named_args, **kwargs):
     """Column chunks no wider than the row (rounded up to a power of 2), at least the narrowest one."""
     C = named_args["C"]
-    keep = [c for c in configs if c.kwargs["BLOCK_C"] <= max(triton.next_power_of_2(C), 256)]
+    keep = [c for c in configs if c.kwargs["BLOCK_C"] <= max(next_pow2(C), 256)]
     return keep or configs
 
 
@@ -319,7 +319,7 @@ _unpermute_bwd = fast(_unpermute_bwd_kernel)
 def _route_block(E):
     """Tokens per routing block: a (BLOCK_N, E) tile of ~8k elements (fewer units for the scan), 8 in the
     interpreter (several blocks and units at the test sizes)."""
-    return 8 if _INTERPRET else max(16, min(1024, 8192 // triton.next_power_of_2(E)))
+    return 8 if _INTERPRET else max(16, min(1024, 8192 // next_pow2(E)))
 
 
 def route_triton(logits, k, score="softmax", bias=None, capacity=None):
@@ -329,8 +329,8 @@ def route_triton(logits, k, score="softmax", bias=None, capacity=None):
     dev = logits.device
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    block_n, block_e = _route_block(E), triton.next_power_of_2(E)
-    n_blocks = triton.cdiv(N, block_n)
+    block_n, block_e = _route_block(E), next_pow2(E)
+    n_blocks = cdiv(N, block_n)
     cap = NO_CAPACITY if capacity is None else capacity
     idx = torch.empty(N, k, dtype=torch.int64, device=dev)
     rank = torch.empty(N, k, dtype=torch.int32, device=dev)
@@ -361,7 +361,7 @@ def _check_dest(dest, N):
 
 
 def _grid(N):
-    return lambda meta: (triton.cdiv(N, meta["BLOCK_T"]),)
+    return lambda meta: (cdiv(N, meta["BLOCK_T"]),)
 
 
 def permute_fwd(x, dest, rows):
@@ -373,7 +373,7 @@ def permute_fwd(x, dest, rows):
     k = dest.shape[1]
     if N > 0 and C > 0:
         _permute[_grid(N)](x, dest.contiguous(), xs, N, C, x.stride(0), xs.stride(0),
-                           K=k, BLOCK_K=triton.next_power_of_2(k))
+                           K=k, BLOCK_K=next_pow2(k))
     return xs
 
 
@@ -387,7 +387,7 @@ def unpermute_fwd(ys, dest, weights=None):
     if N > 0 and C > 0:
         _unpermute[_grid(N)](ys, dest.contiguous(), None if weights is None else weights.contiguous(), y, N, C,
                              ys.stride(0), y.stride(0), WEIGHTED=weights is not None,
-                             K=k, BLOCK_K=triton.next_power_of_2(k))
+                             K=k, BLOCK_K=next_pow2(k))
     return y
 
 
@@ -405,7 +405,7 @@ def unpermute_bwd(dy, ys, dest, weights):
         else:
             _unpermute_bwd[_grid(N)](dy, ys, dest.contiguous(), weights.contiguous(), dys, dw, N, C,
                                      dy.stride(0), ys.stride(0), dys.stride(0),
-                                     K=k, BLOCK_K=triton.next_power_of_2(k))
+                                     K=k, BLOCK_K=next_pow2(k))
     return dys, dw
 
 
