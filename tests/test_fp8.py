@@ -443,8 +443,9 @@ def test_gpu_fp8_linear_at_training_shapes(mode, K, N):
     ref = apply_fp8(_Wrap(copy.deepcopy(base)), mode)
     ref.fp8.triton_path = lambda t: False  # the PyTorch reference kernels on the GPU tensors
     got, want, exact = (_fwd_bwd(m, x, dy) for m in (fast, ref, _Wrap(copy.deepcopy(base))))
-    for name, g, w, e in zip(("y", "dx", "dw"), got, want, exact):
-        assert _rel(g, w) < 1e-4, f"{mode} {name}: Triton vs reference {_rel(g, w):.2e}"
+    for name, g, w, e in zip(("y", "dx", "dw"), got, want, exact):  # the forward accumulates fast (no promotion):
+        # max error 2.3e-3 of max |ref| at 8192 x 2048 x 2048 in results/fp8_h100.txt; a wrong scale or layout: O(1)
+        assert _rel(g, w) < 5e-3, f"{mode} {name}: Triton vs reference {_rel(g, w):.2e}"
         assert _rel(g, e) < FP8_TOL["e5m2"], f"{mode} {name}: vs fp32 {_rel(g, e):.2e}"
 
 
