@@ -279,7 +279,7 @@ def all_gather_flat(shard: torch.Tensor, group, dtype: torch.dtype, out: torch.T
     """
     if group is None:  # a group of one (ZeRO-3's experts when each is held by one rank): a copy is the gather
         out = shard.detach().to(dtype, copy=True) if out is None else out.copy_(shard)
-        return out, _Done(), out
+        return out, NoWork(), out
     sent = shard.detach().to(dtype)
     if out is None:
         out = torch.empty(dist.get_world_size(group) * shard.numel(), dtype=dtype, device=shard.device)
@@ -287,11 +287,11 @@ def all_gather_flat(shard: torch.Tensor, group, dtype: torch.dtype, out: torch.T
     return out, work, sent
 
 
-class _Done:
-    """A finished collective's handle (a group of one has nothing to send)."""
+class NoWork:
+    """The handle of a collective over a group of one rank: nothing to wait for."""
 
     def wait(self):
-        return True
+        pass
 
 
 def flat_views(full: torch.Tensor, shapes) -> list:
@@ -321,7 +321,7 @@ class _ZeroGather(torch.autograd.Function):
         torch.cat([x.reshape(-1) for x in grads], out=g[:n])  # one copy kernel, casting on the way
         g[n:].zero_()  # the flat buffer's padding
         if ctx.group is None:  # a group of one: the whole gradient is this rank's shard
-            ctx.on_reduce(_Done(), g, g)
+            ctx.on_reduce(NoWork(), g, g)
             return None, None, None, None, None
         k = g.numel() // dist.get_world_size(ctx.group)
         out = g[dist.get_rank(ctx.group) * k:][:k]  # (k,): this rank's shard, in place (recv = send + r*k)

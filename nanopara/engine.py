@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from nanopara.comm import NoWork  # noqa: F401  (dp.py, zero.py take it from here)
 from nanopara.config import Config
 from nanopara.mesh import Mesh
 from nanopara.optim import clip_coef
@@ -380,13 +381,6 @@ def split_buckets(params, cap_elems: int) -> list[list]:
         cur.append(p)
         size += p.numel()
     return out + ([cur] if cur else [])
-
-
-class NoWork:
-    """The handle of a reduction over a group of one rank: nothing to wait for."""
-
-    def wait(self):
-        pass
 
 
 def reduce_group(engine, params):
