@@ -63,8 +63,10 @@ def layout(mesh: Mesh) -> dict:
 # the run directory
 
 def _step_dirs(out_dir) -> list[str]:
-    root = _ckpt_root(out_dir)
-    return sorted(d for d in os.listdir(root) if d.startswith("step_")) if os.path.isdir(root) else []
+    try:  # (rank 0's writability probe in prepare_run_dir may create and remove an empty ckpt/ meanwhile)
+        return sorted(d for d in os.listdir(_ckpt_root(out_dir)) if d.startswith("step_"))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def prepare_run_dir(out_dir: str, resume: bool, overwrite: bool, is_main: bool) -> None:
