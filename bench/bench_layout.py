@@ -68,6 +68,9 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("flags", nargs="*")
     args = ap.parse_args()
+    if os.environ.get("NP_STACKS_AFTER"):  # a hang shows where every rank waits: stacks to stderr, then exit
+        import faulthandler
+        faulthandler.dump_traceback_later(float(os.environ["NP_STACKS_AFTER"]), exit=True)
     root = os.path.abspath(args.tree or os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.path.insert(0, root)
     import torch

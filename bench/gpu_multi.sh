@@ -20,7 +20,7 @@
 #          tokens/s, MFU, memory, exposed comm per layer
 #   layouts  issue #28: PRESET (gpt_1b) through bench_layout.py (train.py's step, synthetic tokens): 1 GPU, dpN, tpN
 #          (+sp, +CUDA graph), tpN/2 x dp2, ppN, tp2 x pp2, pp2 x dp2 at G=32 sequences of 1024 a step; 1 GPU, cpN,
-#          tp2 x cp2, cp2 x dp2 at one sequence of 16k, 1 GPU and cpN + ZeRO-1 at four 16k sequences a step.
+#          tp2 x cp2, cp2 x dp2 at one sequence of 16k, 1 GPU, cpN and cp2 + ZeRO-1 at four 16k sequences a step.
 #          RUNS="label ..." runs some. Then, for the same issue:
 #          sections pp, cp and ep below
 #   layouts3d  issue #29 (8 GPUs): 1 GPU, dpN + ZeRO-1, tp2 x pp2 x dpN/4, tp4 x pp2 (+sp) at G=64 sequences of 1024
@@ -40,7 +40,8 @@ lay() {  # LABEL NGPU TRAIN.PY-FLAGS...: one bench_layout.py run of PRESET $P, u
   timeout ${LAY_TIMEOUT:-180} $PY -m torch.distributed.run --standalone --nproc_per_node=$n \
     bench/bench_layout.py --out "$OUT" --label "$label" -- --preset=$P "$@"; }
 PY=${PY:-python3}
-N=$(nvidia-smi -L | wc -l)
+N=$(nvidia-smi -L | wc -l)  # the GPUs this process may use (CUDA_VISIBLE_DEVICES lanes on one host)
+[ -n "${CUDA_VISIBLE_DEVICES:-}" ] && N=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | wc -l)
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 run() { $PY -m torch.distributed.run --standalone --nproc_per_node="$@"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader  # (stdout only: a call returns at most 8 files)
@@ -156,6 +157,7 @@ for s in "$@"; do
              # four 16k sequences a step with ZeRO-1: the gradient reduction and AdamW amortised as a real run's
              lay 1gpu_16k_acc4 1 $t16k --train.tokens_per_step=65536
              lay cp${N}_16k_acc4_zero1 $N $t16k --parallel.cp=$N --train.tokens_per_step=65536 --parallel.zero=1
+             lay cp2_16k_acc4_zero1 2 $t16k --parallel.cp=2 --train.tokens_per_step=65536 --parallel.zero=1
            } 2>&1 | grep -v -e Warning -e OMP_NUM -e '^\*\*\*' -e '^ *_warn' -e '^$' | tee -a "$OUT/layouts_$P.txt" ;;
     layouts3d) # issue #29 (8 GPUs): 3D layouts of PRESET (gpt_1b; gpt2_1558m) against 1 GPU and dpN at G (64)
            # sequences of 1024 a step, and tp2 x cp2 x dp at 16k; the stages balanced for the head (bench_pp.py's rule)

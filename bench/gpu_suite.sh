@@ -5,6 +5,11 @@
 #   lnsweep  LayerNorm tiles and bandwidth per shape, A/B against .carry/old if that checkout exists
 #   e2e      GPT-2 124M training throughput: nanopara vs torch / torch.compile
 #   curve    GPT-2 124M loss curve on the offline book corpus (needs .carry/data, see README)
+#   evalbooks  issue #31: gpt2_124m trained on books as `curve` (runs under /tmp), then eval.py HellaSwag + val loss
+#   moebooks   issue #27: gpt2_moe (top-1 = the dense model's active compute, and top-2) on books as `curve`, then
+#            eval.py HellaSwag + val loss: against evalbooks' dense run (same tokens, same flags)
+#   generate   issue #31: bench/bench_generate.py (ours vs Hugging Face generate); lists any local HF GPT-2 weights
+#   posttrain  issue #31: bench/post_train_demo.py $PT_ARGS (runs under /tmp/post_train$PT_TAG; JSON + logs to $OUT)
 #   fp8      FP8 end to end (issue #26): fp8bench (bench/bench_fp8_e2e.py throughput + profile, ~4 min) then
 #            fp8curve (gpt_1b on books, train.fp8=none vs tensor, 1000 steps each, and their comparison)
 set -uo pipefail
@@ -25,6 +30,24 @@ for s in "$@"; do
              $PY train.py --preset=gpt2_124m --data.dataset=books --out_dir="$OUT/curve" --train.micro_batch=16 \
                --train.steps=${CURVE_STEPS:-3000} --train.warmup_steps=200 --train.lr=1.2e-3 --train.val_every=250 \
                --train.log_every=50 --ckpt.final=false ${CURVE_ARGS:-} 2>&1 | grep -v '^ \|^[{}]' | tee "$OUT/curve.txt" | tail -8 ;;
+    evalbooks|moebooks)
+             [ -f data/shards/books/books_val_000000.bin ] || \
+               $PY data/prepare.py books --mirror .carry/data > "$OUT/prepare_$s.txt" 2>&1
+             if [ $s = evalbooks ]; then runs="dense:--preset=gpt2_124m"
+             else runs="moe_top1:--preset=gpt2_moe,--model.moe_top_k=1,--model.moe_renorm=false moe_top2:--preset=gpt2_moe"; fi
+             for r in $runs; do name=${r%%:*}; flags=$(echo "${r#*:}" | tr ',' ' '); dir=/tmp/np_runs/books_$name
+               $PY train.py $flags --data.dataset=books --out_dir=$dir --overwrite=true --train.micro_batch=16 \
+                 --train.steps=${CURVE_STEPS:-3000} --train.warmup_steps=200 --train.lr=1.2e-3 --train.val_every=500 \
+                 --train.log_every=100 ${CURVE_ARGS:-} 2>&1 | grep -v '^ \|^[{}]' > "$OUT/books_$name.txt"
+               tail -3 "$OUT/books_$name.txt"; cp $dir/metrics.jsonl "$OUT/books_${name}_metrics.jsonl"
+               $PY eval.py --out_dir=$dir --tasks=hellaswag,loss --batch=32 ${EVAL_ARGS:-} --out="$OUT/books_evals.jsonl" 2>&1 \
+                 | grep -v '^ ' | tail -4 | sed "s/^/$name: /"; done ;;
+    generate) ls -d ~/.cache/huggingface/hub/*gpt2* 2>/dev/null | sed 's/^/local HF weights: /'
+             $PY bench/bench_generate.py --out "$OUT" ${GEN_ARGS:-} 2>&1 | tee "$OUT/generate.txt" | tail -14 ;;
+    posttrain) d=/tmp/post_train${PT_TAG:-}; rm -rf $d
+             $PY bench/post_train_demo.py --out $d ${PT_ARGS:-} 2>&1 | tail -20 | tee "$OUT/post_train${PT_TAG:-}.txt"
+             cp $d/post_train.json "$OUT/post_train${PT_TAG:-}.json" 2>/dev/null
+             tail -c 20000 $d/runs/sft.log > "$OUT/post_train${PT_TAG:-}_sft_log.txt" 2>/dev/null ;;
     fp8|fp8bench|fp8curve)
              if [ "$s" != fp8curve ]; then
                $PY bench/bench_fp8_e2e.py --profile --out "$OUT/fp8_e2e.jsonl" ${FP8_ARGS:-} 2>&1 \
