@@ -6,14 +6,17 @@
 A benchmark-only comparison: transformers is imported here and nowhere else (the GPU machines have it; on CPU,
 `pip install transformers` into any path on PYTHONPATH). One model, two runtimes:
   ours  GPT (random init of --preset, or --init_from: a run of this trainer or a GPT-2 .bin) and nanopara's
-        samplers: `model.generate` (one batch, KV cache) and `rl.sample` (RL's batched sampler, rows leave at EOT;
-        here EOT = -1, so no row leaves early);
+        samplers: `model.generate` (one batch, KV cache, eager), `rl.sample` with sampler="dynamic" (RL's
+        eager sampler, rows leave at EOT; here EOT = -1, so no row leaves early) and with its default (on CUDA:
+        "graph", decode.py), and `decode.generate(graph=True)` (ours_graph: static KV cache, one CUDA graph replay
+        per token; its first call captures the graph: ours_graph_first_call_s, the timed call replays);
   HF    GPT2LMHeadModel built from `to_hf_state_dict(model)`, `generate(do_sample=False, use_cache=True,
         min_new_tokens=max_new_tokens)`: the same number of tokens for every row.
 1. Parity (fp32): greedy continuations of a few prompts agree token for token (a wrong weight mapping would show).
 2. Speed (bf16 autocast for ours, the HF model cast to bf16, CUDA): per batch size, B random prompts of --prompt
    tokens, --new greedy tokens each; tokens/s = B * new / wall time after one warm-up call; ratio ours / HF.
-   Goal (issue #31): at least 2x. Results as JSON (GPU, date, versions, rows) in DIR/generate.json.
+   Goal (issue #31): at least 2x. Results as JSON (GPU, date, versions, rows) in DIR/generate.json; per row
+   ours_over_hf (the best of ours) and ours_graph_over_hf.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from nanopara import rl  # noqa: E402
+from nanopara import decode, rl  # noqa: E402
 from nanopara.config import PRESETS  # noqa: E402
 from nanopara.model import GPT, to_hf_state_dict  # noqa: E402
 
@@ -67,15 +70,21 @@ def parity(model: GPT, hf, device, prompts=3, length=8, new=8) -> int:
     return int((ours != theirs).any(1).sum())
 
 
-def timed(fn, device) -> float:
-    fn()  # warm-up: kernels, allocator, autotuning
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
+def timed(fn, device, first: dict | None = None) -> float:
+    """Seconds of fn's second call; the first (warm-up: kernels, allocator, autotuning, graph capture) goes into
+    first["s"] when given."""
+    def run():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+    t = run()
+    if first is not None:
+        first["s"] = t
+    return run()
 
 
 def main():
@@ -109,18 +118,28 @@ def main():
         x = torch.randint(0, cfg.vocab_size - 1, (B, args.prompt), generator=torch.Generator().manual_seed(B))
         xd = x.to(device)
         res = {"batch": B, "prompt_tokens": args.prompt, "new_tokens": new}
+        graph = device.type == "cuda"  # CUDA graphs need CUDA: on CPU the same static-cache path runs eagerly
+        runs = (("ours_generate", lambda: model.generate(xd, new, temperature=0)),
+                ("ours_rl_sample", lambda: rl.sample(model, x.tolist(), new, 0.0, -1, None, amp, sampler="dynamic")),
+                ("ours_rl_sample_graph", lambda: rl.sample(model, x.tolist(), new, 0.0, -1, None, amp)),
+                ("ours_graph", lambda: decode.generate(model, xd, new, temperature=0, graph=graph)),
+                ("hf_generate", lambda: hf_generate(hf, xd, new)))
         with torch.no_grad():
-            for name, fn in (("ours_generate", lambda: model.generate(xd, new, temperature=0)),
-                             ("ours_rl_sample", lambda: rl.sample(model, x.tolist(), new, 0.0, -1, None, amp)),
-                             ("hf_generate", lambda: hf_generate(hf, xd, new))):
+            for name, fn in runs:
+                first = {}
                 try:
-                    with (amp() if name == "ours_generate" else contextlib.nullcontext()):
-                        res[f"{name}_tokens_per_s"] = B * new / timed(fn, device)
+                    with (amp() if name in ("ours_generate", "ours_graph") else contextlib.nullcontext()):
+                        res[f"{name}_tokens_per_s"] = B * new / timed(fn, device, first)
                 except RuntimeError as e:  # out of memory at a large batch must not lose the other numbers
                     res[f"{name}_error"] = str(e).splitlines()[0][:200]
-        best = max(res.get("ours_generate_tokens_per_s", 0), res.get("ours_rl_sample_tokens_per_s", 0))
-        if best and res.get("hf_generate_tokens_per_s"):
-            res["ours_over_hf"] = best / res["hf_generate_tokens_per_s"]
+                if name == "ours_graph" and "s" in first:
+                    res["ours_graph_first_call_s"] = first["s"]
+        decode.clear_decoders()  # this batch's caches and graphs
+        ours = [res.get(f"{n}_tokens_per_s", 0) for n, _ in runs if n.startswith("ours")]
+        if max(ours) and res.get("hf_generate_tokens_per_s"):
+            res["ours_over_hf"] = max(ours) / res["hf_generate_tokens_per_s"]
+            if res.get("ours_graph_tokens_per_s"):
+                res["ours_graph_over_hf"] = res["ours_graph_tokens_per_s"] / res["hf_generate_tokens_per_s"]
         rows.append(res)
         print(f"batch {B:4d}: " + " | ".join(f"{k} {v:,.2f}" if isinstance(v, float) else f"{k} {v}"
                                             for k, v in res.items() if k != "batch"), flush=True)

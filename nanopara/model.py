@@ -198,8 +198,8 @@ class CausalSelfAttention(nn.Module):
         else:  # incremental decoding: append this step's keys/values, attend over everything cached
             q, k, v = split_qkv(qkv, self.n_head)  # (B, nh, T, hs) views
             k, v = kv_cache.update(k, v)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=(T > 1 and kv_cache.start == 0),
-                                               attn_mask=kv_cache.mask(T) if (T > 1 and kv_cache.start > 0) else None)
+            mask = kv_cache.mask(T)  # the cache decides: None = causal over what it returned (T > 1), or all of it
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, nh*hs)
         return F.dropout(self.c_proj(y), self.dropout, self.training)
 
@@ -241,7 +241,12 @@ class Block(nn.Module):
 
 
 class KVCache:
-    """Keys/values of one layer for generation: (B, nh, T_max, hs) buffers filled left to right."""
+    """Keys/values of one layer for generation: (B, nh, T_max, hs) buffers filled left to right.
+
+    The attention's cache protocol: `update(k, v)` stores this step's (B, nh, T, hs) keys/values and returns the
+    keys/values to attend over; `mask(T)` returns the boolean mask of those (query i sees key j where True), or
+    None for no mask: causal when T > 1 (the returned keys start at this update's first query), every key when
+    T == 1. decode.StaticKVCache is the other implementation (fixed shapes for CUDA graphs)."""
 
     def __init__(self, B, nh, T_max, hs, device, dtype):
         self.k = torch.zeros(B, nh, T_max, hs, device=device, dtype=dtype)
@@ -256,7 +261,9 @@ class KVCache:
         self.v[:, :, self.start:self.end] = v
         return self.k[:, :, :self.end], self.v[:, :, :self.end]
 
-    def mask(self, T):  # new query i (absolute start+i) sees keys 0..start+i
+    def mask(self, T):  # new query i (absolute start+i) sees keys 0..start+i; None where SDPA needs no mask
+        if T == 1 or self.start == 0:
+            return None
         q_pos = torch.arange(self.start, self.end, device=self.k.device)[:, None]
         return torch.arange(self.end, device=self.k.device)[None, :] <= q_pos  # (T, end) bool
 
@@ -316,7 +323,8 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, kv_caches=None, pos0: int = 0, pos=None):
         """idx (B, T) int64 -> (logits (B, T, Vp), loss or None). targets == -1 are ignored (SFT masking).
         pos: (T,) positions of idx's tokens when they are not pos0, pos0+1, ... (context parallel's chunks,
-        cp.py, whose caller checked them against block_size)."""
+        cp.py; decode.py's device-side position, which a CUDA graph replays at any step); the caller checked them
+        against block_size."""
         B, T = idx.shape
         if pos is None:
             if pos0 + T > self.cfg.block_size:

@@ -14,9 +14,12 @@ tokens include the closing EOT, so the policy learns where to stop. Log-probs ar
 the distribution that was sampled.
 
 Prompts are sft.prompt_ids(enc, prompt) = EOT + "User: {prompt}\nAssistant:", what SFT trained on.
-Sampling: model.py's KV cache has no padding mask, so `sample` batches the rows whose prompts have one token length
-(a prompt's G copies always do), and finished rows (EOT or max_new) leave the batch. Training forwards right-pad
-the sequences: causal attention never lets a real token see the padding after it, and masks drop the rest.
+Sampling: the KV caches have no padding mask, so `sample` batches the rows whose prompts have one token length
+(a prompt's G copies always do). On CUDA (models without MoE layers) a batch decodes with nanopara/decode.py: one
+CUDA graph replay per token, a fixed batch (finished rows keep running, their tokens are cut at EOT afterwards),
+no host sync per token. Otherwise (`sampler="dynamic"`) model.py's KV cache: finished rows (EOT or max_new) leave
+the batch, one host sync per token. Training forwards right-pad the sequences: causal attention never lets a real
+token see the padding after it, and masks drop the rest.
 
 Data parallel: each rank samples and scores its share of the prompts (groups never straddle ranks, so advantages
 need no communication); `update` divides by the global token count and all-reduces the gradients (sum), so a step
@@ -31,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from nanopara import decode
 from nanopara.model import keep_rows, kv_caches
 from nanopara.sft import prompt_ids
 
@@ -67,9 +71,28 @@ def policy_loss(logp, old_logp, adv, mask, clip_eps: float, ref_logp=None, kl_co
 # ----------------------------------------------------------------------------------------------------------------
 # sampling with the KV cache
 
+SAMPLERS = ("auto", "graph", "static", "dynamic")
+
+
+def _sample_static(model, prompts: list, max_new: int, temperature: float, eot: int, generator, amp,
+                   graph: bool) -> list:
+    """_sample_batch with decode.generate: a fixed batch on static caches (graph: one replay per token); each row
+    is cut after its first EOT."""
+    dev, L = model.transformer.wpe.weight.device, len(prompts[0])
+    with amp():
+        out = decode.generate(model, torch.tensor(prompts, device=dev), max_new, temperature, None, generator,
+                              eot=eot, graph=graph)
+    rows = out[:, L:].tolist()  # the one host sync (besides decode's every-16-tokens EOT check)
+    return [r[:r.index(eot) + 1] if eot in r else r for r in rows]
+
+
 @torch.no_grad()
-def _sample_batch(model, prompts: list, max_new: int, temperature: float, eot: int, generator, amp) -> list:
-    """New token ids (EOT kept) for prompts of one token length; finished rows leave the batch."""
+def _sample_batch(model, prompts: list, max_new: int, temperature: float, eot: int, generator, amp,
+                  sampler: str = "dynamic") -> list:
+    """New token ids (EOT kept) for prompts of one token length. sampler "graph" / "static": decode.py's static
+    caches with / without a CUDA graph; "dynamic": model.py's KV cache, finished rows leave the batch."""
+    if sampler in ("graph", "static"):
+        return _sample_static(model, prompts, max_new, temperature, eot, generator, amp, sampler == "graph")
     dev, V = model.transformer.wpe.weight.device, model.cfg.vocab_size
     B, L = len(prompts), len(prompts[0])
     total = min(L + max_new, model.cfg.block_size)
@@ -102,9 +125,16 @@ def _sample_batch(model, prompts: list, max_new: int, temperature: float, eot: i
 
 
 def sample(model, prompts: list, max_new: int, temperature: float = 1.0, eot: int = 50256, generator=None,
-           amp=contextlib.nullcontext) -> list:
+           amp=contextlib.nullcontext, sampler: str = "auto") -> list:
     """New token ids of each prompt (a list of token-id lists), stopping at EOT (kept) or after max_new tokens;
-    temperature 0 is greedy. Prompts of one length run as one batch, shortest first."""
+    temperature 0 is greedy. Prompts of one length run as one batch, shortest first. sampler: "auto" ("graph"
+    where decode.graph_ok: CUDA, no MoE layers; else "dynamic"), "graph", "static" or "dynamic" (_sample_batch).
+    Greedy gives the same tokens whichever runs (up to rounding on GPU); sampling draws from the same distribution
+    but not the same random numbers (the fixed batch draws for finished rows too)."""
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sample: sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
+    if sampler == "auto":
+        sampler = "graph" if decode.graph_ok(model) else "dynamic"
     by_len = {}
     for i, p in enumerate(prompts):
         by_len.setdefault(len(p), []).append(i)
@@ -115,7 +145,7 @@ def sample(model, prompts: list, max_new: int, temperature: float = 1.0, eot: in
         for L in sorted(by_len):
             rows = by_len[L]
             for i, new in zip(rows, _sample_batch(model, [prompts[i] for i in rows], max_new, temperature, eot,
-                                                  generator, amp)):
+                                                  generator, amp, sampler)):
                 outs[i] = new
     finally:
         model.train(was_training)
