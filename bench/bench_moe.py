@@ -11,11 +11,16 @@ timed in the same run on the same GPU. Sections:
 2. gemm    grouped GEMM fwd / dgrad / wgrad TFLOP/s at R = 2 x 32768 rows, for the c_fc (N=3072, K=768) and
            c_proj (N=768, K=3072) shapes, balanced and skewed groups (expert e's share ~ 1/(e+1)^1.5: 48% to one
            expert), against one dense cuBLAS GEMM of the same FLOPs and torch._grouped_mm (where torch has it)
-           goals (issue #27): >= 0.85x dense with balanced groups, ahead of torch._grouped_mm
+           goals (issue #27): >= 0.85x dense with balanced groups, ahead of torch._grouped_mm. Where TMA runs
+           (sm_90+, or the interpreter under --smoke; --no-tma skips it) fwd / dgrad also through the TMA kernel
+           (`tma` column: grouped_gemm._grouped_mm_tma_kernel, opt-in until measured); each Triton cell shows
+           TFLOP/s, x dense and x _grouped_mm
 3. moves   route / permute / unpermute fwd and bwd: ms, GB/s and % of the measured copy bandwidth, against
            PyTorch's index ops on the same order. Goal: >= 80% of copy
 4. layer   the MoE layer fwd + bwd (router, aux losses, dispatch, experts, combine) at B*T = 16384 and 32768
-           tokens: triton vs the per-expert loop, the sorted-index PyTorch path, and sorted + torch._grouped_mm;
+           tokens: triton vs the per-expert loop, the sorted-index PyTorch path, and sorted + torch._grouped_mm
+           (and triton_tma: the triton layer with grouped_gemm.TMA on, where TMA runs; its /GEMMs is over the
+           pointer kernel's GEMMs);
            speedup over the loop (goal >= 3x), TFLOP/s of the expert GEMMs it holds, and its time over the time of
            those GEMMs alone (`grouped_mlp` fwd + bwd on the sorted rows: the dispatch overhead)
 JSON lines (one per row, with section, device and date) go to --out; tables to stdout.
@@ -85,14 +90,19 @@ def parity(args):
     ref = layer_fwd_bwd(m, x, "loop", torch.float32)
     rows = []
     names = ["y", "dx"] + [n for n, _ in m.named_parameters()]
-    for impl in ("sorted", "triton"):
-        got = layer_fwd_bwd(m, x, impl, args.dtype)
+    for impl in ("sorted", "triton") + (("triton_tma",) if args.tma else ()):
+        flag = gg.TMA
+        gg.TMA = impl == "triton_tma"  # the triton layer with its fwd / dgrad GEMMs through the TMA kernel
+        try:
+            got = layer_fwd_bwd(m, x, "triton" if impl == "triton_tma" else impl, args.dtype)
+        finally:
+            gg.TMA = flag
         rows.append(dict(section="parity", impl=impl, **{n: max_rel(a, b) for n, a, b in zip(names, got, ref)}))
     print(f"\n1. parity: max error / max |fp32 loop ref| at {x.shape[0] * x.shape[1]} tokens, {args.dtype_name}")
-    print(f"{'impl':>8} " + " ".join(f"{n.split('.')[-2][:6] + '.' + n.split('.')[-1][:1] if '.' in n else n:>9}"
+    print(f"{'impl':>10} " + " ".join(f"{n.split('.')[-2][:6] + '.' + n.split('.')[-1][:1] if '.' in n else n:>9}"
                                       for n in names))
     for r in rows:
-        print(f"{r['impl']:>8} " + " ".join(f"{r[n]:9.1e}" for n in names))
+        print(f"{r['impl']:>10} " + " ".join(f"{r[n]:9.1e}" for n in names))
     return rows
 
 
@@ -100,14 +110,28 @@ def parity(args):
 # 2. grouped GEMM, 3. permute / unpermute
 
 
+def tma_rows(args):
+    """Whether the TMA kernel gets rows (gemm, layer), printing why not where it does not."""
+    if args.no_tma:
+        print("TMA rows skipped: --no-tma")
+        return False
+    ok, why = gg.tma_supported(torch.device(args.device))
+    if not ok:
+        print(f"TMA rows skipped: {why}")
+    return ok
+
+
 def gemm(args, timer):
     rows = []
-    print(f"\n2. grouped GEMM, R = {args.R} rows over E = {args.E} groups ({args.dtype_name}); TFLOP/s, and x = "
-          "time of the dense cuBLAS GEMM of equal FLOPs / this time")
-    print(f"{'shape':>10} {'skew':>9} {'op':>6} {'triton':>14} {'_grouped_mm':>14} {'dense cuBLAS':>12}")
+    tma = args.tma
+    print(f"\n2. grouped GEMM, R = {args.R} rows over E = {args.E} groups ({args.dtype_name}); TFLOP/s, x dense = "
+          "time of the dense cuBLAS GEMM of equal FLOPs / this time, x gmm = time of torch._grouped_mm / this time")
+    impls = ["triton"] + (["triton_tma"] if tma else [])
+    print(f"{'shape':>10} {'skew':>9} {'op':>6} " + " ".join(f"{n:>20}" for n in impls) +
+          f" {'_grouped_mm':>14} {'dense cuBLAS':>12}")
     for N, K, shape in ((4 * args.C, args.C, "c_fc"), (args.C, 4 * args.C, "c_proj")):
         for skew in args.skews:
-            res = gg.bench_gemm(args.R, args.E, N, K, skew, args.dtype, args.device, timer)
+            res = gg.bench_gemm(args.R, args.E, N, K, skew, args.dtype, args.device, timer, tma=tma)
             rows += [dict(r, section="gemm", shape=shape) for r in res]
             by = {(r["op"], r["impl"]): r for r in res}
             for op in ("fwd", "dgrad", "wgrad"):
@@ -115,10 +139,15 @@ def gemm(args, timer):
                     r = by.get((op, impl))
                     if r is None or "ms" not in r:
                         return f"{'n/a' if r is None else 'error':>{width}}"
-                    return f"{r['tflops']:7.0f} {r['vs_dense']:5.2f}x" if impl != "dense_cublas" else \
-                        f"{r['tflops']:{width}.0f}"
-                print(f"{shape:>10} {skew:>9} {op:>6} {cell('triton')} {cell('torch_grouped_mm')} "
-                      f"{cell('dense_cublas', 12)}")
+                    if impl == "dense_cublas":
+                        return f"{r['tflops']:{width}.0f}"
+                    text = f"{r['tflops']:5.0f} {r['vs_dense']:5.2f}x"
+                    if impl.startswith("triton"):  # x _grouped_mm too ('-' where torch lacks it)
+                        gm = r.get("vs_grouped_mm")
+                        text += f" {gm:5.2f}x" if gm is not None else f" {'-':>6}"
+                    return f"{text:>{width}}"
+                print(f"{shape:>10} {skew:>9} {op:>6} " + " ".join(cell(n, 20) for n in impls) +
+                      f" {cell('torch_grouped_mm')} {cell('dense_cublas', 12)}")
     errors = [r for r in rows if "error" in r]
     for r in errors[:3]:
         print(f"  {r['impl']} {r['op']}: {r['error']}")
@@ -149,7 +178,8 @@ def moves(args, timer, copy_gbs):
 def layer(args, timer):
     rows = []
     gmm_ok = hasattr(torch, "_grouped_mm")
-    impls = ["loop", "sorted"] + (["grouped_mm"] if gmm_ok else []) + ["triton"]
+    impls = ["loop", "sorted"] + (["grouped_mm"] if gmm_ok else []) + ["triton"] + \
+        (["triton_tma"] if args.tma else [])
     C, E, k = args.C, args.E, args.k
     print(f"\n4. MoE layer fwd + bwd (C = {C}, E = {E}, top-{k}, dropless, {args.dtype_name} autocast; router, aux "
           "losses and dispatch included)")
@@ -172,17 +202,21 @@ def layer(args, timer):
         t_gemm = timer(gemms_only)
         res = {}
         for impl in impls:
-            m.impl = impl
+            m.impl = "triton" if impl == "triton_tma" else impl
 
             def step():
                 with torch.autocast(args.device, dtype=args.dtype, enabled=args.dtype != torch.float32):
                     y = m(x)
                 y.backward(dy)
+            flag = gg.TMA
+            gg.TMA = impl == "triton_tma"  # the module flag: the layer's fwd / dgrad GEMMs take the TMA kernel
             try:
                 res[impl] = timer(step)
             except Exception as exc:  # noqa: BLE001  (e.g. _grouped_mm unsupported here: report, keep the table)
                 rows.append(dict(section="layer", impl=impl, tokens=N, error=f"{type(exc).__name__}: {exc}"[:200]))
                 print(f"{N:>7} {impl:>11} error: {rows[-1]['error']}")
+            finally:
+                gg.TMA = flag
         for impl, ms in res.items():
             row = dict(section="layer", impl=impl, tokens=N, C=C, E=E, k=k, ms=ms, speedup_vs_loop=res["loop"] / ms,
                        tflops=flops / ms / 1e9, over_gemms=ms / t_gemm)
@@ -202,6 +236,7 @@ def parse(argv=None):
     p.add_argument("--quick", action="store_true", help="the layer at 32768 tokens only")
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes (checks the script)")
     p.add_argument("--sections", default="parity,gemm,moves,layer")
+    p.add_argument("--no-tma", action="store_true", help="no rows for the grouped GEMM's TMA kernel")
     p.add_argument("--out", help="append JSON lines here")
     args = p.parse_args(argv)
     args.E, args.k = 8, 2
@@ -228,6 +263,7 @@ def main(argv=None):
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (interpreter)"
     print(f"{device_name}, torch {torch.__version__}, {datetime.date.today()}")
     sections = args.sections.split(",")
+    args.tma = tma_rows(args)
     rows = []
     if "parity" in sections:
         rows += parity(args)

@@ -22,6 +22,10 @@ cdiv(R, BLOCK_M) + E m tiles: the extra programs return at once). The weight gra
 same dy tiles. All accumulate in fp32; dw and db are written in the parameters' dtype (fp32 master weights get fp32
 grads, no cast pass). Autotuned per (N, K, rows rounded up to a power of 2) on the GPU; bf16 there (fp16 works
 too). In the interpreter tl.dot on bf16 is wrong (shared/TRITON_CPU.md), so CPU tests use fp32/fp16.
+TMA variant (opt-in, unmeasured: `TMA` / NANOPARA_GROUPED_TMA=1, or grouped_fwd / grouped_dgrad(tma=True)):
+_grouped_mm_tma_kernel, the same forward / dgrad with x, w and the outputs moved by device-side TMA descriptors
+(per group for x and the outputs: shape (rows of the group, width) from its first row, so partial tiles neither
+read nor write another group's rows), persistent over tiles numbered group by group; sm_90+ (and the interpreter).
 
 FP8 (kernels/grouped_gemm_fp8.py): the same forward/dgrad kernel with SCALED: e4m3 operands, a scale per row of
 A and per (group, output column) of B applied before the bias and the epilogue.
@@ -40,10 +44,14 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.launch import cdiv, fast, next_pow2
+from kernels.launch import cdiv, fast, next_pow2, tma_scratch
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MAX_E = 1024  # experts held in registers by every program (the tile -> group search)
+# The TMA variant of the forward / dgrad kernel (_grouped_mm_tma_kernel) for calls that pass tma=None (the autograd
+# Functions, so the MoE layer): off by default until a GPU run has measured it (bench/bench_moe.py). Set it with
+# NANOPARA_GROUPED_TMA=1 or by assigning this flag; grouped_fwd / grouped_dgrad(tma=True / False) override it.
+TMA = os.environ.get("NANOPARA_GROUPED_TMA", "0") == "1"
 
 
 def grouped_linear_ref(x, w, bias, offsets):
@@ -86,12 +94,17 @@ def _gelu_tanh_grad(x):
 def _configs(kind):
     if _INTERPRET:  # 16 is tl.dot's smallest tile; 2 programs on one "SM": the persistent loop runs
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2,
-                               **({"PROGRAMS_PER_SM": 2} if kind == "mm" else {})}, num_warps=4)]
+                               **({"PROGRAMS_PER_SM": 2} if kind in ("mm", "mm_tma") else {})}, num_warps=4)]
     if kind == "mm":  # (BM, BN, BK, warps, stages): the usual Hopper bf16 tiles, persistent or not
         tiles = ((128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3),
                  (64, 128, 64, 4, 4))
         return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "PROGRAMS_PER_SM": p},
                               num_warps=w, num_stages=s) for m, n, k, w, s in tiles for p in (0, 1)]
+    if kind == "mm_tma":  # (BM, BN, BK, warps, stages), always persistent: one program per SM
+        tiles = ((128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 4, 3), (128, 128, 64, 4, 4),
+                 (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3), (128, 64, 64, 4, 4))
+        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "PROGRAMS_PER_SM": 1},
+                              num_warps=w, num_stages=s) for m, n, k, w, s in tiles]
     # wgrad: BLOCK_M is the reduction over a group's rows; (BN, BK) the dw tile
     tiles = ((64, 128, 128, 4, 4), (64, 128, 256, 8, 3), (64, 256, 128, 8, 3), (32, 128, 128, 4, 4),
              (128, 128, 128, 8, 3))
@@ -176,6 +189,90 @@ def _grouped_mm_kernel(A, B, BIAS, C, PRE, SA, SB, OFFSETS, N, K, E, R_BUCKET,
                  HAS_BIAS, EPILOGUE, INPUT_PRECISION, SCALED, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
+@triton.jit
+def _store_halves(desc, row, col, x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A (BLOCK_M, BLOCK_N) tile through a TMA descriptor of block (BLOCK_M, BLOCK_N // 2): two half-width stores,
+    so the shared-memory staging tile is half as large (room for 3-4 stages of 128 x 256 x 64 operand tiles)."""
+    x0, x1 = tl.split(tl.permute(tl.reshape(x, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+    desc.store([row, col], x0)
+    desc.store([row, col + BLOCK_N // 2], x1)
+
+
+@triton.autotune(configs=_configs("mm_tma"), key=["N", "K", "R_BUCKET", "EPILOGUE"])
+@triton.jit
+def _grouped_mm_tma_kernel(A, B, BIAS, C, PRE, OFFSETS, N, K, E, R_BUCKET,
+                           stride_am, stride_be, stride_bd1, stride_biase, stride_cm, stride_pm,
+                           HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                           TRANS_B: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           GROUP_M: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr):  # PROGRAMS_PER_SM: grid only
+    """_grouped_mm_kernel's forward / dgrad (no SCALED) with A, B, C (and the GELU pre-activation's store) moved by
+    TMA descriptors made on the device. B: the weights w as one 3-D descriptor, read in (1, BN, BK) blocks of
+    w[e] (TRANS_B, forward: w (E, N, K), transposed in the dot) or (1, BK, BN) blocks (dgrad: w (E, K, N) here).
+    Per group e, the A and C descriptors start at the group's first row and are (rows of e, K) and (rows of e, N):
+    the TMA unit zero-fills the rows (and K columns) past their ends and drops stores past them, so a group's last,
+    partial m tile neither reads nor writes another group's rows, with no masks in the K loop.
+    Schedule: persistent, grid = PROGRAMS_PER_SM x SMs programs. The tiles are numbered group by group (group e's
+    m_tiles x num_n tiles in GROUP_M-swizzled order, after those of the groups before it) and program p takes tiles
+    p, p + P, p + 2P, ...: every wave of P tiles keeps all SMs busy up to the single partial wave at the very end,
+    whatever the group sizes, and a wave's tiles are mostly one group's (its weight tile stays in L2). A program
+    makes a group's descriptors once, and only if it has a tile in that group (empty groups make none)."""
+    if TRANS_B:
+        b_desc = tl.make_tensor_descriptor(B, shape=[E, N, K], strides=[stride_be, stride_bd1, 1],
+                                           block_shape=[1, BLOCK_N, BLOCK_K])
+    else:
+        b_desc = tl.make_tensor_descriptor(B, shape=[E, K, N], strides=[stride_be, stride_bd1, 1],
+                                           block_shape=[1, BLOCK_K, BLOCK_N])
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n
+    tile_start = pid * 0  # first tile (global number) of group e
+    for e in range(E):
+        g_start = tl.load(OFFSETS + e)
+        rows = tl.load(OFFSETS + e + 1) - g_start
+        m_tiles = tl.cdiv(rows, BLOCK_M)
+        tile_end = tile_start + m_tiles * num_n
+        first = tile_start + (pid - tile_start % P + P) % P  # this program's first tile number >= tile_start
+        if first < tile_end:
+            a_desc = tl.make_tensor_descriptor(A + g_start.to(tl.int64) * stride_am, shape=[rows, K],
+                                               strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
+            c_desc = tl.make_tensor_descriptor(C + g_start.to(tl.int64) * stride_cm, shape=[rows, N],
+                                               strides=[stride_cm, 1], block_shape=[BLOCK_M, BLOCK_N // 2])
+            if EPILOGUE == 1:
+                p_desc = tl.make_tensor_descriptor(PRE + g_start.to(tl.int64) * stride_pm, shape=[rows, N],
+                                                   strides=[stride_pm, 1], block_shape=[BLOCK_M, BLOCK_N // 2])
+            for tile in range(first, tile_end, P):
+                local = tile - tile_start
+                first_m = (local // width) * GROUP_M  # GROUP_M m tiles share a sweep over the n tiles (L2 reuse)
+                size_m = tl.minimum(m_tiles - first_m, GROUP_M)
+                m0 = (first_m + (local % width) % size_m) * BLOCK_M  # row within the group
+                n0 = ((local % width) // size_m) * BLOCK_N
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    a = a_desc.load([m0, k0])
+                    if TRANS_B:
+                        b = tl.trans(tl.reshape(b_desc.load([e, n0, k0]), [BLOCK_N, BLOCK_K]))
+                    else:
+                        b = tl.reshape(b_desc.load([e, k0, n0]), [BLOCK_K, BLOCK_N])
+                    acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+                cols = n0 + tl.arange(0, BLOCK_N)
+                if HAS_BIAS:
+                    acc += tl.load(BIAS + e * stride_biase + cols, mask=cols < N,
+                                   other=0.0).to(tl.float32)[None, :]
+                if EPILOGUE == 1:  # GELU: keep the pre-activation (rounded as stored: the backward reads it)
+                    pre = acc.to(C.dtype.element_ty)
+                    _store_halves(p_desc, m0, n0, pre, BLOCK_M, BLOCK_N)
+                    acc = _gelu_tanh(pre.to(tl.float32))
+                elif EPILOGUE == 2:  # GELU backward: the gradient at gelu's input (PRE read through pointers)
+                    r = m0 + tl.arange(0, BLOCK_M)
+                    pre = tl.load(PRE + (g_start + r).to(tl.int64)[:, None] * stride_pm + cols[None, :],
+                                  mask=(r < rows)[:, None] & (cols < N)[None, :], other=0.0).to(tl.float32)
+                    acc = acc * _gelu_tanh_grad(pre)
+                _store_halves(c_desc, m0, n0, acc.to(C.dtype.element_ty), BLOCK_M, BLOCK_N)
+        tile_start = tile_end
+
+
 @triton.autotune(configs=_configs("wgrad"), key=["N", "K", "R_BUCKET"])
 @triton.jit
 def _grouped_wgrad_kernel(DY, X, OFFSETS, DW, DB, N, K, R_BUCKET,
@@ -216,13 +313,59 @@ def _grouped_wgrad_kernel(DY, X, OFFSETS, DW, DB, N, K, R_BUCKET,
 # ---------------------------------------------------------------------------------------------------------------
 # Launchers (kernels/launch.py: after the first call per specialization, the compiled binaries launch directly)
 
-_mm, _wgrad = fast(_grouped_mm_kernel), fast(_grouped_wgrad_kernel)
+_mm, _wgrad, _mm_tma = fast(_grouped_mm_kernel), fast(_grouped_wgrad_kernel), fast(_grouped_mm_tma_kernel)
 _EPILOGUE = {None: 0, "gelu": 1, "gelu_grad": 2}
 
 
 @functools.lru_cache(maxsize=None)
 def _sm_count(device):
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device):
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
+
+
+def tma_supported(device):
+    """(ok, reason): whether the TMA variant can run on `device`. Tensor descriptors made on the device need TMA
+    hardware (sm_90 Hopper or newer); the interpreter (TRITON_INTERPRET=1, CPU tests) emulates them."""
+    device = torch.device(device)
+    if _INTERPRET:
+        return True, "Triton interpreter (emulated TMA)"
+    if device.type != "cuda":
+        return False, f"{device.type}: the Triton kernels need CUDA (or TRITON_INTERPRET=1)"
+    major, minor = _capability(device)
+    if major < 9:
+        return False, f"sm_{major}{minor}: TMA descriptors need sm_90 (Hopper) or newer"
+    return True, f"sm_{major}{minor}"
+
+
+def _tma_why_not(a, w, N):
+    """None if a (R, K), w (E, ., .) and the (R, N) outputs fit TMA descriptors, else why not: unit stride along
+    the last dimension, 16-byte aligned bases and other strides (each group's descriptors start at a row of a and
+    c, so the row strides' alignment keeps every group's base aligned too)."""
+    for name, t in (("x", a), ("w", w)):
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1]):
+            return f"{name} {tuple(t.shape)} strides {t.stride()}: TMA needs unit stride along the last dimension " \
+                   "and 16-byte aligned base and strides"
+    if N * a.element_size() % 16:
+        return f"output rows of {N} x {a.element_size()} bytes are not 16-byte multiples"
+    return None
+
+
+def _use_tma(tma, a, w, N):
+    """tma: True (the TMA kernel, ValueError where it cannot run), False (the pointer kernel), None (the module
+    flag TMA, falling back to the pointer kernel where TMA cannot run)."""
+    if not (TMA if tma is None else tma):
+        return False
+    ok, why = tma_supported(a.device)
+    if ok:
+        why = _tma_why_not(a, w, N)
+        ok = why is None
+    if not ok and tma:
+        raise ValueError(f"grouped GEMM with tma=True: {why}")
+    return ok
 
 
 def _bucket(R):
@@ -275,27 +418,61 @@ def _launch_mm(a, b, stride_be, stride_bk, stride_bn, bias, offsets, N, K, epilo
     return c, pre
 
 
-def grouped_fwd(x, w, bias, offsets, gelu=False):
+def _launch_mm_tma(a, w, trans_b, bias, offsets, N, K, epilogue, pre=None):
+    """_launch_mm through _grouped_mm_tma_kernel (16-bit or fp32 operands, no FP8 scales). w (E, N, K) with
+    trans_b (forward), (E, K, N) without (dgrad); a contiguous, _tma_why_not(a, w, N) None.
+    Device-side descriptors (tl.make_tensor_descriptor) are written by each program into a global scratch buffer
+    (128 bytes a descriptor) that Triton's launcher asks `triton.set_allocator`'s allocator for; that allocator is a
+    ContextVar, per thread (the autograd engine runs the backward on a thread of its own), so it is set here, on
+    every call, and only for this kernel's launches (the pointer kernels need no scratch). The interpreter makes
+    its descriptors on the host and needs none."""
+    R, E = a.shape[0], offsets.shape[0] - 1
+    c = torch.empty(R, N, dtype=a.dtype, device=a.device)
+    if epilogue == "gelu":
+        pre = torch.empty_like(c)
+    if R > 0 and N > 0 and E > 0:
+        if a.is_cuda:
+            triton.set_allocator(tma_scratch)
+
+        def grid(meta):  # persistent: at most PROGRAMS_PER_SM per SM, never more than a bound on the tiles
+            tiles = (cdiv(R, meta["BLOCK_M"]) + E) * cdiv(N, meta["BLOCK_N"])
+            return (max(1, min(tiles, meta["PROGRAMS_PER_SM"] * _sm_count(a.device))),)
+        _mm_tma[grid](a, w, bias, c, pre, offsets, N, K, E, _bucket(R), a.stride(0), w.stride(0), w.stride(1),
+                      0 if bias is None else bias.stride(0), c.stride(0), 0 if pre is None else pre.stride(0),
+                      HAS_BIAS=bias is not None, EPILOGUE=_EPILOGUE[epilogue], INPUT_PRECISION=_precision(a.dtype),
+                      TRANS_B=trans_b)
+    return c, pre
+
+
+def grouped_fwd(x, w, bias, offsets, gelu=False, tma=None):
     """y = x @ w[e]^T + bias[e] per group, (R, N) in x's dtype (rows past offsets[E] unwritten). gelu: returns
-    (gelu_tanh(y), y), else (y, None)."""
+    (gelu_tanh(y), y), else (y, None). tma: _use_tma (None: the module flag TMA)."""
     _check(x, w, offsets, "grouped_fwd")
     E, N, K = w.shape
     if x.shape[1] != K or (bias is not None and bias.shape != (E, N)):
         raise ValueError(f"grouped_fwd: x {tuple(x.shape)}, w {tuple(w.shape)}, bias "
                          f"{None if bias is None else tuple(bias.shape)} do not fit")
-    return _launch_mm(x, w, w.stride(0), w.stride(2), w.stride(1), bias, offsets, N, K, "gelu" if gelu else None)
+    epilogue = "gelu" if gelu else None
+    x = x.contiguous()
+    if _use_tma(tma, x, w, N):
+        return _launch_mm_tma(x, w, True, bias, offsets, N, K, epilogue)
+    return _launch_mm(x, w, w.stride(0), w.stride(2), w.stride(1), bias, offsets, N, K, epilogue)
 
 
-def grouped_dgrad(dy, w, offsets, pre=None):
-    """dx = dy @ w[e] per group, (R, K); with pre (the forward's GELU input): dx * gelu'(pre) instead."""
+def grouped_dgrad(dy, w, offsets, pre=None, tma=None):
+    """dx = dy @ w[e] per group, (R, K); with pre (the forward's GELU input): dx * gelu'(pre) instead.
+    tma: _use_tma (None: the module flag TMA)."""
     _check(dy, w, offsets, "grouped_dgrad")
     E, N, K = w.shape
     if dy.shape[1] != N:
         raise ValueError(f"grouped_dgrad: dy {tuple(dy.shape)} does not fit w {tuple(w.shape)}")
     if pre is not None:
         pre = pre.contiguous()
-    return _launch_mm(dy, w, w.stride(0), w.stride(1), w.stride(2), None, offsets, K, N,
-                      None if pre is None else "gelu_grad", pre)[0]
+    epilogue = None if pre is None else "gelu_grad"
+    dy = dy.contiguous()
+    if _use_tma(tma, dy, w, K):
+        return _launch_mm_tma(dy, w, False, None, offsets, K, N, epilogue, pre)[0]
+    return _launch_mm(dy, w, w.stride(0), w.stride(1), w.stride(2), None, offsets, K, N, epilogue, pre)[0]
 
 
 def grouped_wgrad(dy, x, offsets, dtype=None, bias=True):
@@ -413,9 +590,11 @@ def _median_ms(fn):
     return triton.testing.do_bench(fn, return_mode="median")
 
 
-def bench_gemm(R, E, N, K, skew, dtype=torch.bfloat16, device="cuda", timer=_median_ms):
+def bench_gemm(R, E, N, K, skew, dtype=torch.bfloat16, device="cuda", timer=_median_ms, tma=False):
     """TFLOP/s rows of fwd / dgrad / wgrad (ours), torch._grouped_mm (where it exists) and one dense cuBLAS GEMM of
-    the same FLOPs, at R rows over E groups, w (E, N, K). `timer(fn)` -> ms."""
+    the same FLOPs, at R rows over E groups, w (E, N, K). `timer(fn)` -> ms. tma: also fwd / dgrad through the TMA
+    kernel (impl "triton_tma"; the caller checks tma_supported). Rows get vs_dense and vs_grouped_mm (time of
+    that baseline / this time: > 1 is faster)."""
     torch.manual_seed(0)
     offs = offsets_of(group_sizes(R, E, skew), device)
     x = torch.randn(R, K, device=device, dtype=dtype)
@@ -424,13 +603,16 @@ def bench_gemm(R, E, N, K, skew, dtype=torch.bfloat16, device="cuda", timer=_med
     wd = torch.randn(N, K, device=device, dtype=dtype) / K ** 0.5
     flops = 2 * R * N * K
     cases = {
-        ("fwd", "triton"): lambda: grouped_fwd(x, w, None, offs),
+        ("fwd", "triton"): lambda: grouped_fwd(x, w, None, offs, tma=False),
         ("fwd", "dense_cublas"): lambda: x @ wd.t(),
-        ("dgrad", "triton"): lambda: grouped_dgrad(dy, w, offs),
+        ("dgrad", "triton"): lambda: grouped_dgrad(dy, w, offs, tma=False),
         ("dgrad", "dense_cublas"): lambda: dy @ wd,
         ("wgrad", "triton"): lambda: grouped_wgrad(dy, x, offs, bias=False),
         ("wgrad", "dense_cublas"): lambda: dy.t() @ x,
     }
+    if tma:
+        cases[("fwd", "triton_tma")] = lambda: grouped_fwd(x, w, None, offs, tma=True)
+        cases[("dgrad", "triton_tma")] = lambda: grouped_dgrad(dy, w, offs, tma=True)
     gmm = getattr(torch, "_grouped_mm", None)
     if gmm is not None:
         ends = offs[1:]
@@ -447,10 +629,11 @@ def bench_gemm(R, E, N, K, skew, dtype=torch.bfloat16, device="cuda", timer=_med
             rows.append(dict(row, error=f"{type(exc).__name__}: {str(exc)[:120]}"))
             continue
         rows.append(dict(row, ms=ms, tflops=flops / ms / 1e9))
-    dense = {r["op"]: r["ms"] for r in rows if r["impl"] == "dense_cublas" and "ms" in r}
-    for r in rows:
-        if "ms" in r and r["op"] in dense:
-            r["vs_dense"] = dense[r["op"]] / r["ms"]  # > 1: faster than the dense GEMM of the same FLOPs
+    for base, field in (("dense_cublas", "vs_dense"), ("torch_grouped_mm", "vs_grouped_mm")):
+        ms = {r["op"]: r["ms"] for r in rows if r["impl"] == base and "ms" in r}
+        for r in rows:
+            if "ms" in r and r["op"] in ms:
+                r[field] = ms[r["op"]] / r["ms"]  # > 1: faster than that baseline
     return rows
 
 
@@ -485,10 +668,13 @@ def main():
         raise SystemExit("the benchmark needs a CUDA GPU (tests run the kernels on CPU: pytest tests/test_moe.py)")
     _parity()
     out = open(args.out, "a") if args.out else None
+    tma, why = tma_supported(torch.device("cuda"))
+    if not tma:
+        print(f"no TMA rows: {why}")
     print(f"{'op':>6} {'impl':>17} {'R':>6} {'E':>3} {'N':>5} {'K':>5} {'skew':>9} {'ms':>8} {'TFLOP/s':>8}")
     for R, E, N, K in ((65536, 8, 3072, 768), (65536, 8, 768, 3072)):
         for skew in ("balanced", "skewed"):
-            for r in bench_gemm(R, E, N, K, skew):
+            for r in bench_gemm(R, E, N, K, skew, tma=tma):
                 if "error" in r:
                     print(f"{r['op']:>6} {r['impl']:>17} {r['error']}")
                     continue

@@ -212,6 +212,95 @@ def test_grouped_linear_and_wgrad_of_empty_groups():
     assert (wa.grad[[0, 2]] == 0).all() and (ba.grad[[0, 2]] == 0).all()
 
 
+# the TMA kernel (_grouped_mm_tma_kernel): the interpreter emulates tensor descriptors (zero fill past a descriptor's
+# shape, stores clipped to it), so its schedule and per-group descriptors run here; 16 x 16 x 16 tiles, 2 programs
+TMA_CASES = [  # sizes, dtype, bias; K = 40, N = 24: neither a multiple of the 16-wide tiles
+    ([5, 0, 20, 1, 11], torch.float32, True),  # an empty group, a 1-row group, partial m tiles
+    ([37, 0, 0], torch.float16, True),  # one group holds every row
+    ([0, 13, 0, 30], torch.float32, False),  # empty first group, no bias
+    ([40, 3, 0, 33], torch.float32, True),  # 18 tiles over 2 programs: the persistent loop crosses groups
+    ([0, 0, 0], torch.float32, True),  # no rows at all
+]
+
+
+@pytest.mark.parametrize("sizes,dtype,bias", TMA_CASES)
+def test_grouped_tma_matches_reference(sizes, dtype, bias):
+    E, K, N = len(sizes), 40, 24
+    offsets = gg.offsets_of(sizes, "cpu")
+    used = sum(sizes)
+    R = used + 3  # unused buffer rows past offsets[E]
+    x = torch.randn(R, K, generator=_gen(1)).to(dtype)
+    w = (0.2 * torch.randn(E, N, K, generator=_gen(2))).to(dtype)
+    b = torch.randn(E, N, generator=_gen(3)).to(dtype) if bias else None
+    dy = torch.randn(R, N, generator=_gen(4)).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 5e-3
+
+    def check(got, want, ptr):
+        assert got.dtype == dtype and got.shape == ptr.shape == (R, want.shape[1])
+        if used:
+            assert _max_rel(got[:used], want[:used]) <= tol, _max_rel(got[:used], want[:used])
+            assert _max_rel(got[:used], ptr[:used].double()) <= tol  # the pointer kernel agrees
+
+    h_ref = gg.grouped_linear_ref(x.double(), w.double(), None if b is None else b.double(), offsets)
+    y, none = gg.grouped_fwd(x, w, b, offsets, tma=True)
+    assert none is None
+    check(y, h_ref, gg.grouped_fwd(x, w, b, offsets, tma=False)[0])
+    g, h = gg.grouped_fwd(x, w, b, offsets, gelu=True, tma=True)
+    g_ptr, h_ptr = gg.grouped_fwd(x, w, b, offsets, gelu=True, tma=False)
+    check(h, h_ref, h_ptr)
+    check(g, torch.nn.functional.gelu(h[:used].double(), approximate="tanh"), g_ptr)  # gelu of the stored h
+    dx_ref = gg.grouped_linear_ref(dy.double(), w.double().transpose(1, 2), None, offsets)  # dy @ w[e]
+    check(gg.grouped_dgrad(dy, w, offsets, tma=True), dx_ref, gg.grouped_dgrad(dy, w, offsets, tma=False))
+    pre = torch.randn(R, K, generator=_gen(5)).to(dtype)  # a GELU input of dx's shape (R, K)
+    p = pre[:used].double().requires_grad_()
+    slope, = torch.autograd.grad(torch.nn.functional.gelu(p, approximate="tanh").sum(), p)
+    check(gg.grouped_dgrad(dy, w, offsets, pre=pre, tma=True), dx_ref[:used] * slope,
+          gg.grouped_dgrad(dy, w, offsets, pre=pre, tma=False))
+
+
+def test_grouped_mlp_takes_the_tma_kernel_under_the_flag(monkeypatch):
+    """gg.TMA (NANOPARA_GROUPED_TMA=1) sends the autograd Functions' fwd and dgrad GEMMs to the TMA kernel."""
+    calls = []
+    launch = gg._launch_mm_tma
+    monkeypatch.setattr(gg, "_launch_mm_tma", lambda *a, **k: calls.append(a[2]) or launch(*a, **k))
+    monkeypatch.setattr(gg, "TMA", True)
+    sizes = [5, 0, 20, 1, 11]
+    E, C, H = len(sizes), 24, 40
+    offsets = gg.offsets_of(sizes, "cpu")
+    used = sum(sizes)
+    x = torch.randn(used + 3, C, generator=_gen(1))
+    params = _mlp_params(E, C, H, True)
+    dy = torch.randn(used + 3, C, generator=_gen(2))
+    got = _run_mlp(gg.grouped_mlp_triton, x, params, offsets, dy, used)
+    want = _run_mlp(gg.grouped_mlp_ref, x.double(), [p.double() for p in params], offsets, dy.double(), used)
+    assert sorted(calls) == [False, False, True, True]  # 2 forwards (trans_b), 2 dgrads
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert _max_rel(a, b) <= 1e-5, (i, _max_rel(a, b))
+
+
+def test_grouped_tma_host_checks(monkeypatch):
+    """tma=True raises where descriptors cannot be made; tma=None (the flag) falls back to the pointer kernel."""
+    offsets = gg.offsets_of([3, 4], "cpu")
+    x = torch.randn(7, 40, generator=_gen(1))
+    w_t = torch.randn(2, 40, 24, generator=_gen(2)).transpose(1, 2)  # (E, N, K) with K not the unit stride
+    with pytest.raises(ValueError, match="unit stride"):
+        gg.grouped_fwd(x, w_t, None, offsets, tma=True)
+    x37, w37 = torch.randn(7, 37, generator=_gen(1)), torch.randn(2, 24, 37, generator=_gen(2))  # 148-byte rows
+    with pytest.raises(ValueError, match="16-byte"):
+        gg.grouped_fwd(x37, w37, None, offsets, tma=True)
+    with pytest.raises(ValueError, match="16-byte multiples"):  # aligned operands, but (R, 3) fp32 output rows
+        gg.grouped_fwd(x, torch.randn(2, 3, 40, generator=_gen(3)), None, offsets, tma=True)
+    monkeypatch.setattr(gg, "TMA", True)
+    monkeypatch.setattr(gg, "_launch_mm_tma", None)  # never reached: the flag falls back
+    want = gg.grouped_linear_ref(x37.double(), w37.double(), None, offsets)
+    assert _max_rel(gg.grouped_fwd(x37, w37, None, offsets)[0], want) <= 1e-5
+    assert gg.tma_supported("cpu")[0]  # the interpreter emulates TMA
+    monkeypatch.setattr(gg, "_INTERPRET", False)
+    ok, why = gg.tma_supported("cpu")
+    assert not ok and "CUDA" in why
+    assert gg._use_tma(None, x, w_t, 24) is False
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the MoE block against the per-expert loop
 
@@ -498,3 +587,31 @@ def test_triton_moe_bf16_error_within_twice_torch(capacity):
         errs[impl] = [_max_rel(a.float(), b.double()) for a, b in zip(got, ref)]
     for i, (e_t, e_s) in enumerate(zip(errs["triton"], errs["sorted"])):
         assert e_t <= 2 * e_s + 1e-3, (i, errs)
+
+
+@pytest.mark.gpu
+def test_grouped_tma_bf16_matches_pointer_kernel():
+    """The TMA kernel against the pointer kernel and an fp32 reference in bf16 at c_fc's shape (N = 3072,
+    K = 768; dgrad: 768 x 3072), E = 8 with empty groups and partial tiles: fwd (bias, GELU) and dgrad (GELU')."""
+    if not gg.tma_supported(torch.device("cuda"))[0]:
+        pytest.skip(gg.tma_supported(torch.device("cuda"))[1])
+    sizes = [1500, 0, 1001, 3, 0, 900, 599, 90]  # 4093 rows: 3 unused buffer rows
+    E, N, K, R, used = 8, 3072, 768, 4096, sum(sizes)
+    offsets = gg.offsets_of(sizes, "cuda")
+    x = torch.randn(R, K, generator=_gen(1)).cuda().bfloat16()
+    w = (torch.randn(E, N, K, generator=_gen(2)) / K ** 0.5).cuda().bfloat16()
+    b = (0.1 * torch.randn(E, N, generator=_gen(3))).cuda().bfloat16()
+    dy = torch.randn(R, N, generator=_gen(4)).cuda().bfloat16()
+    g_t, h_t = gg.grouped_fwd(x, w, b, offsets, gelu=True, tma=True)
+    g_p, h_p = gg.grouped_fwd(x, w, b, offsets, gelu=True, tma=False)
+    h_ref = gg.grouped_linear_ref(x.float(), w.float(), b.float(), offsets)[:used]
+    p = h_p[:used].float().requires_grad_()
+    g_ref = torch.nn.functional.gelu(p, approximate="tanh")
+    slope, = torch.autograd.grad(g_ref.sum(), p)
+    dx_ref = gg.grouped_linear_ref(dy.float(), w.float().transpose(1, 2), None, offsets)[:used] * slope
+    dx_t = gg.grouped_dgrad(dy, w, offsets, pre=h_p, tma=True)
+    dx_p = gg.grouped_dgrad(dy, w, offsets, pre=h_p, tma=False)
+    for name, got, ptr, ref in (("h", h_t, h_p, h_ref), ("g", g_t, g_p, g_ref.detach()), ("dx", dx_t, dx_p, dx_ref)):
+        e_t, e_p = _max_rel(got[:used].float(), ref.double()), _max_rel(ptr[:used].float(), ref.double())
+        assert e_t <= 2 * e_p + 1e-3, (name, e_t, e_p)
+        assert _max_rel(got[:used].float(), ptr[:used].double()) <= 1e-2, name
