@@ -15,7 +15,7 @@
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 PY=${PY:-python3}
-export PYTHONUNBUFFERED=1 TIKTOKEN_CACHE_DIR=$PWD/.carry/data/tiktoken_cache
+export PYTHONUNBUFFERED=1 TIKTOKEN_CACHE_DIR=$PWD/.carry/data/tiktoken_cache NANOPARA_MIRROR=${NANOPARA_MIRROR:-$PWD/.carry/data}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 for s in "$@"; do
   case $s in
