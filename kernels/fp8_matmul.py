@@ -40,6 +40,7 @@ from kernels.fp8_quant import BLOCK, _cdiv, _next_pow2, block_of, fp8_dequantize
 from kernels.launch import fast, tma_scratch
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+FORCE_TMA = None  # tests: True / False overrides fp8_matmul_triton's tma=None choice (the interpreter runs TMA too)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -175,6 +176,7 @@ def _fp8_matmul_kernel(A, B, C, BIAS, SA, SB, M, N, K, M_BUCKET,
                 b = tl.load(B + rows_b[:, None].to(tl.int64) * stride_bn + (k0 + offs_k)[None, :],
                             mask=k_ok[None, :], other=0.0)
             if BLOCK_SCALED:  # BLOCK_K == 128: one scale per row of A and per row (block) of B for this K step
+                tl.static_assert(BLOCK_K == 128, "block scales index K steps by ki: BLOCK_K must be the 128 block")
                 sa = tl.load(SA + rows_a * stride_sam + ki * stride_sak)
                 if B_SCALE_ROWS % BLOCK_N == 0:  # one 128x128 block of B spans the tile: one scalar, one FMA
                     sb = tl.load(SB + (pid_n * BLOCK_N // B_SCALE_ROWS) * stride_sbn + ki * stride_sbk)
@@ -255,7 +257,8 @@ def _tma_ok(*ts):
 def fp8_matmul_triton(a, b, a_scale, b_scale, bias=None, out_dtype=torch.bfloat16, fast_accum=True, out=None,
                       tma=None):
     """The Triton kernel on any device (CPU tensors need TRITON_INTERPRET=1). out: an (M, N) tensor to write into
-    (unit column stride), else a new one of out_dtype. tma: None = where the GPU and the strides allow."""
+    (unit column stride), else a new one of out_dtype. tma: None = where the GPU and the strides allow (or
+    FORCE_TMA where a test set it)."""
     block_scaled, b_rows, (sam, sak, sbn, sbk) = _scaling(a, b, a_scale, b_scale)
     M, K = a.shape
     N = b.shape[0]
@@ -275,7 +278,8 @@ def fp8_matmul_triton(a, b, a_scale, b_scale, bias=None, out_dtype=torch.bfloat1
     if K == 0:
         return out.copy_(torch.zeros(M, N, device=a.device) + (0 if bias is None else bias.float()))
     if tma is None:
-        tma = (not _INTERPRET and _capability(a.device)[0] >= 9 and _tma_ok(a, b, out))
+        tma = FORCE_TMA if FORCE_TMA is not None else (
+            not _INTERPRET and _capability(a.device)[0] >= 9 and _tma_ok(a, b, out))
     if tma and a.is_cuda:
         triton.set_allocator(tma_scratch)
     tiles = lambda meta: _cdiv(M, meta["BLOCK_M"]) * _cdiv(N, meta["BLOCK_N"])  # noqa: E731  (host ints: fp8_quant)

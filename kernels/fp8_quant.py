@@ -110,9 +110,18 @@ def block_of(s, R, C):
 # Triton helpers: NaN-propagating max, scales, the saturating cast
 
 
+# NaN-propagating max / min as compares and selects, not tl.maximum / tl.minimum(propagate_nan=ALL): those lower
+# to PTX max.NaN / min.NaN, and with them in a kernel Triton can mis-lower the transposed 1-byte store of the same
+# fp8 tile (garbage bytes, NaN / inf in e4m3 / e5m2: triton-lang/triton#11111; notes/fp8.md). NaN in a: a; NaN in
+# b: the compare is false, b. The same values as the max.NaN / min.NaN forms.
 @triton.jit
 def _max_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+    return tl.where((a > b) | (a != a), a, b)
+
+
+@triton.jit
+def _min_nan(a, b):
+    return tl.where((a < b) | (a != a), a, b)
 
 
 @triton.jit
@@ -136,7 +145,7 @@ def _to_fp8(x, DTYPE: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr, B
             SOFT: tl.constexpr):
     """Saturate at +-FP8_MAX (NaN stays NaN) and round to nearest even into DTYPE. SOFT: integer arithmetic instead
     of the hardware cast (the interpreter's own cast is wrong)."""
-    x = _max_nan(tl.minimum(x, FP8_MAX, propagate_nan=tl.PropagateNan.ALL), -FP8_MAX)
+    x = _max_nan(_min_nan(x, FP8_MAX), -FP8_MAX)
     if SOFT:
         a = tl.abs(x)
         bits = a.to(tl.int32, bitcast=True)
@@ -199,7 +208,7 @@ def _cast_kernel(X, Q, QT, S, AMAX, AMAX_OUT, M, K, stride_xm, stride_qm, stride
     if WRITE_Q:
         tl.store(Q + rows[:, None] * stride_qm + cols[None, :], y, mask=mask)
     if WRITE_QT:
-        tl.store(QT + cols[:, None].to(tl.int64) * stride_qtk + rows[None, :], tl.trans(y), mask=tl.trans(mask))
+        tl.store(QT + cols[None, :].to(tl.int64) * stride_qtk + rows[:, None], y, mask=mask)
 
 
 @triton.jit
@@ -239,7 +248,11 @@ def _blocks_kernel(X, Q, S, QT, ST, M, K, stride_xm, stride_qm, stride_qtk, stri
                    SOFT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """One (BLOCK_M, BLOCK_K = 128) tile. TILE_SCALE (128x128, BLOCK_M = 128): one scale, S[pid_m, pid_k]; q and
     (WRITE_QT) q^T share it. Else 1x128: a scale per row, S[m, pid_k]; with WRITE_QT (BLOCK_M = 128) also a scale
-    per column for q^T's 1x128 blocks along the rows, ST[k, pid_m]."""
+    per column for q^T's 1x128 blocks along the rows, ST[k, pid_m]. q^T is stored from the (BLOCK_M, BLOCK_K) tile
+    through transposed addresses (Triton moves it through shared memory for coalesced stores), never tl.trans of an
+    fp8 tile: with min.NaN / max.NaN in the kernel that store is a known Hopper miscompile (garbage bytes; triton-
+    lang/triton#11111; mlc-ai/pith-train#74 saw tl.trans corrupt fp8 tiles by itself), the likely cause of the
+    wrong W^T behind block mode's dgrad NaN at gpt_1b's shapes (notes/fp8.md)."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -252,7 +265,7 @@ def _blocks_kernel(X, Q, S, QT, ST, M, K, stride_xm, stride_qm, stride_qtk, stri
         tl.store(S + pid_m * stride_sm + pid_k * stride_sk, s)
         tl.store(Q + rows[:, None] * stride_qm + cols[None, :], y, mask=mask)
         if WRITE_QT:
-            tl.store(QT + cols[:, None].to(tl.int64) * stride_qtk + rows[None, :], tl.trans(y), mask=tl.trans(mask))
+            tl.store(QT + cols[None, :].to(tl.int64) * stride_qtk + rows[:, None], y, mask=mask)
     else:
         qs, s = _scales(_amax(x, 1), FP8_MAX, POW2)
         tl.store(Q + rows[:, None] * stride_qm + cols[None, :],
@@ -261,8 +274,7 @@ def _blocks_kernel(X, Q, S, QT, ST, M, K, stride_xm, stride_qm, stride_qtk, stri
         if WRITE_QT:
             qs_t, s_t = _scales(_amax(x, 0), FP8_MAX, POW2)
             yt = _to_fp8(x * qs_t[None, :], QT.dtype.element_ty, FP8_MAX, MANT, BIAS, SOFT)
-            tl.store(QT + cols[:, None].to(tl.int64) * stride_qtk + rows[None, :], tl.trans(yt),
-                     mask=tl.trans(mask))
+            tl.store(QT + cols[None, :].to(tl.int64) * stride_qtk + rows[:, None], yt, mask=mask)
             tl.store(ST + cols * stride_stk + pid_m * stride_stm, s_t, mask=cmask)
 
 
