@@ -601,16 +601,17 @@ def test_grouped_tma_bf16_matches_pointer_kernel():
     x = torch.randn(R, K, generator=_gen(1)).cuda().bfloat16()
     w = (torch.randn(E, N, K, generator=_gen(2)) / K ** 0.5).cuda().bfloat16()
     b = (0.1 * torch.randn(E, N, generator=_gen(3))).cuda().bfloat16()
-    dy = torch.randn(R, N, generator=_gen(4)).cuda().bfloat16()
+    w2 = w.transpose(1, 2).contiguous()  # (E, K, N): c_proj's weight, whose dgrad meets c_fc's GELU'
+    dy = torch.randn(R, K, generator=_gen(4)).cuda().bfloat16()
     g_t, h_t = gg.grouped_fwd(x, w, b, offsets, gelu=True, tma=True)
     g_p, h_p = gg.grouped_fwd(x, w, b, offsets, gelu=True, tma=False)
     h_ref = gg.grouped_linear_ref(x.float(), w.float(), b.float(), offsets)[:used]
     p = h_p[:used].float().requires_grad_()
     g_ref = torch.nn.functional.gelu(p, approximate="tanh")
     slope, = torch.autograd.grad(g_ref.sum(), p)
-    dx_ref = gg.grouped_linear_ref(dy.float(), w.float().transpose(1, 2), None, offsets)[:used] * slope
-    dx_t = gg.grouped_dgrad(dy, w, offsets, pre=h_p, tma=True)
-    dx_p = gg.grouped_dgrad(dy, w, offsets, pre=h_p, tma=False)
+    dx_ref = gg.grouped_linear_ref(dy.float(), w2.float().transpose(1, 2), None, offsets)[:used] * slope
+    dx_t = gg.grouped_dgrad(dy, w2, offsets, pre=h_p, tma=True)
+    dx_p = gg.grouped_dgrad(dy, w2, offsets, pre=h_p, tma=False)
     for name, got, ptr, ref in (("h", h_t, h_p, h_ref), ("g", g_t, g_p, g_ref.detach()), ("dx", dx_t, dx_p, dx_ref)):
         e_t, e_p = _max_rel(got[:used].float(), ref.double()), _max_rel(ptr[:used].float(), ref.double())
         assert e_t <= 2 * e_p + 1e-3, (name, e_t, e_p)
