@@ -32,6 +32,12 @@
 #   ep     bench_ep.py: gpt2_moe on 1 GPU, dpN, epN and (N > 2) epN/2 x dp2, one profiled step per layout
 #   train  train.py's own step time (metrics.jsonl, bench/step_times.py) at B=16, one micro-step, on 1 and N GPUs,
 #          this tree and OLD="<dir> ..." (other commits' trees) alternating, twice; needs data/shards/shakespeare
+#   tuned    last: the shipped tuning table plus every kernel choice tuned on this machine, to $OUT (copy it over
+#            kernels/tuned/ and commit, so later fresh machines skip those tunings)
+# Planning a device call (what cost whole calls before): a call returns at most 8 files, so tar $OUT's folders into
+# one; keep the sum of the command's own `timeout`s under the call's limit, or nothing comes back; a fresh machine
+# tunes every kernel shape on first use (FP8 and grouped GEMM layouts spend 1-2 minutes of each process tuning:
+# run `tuned` at the end and commit the table); lanes on one host: CUDA_VISIBLE_DEVICES=0,1 ... (N follows it).
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 lay() {  # LABEL NGPU TRAIN.PY-FLAGS...: one bench_layout.py run of PRESET $P, unless RUNS names others
@@ -202,6 +208,8 @@ m = PRESETS['$P']().model; print(','.join(map(str, b(m.n_layer, 2, 2 * m.padded_
              | grep -v -e Warning -e OMP_NUM | tee "$OUT/cp$N.txt" ;;
     ep)    run $N bench/bench_ep.py --layouts single,dp$N,ep$N$([ $N -gt 2 ] && echo ,ep$((N / 2))) --profile --out "$OUT/ep$N" \
              2>&1 | grep -v -e Warning -e OMP_NUM | tee "$OUT/ep$N.txt" ;;
+    tuned) f=$($PY -m kernels.tuning --export | sed -n 's/.* to \(.*\.json\).*/\1/p')  # shipped table + this machine's
+           [ -n "$f" ] && cp "$f" "$OUT/" && echo "tuning table $(basename "$f") -> \$OUT: copy it over kernels/tuned/" ;;
     *) echo "unknown section $s"; exit 2 ;;
   esac
 done

@@ -12,6 +12,8 @@
 #   posttrain  issue #31: bench/post_train_demo.py $PT_ARGS (runs under /tmp/post_train$PT_TAG; JSON + logs to $OUT)
 #   fp8      FP8 end to end (issue #26): fp8bench (bench/bench_fp8_e2e.py throughput + profile, ~4 min) then
 #            fp8curve (gpt_1b on books, train.fp8=none vs tensor, 1000 steps each, and their comparison)
+#   tuned    last: the shipped tuning table plus every kernel choice tuned on this machine, to $OUT (copy it over
+#            kernels/tuned/ and commit, so later fresh machines skip those tunings)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 PY=${PY:-python3}
@@ -62,6 +64,8 @@ for s in "$@"; do
                    | grep -v '^ \|^[{}]' | tee "$OUT/fp8_curve_$m.txt" | tail -4; done
                $PY bench/bench_fp8_e2e.py --compare "$OUT/fp8_curve_none" "$OUT/fp8_curve_tensor" \
                  --plot "$OUT/fp8_curve.png" --out "$OUT/fp8_e2e.jsonl" 2>&1 | tee "$OUT/fp8_compare.txt"; fi ;;
+    tuned) f=$($PY -m kernels.tuning --export | sed -n 's/.* to \(.*\.json\).*/\1/p')  # shipped table + this machine's
+           [ -n "$f" ] && cp "$f" "$OUT/" && echo "tuning table $(basename "$f") -> \$OUT: copy it over kernels/tuned/" ;;
     *) echo "unknown section $s"; exit 2 ;;
   esac
 done
