@@ -125,6 +125,8 @@ def main():
     p.add_argument("--sft_lr", type=float, default=6e-4)
     p.add_argument("--rl_steps", type=int, default=150)
     p.add_argument("--rl_lr", default="2e-5,1e-4", help="comma-separated: one RL run each from the same start")
+    p.add_argument("--rl_args", default="", help="more rl.py keys for every RL run, e.g. '--kl_coef=0.02 "
+                   "--temperature=0.7'")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--group", type=int, default=16)
     p.add_argument("--test_n", type=int, default=1000)
@@ -187,12 +189,13 @@ def main():
         secs = sh(["rl.py", f"--init={start}", f"--task={a.task}", f"--out_dir={rl_dir}", "--overwrite=1",
                    f"--device={a.device}", f"--steps={a.rl_steps}", f"--prompts={a.prompts}", f"--group={a.group}",
                    f"--lr={lr}", "--max_new=8", f"--test_n={a.test_n}", f"--eval_every={a.eval_every}",
-                   f"--micro={0 if a.smoke else 256}"], os.path.join(runs, f"rl_lr{lr:g}.log"))
+                   f"--micro={0 if a.smoke else 256}", *a.rl_args.split()], os.path.join(runs, f"rl_lr{lr:g}.log"))
         recs = read_jsonl(os.path.join(rl_dir, "metrics.jsonl"))
         evals, steps = [r for r in recs if "test_exact_match" in r], [r for r in recs if "reward" in r]
-        tail = steps[-max(1, len(steps) // 10):]
-        run = {"lr": lr, "seconds": secs, "exact_match_start": evals[0]["test_exact_match"],
+        head, tail = steps[:max(1, len(steps) // 10)], steps[-max(1, len(steps) // 10):]
+        run = {"lr": lr, "rl_args": a.rl_args, "seconds": secs, "exact_match_start": evals[0]["test_exact_match"],
                "exact_match_end": evals[-1]["test_exact_match"],
+               "train_reward_first10pct": sum(r["reward"] for r in head) / len(head),
                "train_reward_last10pct": sum(r["reward"] for r in tail) / len(tail),
                "curve": [{"step": r["step"], "test_exact_match": r["test_exact_match"]} for r in evals],
                "reward": [{k: round(r[k], 4) for k in ("step", "reward", "pass_at_group", "response_len", "clip_frac")}
@@ -201,7 +204,8 @@ def main():
                "gen_tokens_per_s_median": sorted(r["gen_tokens_per_s"] for r in steps)[len(steps) // 2]}
         res["rl_runs"].append(run)
         print(f"RL lr {lr:g}: held-out exact match {run['exact_match_start']:.1%} -> {run['exact_match_end']:.1%}, "
-              f"train reward (last 10%) {run['train_reward_last10pct']:.3f}, {secs:.0f} s", flush=True)
+              f"train reward (first / last 10%) {run['train_reward_first10pct']:.3f} / {run['train_reward_last10pct']:.3f}, "
+              f"{secs:.0f} s", flush=True)
     best = max(res["rl_runs"], key=lambda r: r["train_reward_last10pct"])  # chosen by training reward, not test
     res["rl_lr_chosen"] = best["lr"]
     res["exact_match_after_sft"], res["exact_match_after_rl"] = best["exact_match_start"], best["exact_match_end"]
