@@ -12,8 +12,9 @@ timed in the same run on the same GPU. Sections:
            c_proj (N=768, K=3072) shapes, balanced and skewed groups (expert e's share ~ 1/(e+1)^1.5: 48% to one
            expert), against one dense cuBLAS GEMM of the same FLOPs and torch._grouped_mm (where torch has it)
            goals (issue #27): >= 0.85x dense with balanced groups, ahead of torch._grouped_mm. Where TMA runs
-           (sm_90+, or the interpreter under --smoke; --no-tma skips it) fwd / dgrad also through the TMA kernel
-           (`tma` column: grouped_gemm._grouped_mm_tma_kernel, opt-in until measured); each Triton cell shows
+           (sm_90+, or the interpreter under --smoke; --no-tma skips it) fwd / dgrad / wgrad also through the TMA
+           kernels (`triton_tma` column: grouped_gemm._grouped_mm_tma_kernel for fwd / dgrad,
+           _grouped_wgrad_tma_kernel for wgrad; the `triton` column is the pointer kernels); each Triton cell shows
            TFLOP/s, x dense and x _grouped_mm
 3. moves   route / permute / unpermute fwd and bwd: ms, GB/s and % of the measured copy bandwidth, against
            PyTorch's index ops on the same order. Goal: >= 80% of copy
@@ -92,7 +93,7 @@ def parity(args):
     names = ["y", "dx"] + [n for n, _ in m.named_parameters()]
     for impl in ("sorted", "triton") + (("triton_tma",) if args.tma else ()):
         flag = gg.TMA
-        gg.TMA = impl == "triton_tma"  # the triton layer with its fwd / dgrad GEMMs through the TMA kernel
+        gg.TMA = impl == "triton_tma"  # the triton layer with its fwd / dgrad / wgrad GEMMs through the TMA kernels
         try:
             got = layer_fwd_bwd(m, x, "triton" if impl == "triton_tma" else impl, args.dtype)
         finally:
@@ -209,7 +210,7 @@ def layer(args, timer):
                     y = m(x)
                 y.backward(dy)
             flag = gg.TMA
-            gg.TMA = impl == "triton_tma"  # the module flag: the layer's fwd / dgrad GEMMs take the TMA kernel
+            gg.TMA = impl == "triton_tma"  # the module flag: the layer's fwd / dgrad / wgrad GEMMs take TMA kernels
             try:
                 res[impl] = timer(step)
             except Exception as exc:  # noqa: BLE001  (e.g. _grouped_mm unsupported here: report, keep the table)

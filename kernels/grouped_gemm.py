@@ -22,12 +22,16 @@ cdiv(R, BLOCK_M) + E m tiles: the extra programs return at once). The weight gra
 same dy tiles. All accumulate in fp32; dw and db are written in the parameters' dtype (fp32 master weights get fp32
 grads, no cast pass). Autotuned per (N, K, rows rounded up to a power of 2) on the GPU; bf16 there (fp16 works
 too). In the interpreter tl.dot on bf16 is wrong (shared/TRITON_CPU.md), so CPU tests use fp32/fp16.
-TMA variant (the default on sm_90+ CUDA tensors; NANOPARA_GROUPED_TMA=0 or grouped_fwd / grouped_dgrad(tma=False)
-for the pointer kernel; H100, R = 65536 over 8 experts: fwd / dgrad 0.83-1.01x a dense cuBLAS GEMM of equal FLOPs,
-0.94-1.10x torch._grouped_mm, against the pointer kernel's 0.68-0.76x; results/moe_tma_h100.txt):
+TMA variant (the default on sm_90+ CUDA tensors; NANOPARA_GROUPED_TMA=0 or grouped_fwd / grouped_dgrad /
+grouped_wgrad(tma=False) for the pointer kernels; H100, R = 65536 over 8 experts: fwd / dgrad 0.83-1.01x a dense
+cuBLAS GEMM of equal FLOPs, 0.94-1.10x torch._grouped_mm, against the pointer kernel's 0.68-0.76x;
+results/moe_tma_h100.txt):
 _grouped_mm_tma_kernel, the same forward / dgrad with x, w and the outputs moved by device-side TMA descriptors
 (per group for x and the outputs: shape (rows of the group, width) from its first row, so partial tiles neither
 read nor write another group's rows), persistent over tiles numbered group by group; sm_90+ (and the interpreter).
+_grouped_wgrad_tma_kernel: the weight gradient the same way (per-group dy and x descriptors, so the reduction's
+partial last row tile zero-fills; dw through one 3-D descriptor; persistent over dw's tiles group by group; db fused
+into the k-tile-0 tiles). Unmeasured on the GPU (compiled for sm_90 only: wgmma fed from shared memory, pipelined).
 
 FP8 (kernels/grouped_gemm_fp8.py): the same forward/dgrad kernel with SCALED: e4m3 operands, a scale per row of
 A and per (group, output column) of B applied before the bias and the epilogue.
@@ -50,9 +54,9 @@ from kernels.launch import cdiv, fast, next_pow2, tma_scratch
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MAX_E = 1024  # experts held in registers by every program (the tile -> group search)
-# The TMA variant of the forward / dgrad kernel (_grouped_mm_tma_kernel) for calls that pass tma=None (the autograd
-# Functions, so the MoE layer): off by default until a GPU run has measured it (bench/bench_moe.py). Set it with
-# NANOPARA_GROUPED_TMA=1 or by assigning this flag; grouped_fwd / grouped_dgrad(tma=True / False) override it.
+# The TMA kernels (_grouped_mm_tma_kernel for forward / dgrad, _grouped_wgrad_tma_kernel for wgrad) for calls that
+# pass tma=None (the autograd Functions, so the MoE layer). Set it with NANOPARA_GROUPED_TMA=0/1 or by assigning this
+# flag; grouped_fwd / grouped_dgrad / grouped_wgrad(tma=True / False) override it.
 # None: the TMA kernel on CUDA tensors (where it can run), the pointer kernel in the interpreter (CPU tests pick);
 # NANOPARA_GROUPED_TMA=0: the pointer kernel everywhere (A/B comparisons); =1: TMA everywhere, the interpreter too
 TMA = {"0": False, "1": True}.get(os.environ.get("NANOPARA_GROUPED_TMA", ""))
@@ -96,6 +100,8 @@ def _gelu_tanh_grad(x):
 
 
 def _configs(kind):
+    if _INTERPRET and kind == "wgrad_tma":  # 2 programs on one "SM": the persistent loop crosses groups
+        return [triton.Config({"BLOCK_R": 16, "BLOCK_N": 16, "BLOCK_K": 16, "PROGRAMS_PER_SM": 2}, num_warps=4)]
     if _INTERPRET:  # 16 is tl.dot's smallest tile; 2 programs on one "SM": the persistent loop runs
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2,
                                **({"PROGRAMS_PER_SM": 2} if kind in ("mm", "mm_tma") else {})}, num_warps=4)]
@@ -109,6 +115,13 @@ def _configs(kind):
                  (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3), (128, 64, 64, 4, 4))
         return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "PROGRAMS_PER_SM": 1},
                               num_warps=w, num_stages=s) for m, n, k, w, s in tiles]
+    if kind == "wgrad_tma":  # (BR, BN, BK, warps, stages): BLOCK_R the reduction over a group's rows, (BN, BK) dw's
+        # tile; always persistent, one program per SM. 128 x 256 / 256 x 128 need 8 warps (128 fp32 accumulator
+        # registers a thread) and 3 stages (48 KB of operands a stage beside the dw staging tile)
+        tiles = ((64, 128, 128, 4, 3), (64, 128, 128, 4, 4), (64, 128, 128, 8, 3), (64, 128, 128, 8, 4),
+                 (64, 128, 256, 8, 3), (64, 256, 128, 8, 3))
+        return [triton.Config({"BLOCK_R": r, "BLOCK_N": n, "BLOCK_K": k, "PROGRAMS_PER_SM": 1},
+                              num_warps=w, num_stages=s) for r, n, k, w, s in tiles]
     # wgrad: BLOCK_M is the reduction over a group's rows; (BN, BK) the dw tile
     tiles = ((64, 128, 128, 4, 4), (64, 128, 256, 8, 3), (64, 256, 128, 8, 3), (32, 128, 128, 4, 4),
              (128, 128, 128, 8, 3))
@@ -314,10 +327,101 @@ def _grouped_wgrad_kernel(DY, X, OFFSETS, DW, DB, N, K, R_BUCKET,
         tl.store(DB + e64 * stride_dbe + cols_n, db.to(DB.dtype.element_ty), mask=nmask & (kt == 0))
 
 
+@triton.jit
+def _wgrad_tma_reduce(dy_desc, x_desc, rows, n0, k0, WITH_DB: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(dy[:rows, n0:n0+BN]^T @ x[:rows, k0:k0+BK], column sums of that dy block if WITH_DB), fp32, through the
+    group's descriptors: the rows past `rows` (the group's last, partial BLOCK_R tile) load as zeros."""
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for r0 in range(0, rows, BLOCK_R):
+        dy = dy_desc.load([r0, n0])  # (BR, BN): dy^T is a transposed view of this tile
+        x = x_desc.load([r0, k0])  # (BR, BK)
+        acc = tl.dot(tl.trans(dy), x, acc, input_precision=INPUT_PRECISION)
+        if WITH_DB:
+            db += tl.sum(dy.to(tl.float32), 0)
+    return acc, db
+
+
+@triton.jit
+def _store_halves_3d(desc, e, row, col, x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """_store_halves into block [e, row:row+BM, col:col+BN] of a 3-D descriptor of block (1, BM, BN // 2)."""
+    x0, x1 = tl.split(tl.permute(tl.reshape(x, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+    desc.store([e, row, col], tl.reshape(x0, [1, BLOCK_M, BLOCK_N // 2]))
+    desc.store([e, row, col + BLOCK_N // 2], tl.reshape(x1, [1, BLOCK_M, BLOCK_N // 2]))
+
+
+@triton.autotune(configs=_configs("wgrad_tma"), key=["N", "K", "R_BUCKET"])
+@triton.jit
+def _grouped_wgrad_tma_kernel(DY, X, OFFSETS, DW, DB, N, K, E, R_BUCKET,
+                              stride_dym, stride_xm, stride_dwe, stride_dwn, stride_dbe,
+                              HAS_BIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                              BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              PROGRAMS_PER_SM: tl.constexpr):  # PROGRAMS_PER_SM sizes the grid only
+    """_grouped_wgrad_kernel through TMA descriptors made on the device: dw[e] (N, K) = dy[group e]^T @ x[group e],
+    db[e] = column sums of dy[group e]. Per group e, the dy and x descriptors start at the group's first row and are
+    (rows of e, N) and (rows of e, K): the reduction's last, partial BLOCK_R tile loads zeros past the group's end
+    (never another group's rows nor the unused rows past offsets[E]), with no masks in the loop. dw is one 3-D
+    descriptor (E, N, K), written in two half-width stores per (BN, BK) tile (clipped at N and K).
+    Schedule: persistent, grid = PROGRAMS_PER_SM x SMs programs over the E x num_n x num_k tiles of dw numbered group
+    by group (n tile major, k tile minor); program p takes tiles p, p + P, ... An empty group's tiles store zeros
+    (no descriptors of dy / x are made for it); a program makes a group's descriptors only if it has a tile there.
+    db: the k-tile-0 tiles sum their dy tiles (a second copy of the loop, so the other tiles' loop stays a plain
+    TMA -> wgmma pipeline) and store db[e, n tile] through pointers."""
+    dw_desc = tl.make_tensor_descriptor(DW, shape=[E, N, K], strides=[stride_dwe, stride_dwn, 1],
+                                        block_shape=[1, BLOCK_N, BLOCK_K // 2])
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    num_k = tl.cdiv(K, BLOCK_K)
+    per_group = tl.cdiv(N, BLOCK_N) * num_k
+    for e in range(E):
+        tile_start = e * per_group
+        tile_end = tile_start + per_group
+        first = tile_start + (pid - tile_start % P + P) % P  # this program's first tile number >= tile_start
+        if first < tile_end:
+            g_start = tl.load(OFFSETS + e)
+            rows = tl.load(OFFSETS + e + 1) - g_start
+            if rows > 0:
+                dy_desc = tl.make_tensor_descriptor(DY + g_start.to(tl.int64) * stride_dym, shape=[rows, N],
+                                                    strides=[stride_dym, 1], block_shape=[BLOCK_R, BLOCK_N])
+                x_desc = tl.make_tensor_descriptor(X + g_start.to(tl.int64) * stride_xm, shape=[rows, K],
+                                                   strides=[stride_xm, 1], block_shape=[BLOCK_R, BLOCK_K])
+                for tile in range(first, tile_end, P):
+                    local = tile - tile_start
+                    n0 = (local // num_k) * BLOCK_N
+                    k0 = (local % num_k) * BLOCK_K
+                    if HAS_BIAS:
+                        if k0 == 0:
+                            acc, db = _wgrad_tma_reduce(dy_desc, x_desc, rows, n0, k0, True, INPUT_PRECISION,
+                                                        BLOCK_R, BLOCK_N, BLOCK_K)
+                            cols = n0 + tl.arange(0, BLOCK_N)
+                            tl.store(DB + e * stride_dbe + cols, db.to(DB.dtype.element_ty), mask=cols < N)
+                        else:
+                            acc, _ = _wgrad_tma_reduce(dy_desc, x_desc, rows, n0, k0, False, INPUT_PRECISION,
+                                                       BLOCK_R, BLOCK_N, BLOCK_K)
+                    else:
+                        acc, _ = _wgrad_tma_reduce(dy_desc, x_desc, rows, n0, k0, False, INPUT_PRECISION,
+                                                   BLOCK_R, BLOCK_N, BLOCK_K)
+                    _store_halves_3d(dw_desc, e, n0, k0, acc.to(DW.dtype.element_ty), BLOCK_N, BLOCK_K)
+            else:  # an empty group: zeros
+                for tile in range(first, tile_end, P):
+                    local = tile - tile_start
+                    n0 = (local // num_k) * BLOCK_N
+                    k0 = (local % num_k) * BLOCK_K
+                    if HAS_BIAS:
+                        if k0 == 0:
+                            cols = n0 + tl.arange(0, BLOCK_N)
+                            tl.store(DB + e * stride_dbe + cols, tl.zeros([BLOCK_N], DB.dtype.element_ty),
+                                     mask=cols < N)
+                    _store_halves_3d(dw_desc, e, n0, k0, tl.zeros([BLOCK_N, BLOCK_K], DW.dtype.element_ty),
+                                     BLOCK_N, BLOCK_K)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Launchers (kernels/launch.py: after the first call per specialization, the compiled binaries launch directly)
 
 _mm, _wgrad, _mm_tma = fast(_grouped_mm_kernel), fast(_grouped_wgrad_kernel), fast(_grouped_mm_tma_kernel)
+_wgrad_tma = fast(_grouped_wgrad_tma_kernel)
 _EPILOGUE = {None: 0, "gelu": 1, "gelu_grad": 2}
 
 
@@ -358,15 +462,29 @@ def _tma_why_not(a, w, N):
     return None
 
 
-def _use_tma(tma, a, w, N):
+def _wgrad_tma_why_not(dy, x, dtype):
+    """_tma_why_not for the weight gradient: dy (R, N) and x (R, K) read through per-group descriptors, dw (E, N, K)
+    in `dtype` (made contiguous here) written through one."""
+    for name, t in (("dy", dy), ("x", x)):
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or t.stride(0) * t.element_size() % 16:
+            return f"{name} {tuple(t.shape)} strides {t.stride()}: TMA needs unit stride along the last dimension " \
+                   "and 16-byte aligned base and strides"
+    size = torch.empty(0, dtype=dtype).element_size()
+    if x.shape[1] * size % 16:
+        return f"dw rows of {x.shape[1]} x {size} bytes are not 16-byte multiples"
+    return None
+
+
+def _use_tma(tma, a, w, N, check=None):
     """tma: True (the TMA kernel, ValueError where it cannot run), False (the pointer kernel), None (the module
-    flag TMA, falling back to the pointer kernel where TMA cannot run)."""
+    flag TMA, falling back to the pointer kernel where TMA cannot run). check: () -> why not (None: fits), in
+    place of _tma_why_not(a, w, N) (the weight gradient's operands)."""
     flag = TMA if tma is None else tma
     if not (a.device.type == "cuda" if flag is None else flag):
         return False
     ok, why = tma_supported(a.device)
     if ok:
-        why = _tma_why_not(a, w, N)
+        why = _tma_why_not(a, w, N) if check is None else check()
         ok = why is None
     if not ok and tma:
         raise ValueError(f"grouped GEMM with tma=True: {why}")
@@ -480,8 +598,25 @@ def grouped_dgrad(dy, w, offsets, pre=None, tma=None):
     return _launch_mm(dy, w, w.stride(0), w.stride(1), w.stride(2), None, offsets, K, N, epilogue, pre)[0]
 
 
-def grouped_wgrad(dy, x, offsets, dtype=None, bias=True):
-    """(dw (E, N, K), db (E, N) or None) in `dtype` (default dy's): dw[e] = dy[group e]^T @ x[group e]."""
+def _launch_wgrad_tma(dy, x, offsets, dw, db):
+    """grouped_wgrad through _grouped_wgrad_tma_kernel (dy, x contiguous; _wgrad_tma_why_not None). The scratch
+    allocator for the device-side descriptors as in _launch_mm_tma (per thread: set on every call)."""
+    R, N = dy.shape
+    E, K = dw.shape[0], dw.shape[2]
+    if dy.is_cuda:
+        triton.set_allocator(tma_scratch)
+
+    def grid(meta):  # persistent: at most PROGRAMS_PER_SM per SM, never more than the tiles of dw
+        tiles = E * cdiv(N, meta["BLOCK_N"]) * cdiv(K, meta["BLOCK_K"])
+        return (max(1, min(tiles, meta["PROGRAMS_PER_SM"] * _sm_count(dy.device))),)
+    _wgrad_tma[grid](dy, x, offsets, dw, db, N, K, E, _bucket(R), dy.stride(0), x.stride(0), dw.stride(0),
+                     dw.stride(1), 0 if db is None else db.stride(0),
+                     HAS_BIAS=db is not None, INPUT_PRECISION=_precision(dy.dtype))
+
+
+def grouped_wgrad(dy, x, offsets, dtype=None, bias=True, tma=None):
+    """(dw (E, N, K), db (E, N) or None) in `dtype` (default dy's): dw[e] = dy[group e]^T @ x[group e]; an empty
+    group's are zeros, rows past offsets[E] do not count. tma: _use_tma (None: the module flag TMA)."""
     dy, x = dy.contiguous(), x.contiguous()
     R, N = dy.shape
     K = x.shape[1]
@@ -491,7 +626,9 @@ def grouped_wgrad(dy, x, offsets, dtype=None, bias=True):
     dtype = dtype or dy.dtype
     dw = torch.empty(E, N, K, dtype=dtype, device=dy.device)
     db = torch.empty(E, N, dtype=dtype, device=dy.device) if bias else None
-    if E > 0 and N > 0 and K > 0:
+    if E > 0 and N > 0 and K > 0 and _use_tma(tma, dy, None, None, check=lambda: _wgrad_tma_why_not(dy, x, dtype)):
+        _launch_wgrad_tma(dy, x, offsets, dw, db)
+    elif E > 0 and N > 0 and K > 0:
         grid = lambda meta: (E * cdiv(N, meta["BLOCK_N"]) * cdiv(K, meta["BLOCK_K"]),)  # noqa: E731
         _wgrad[grid](dy, x, offsets, dw, db, N, K, _bucket(R), dy.stride(0), x.stride(0), dw.stride(0), dw.stride(1),
                      dw.stride(2), 0 if db is None else db.stride(0),
@@ -597,9 +734,9 @@ def _median_ms(fn):
 
 def bench_gemm(R, E, N, K, skew, dtype=torch.bfloat16, device="cuda", timer=_median_ms, tma=False):
     """TFLOP/s rows of fwd / dgrad / wgrad (ours), torch._grouped_mm (where it exists) and one dense cuBLAS GEMM of
-    the same FLOPs, at R rows over E groups, w (E, N, K). `timer(fn)` -> ms. tma: also fwd / dgrad through the TMA
-    kernel (impl "triton_tma"; the caller checks tma_supported). Rows get vs_dense and vs_grouped_mm (time of
-    that baseline / this time: > 1 is faster)."""
+    the same FLOPs, at R rows over E groups, w (E, N, K). `timer(fn)` -> ms. tma: also fwd / dgrad / wgrad through
+    the TMA kernels (impl "triton_tma"; the caller checks tma_supported); "triton" is the pointer kernels. Rows
+    get vs_dense and vs_grouped_mm (time of that baseline / this time: > 1 is faster)."""
     torch.manual_seed(0)
     offs = offsets_of(group_sizes(R, E, skew), device)
     x = torch.randn(R, K, device=device, dtype=dtype)
@@ -612,12 +749,13 @@ def bench_gemm(R, E, N, K, skew, dtype=torch.bfloat16, device="cuda", timer=_med
         ("fwd", "dense_cublas"): lambda: x @ wd.t(),
         ("dgrad", "triton"): lambda: grouped_dgrad(dy, w, offs, tma=False),
         ("dgrad", "dense_cublas"): lambda: dy @ wd,
-        ("wgrad", "triton"): lambda: grouped_wgrad(dy, x, offs, bias=False),
+        ("wgrad", "triton"): lambda: grouped_wgrad(dy, x, offs, bias=False, tma=False),
         ("wgrad", "dense_cublas"): lambda: dy.t() @ x,
     }
     if tma:
         cases[("fwd", "triton_tma")] = lambda: grouped_fwd(x, w, None, offs, tma=True)
         cases[("dgrad", "triton_tma")] = lambda: grouped_dgrad(dy, w, offs, tma=True)
+        cases[("wgrad", "triton_tma")] = lambda: grouped_wgrad(dy, x, offs, bias=False, tma=True)
     gmm = getattr(torch, "_grouped_mm", None)
     if gmm is not None:
         ends = offs[1:]

@@ -258,11 +258,97 @@ def test_grouped_tma_matches_reference(sizes, dtype, bias):
           gg.grouped_dgrad(dy, w, offsets, pre=pre, tma=False))
 
 
-def test_grouped_mlp_takes_the_tma_kernel_under_the_flag(monkeypatch):
-    """gg.TMA (NANOPARA_GROUPED_TMA=1) sends the autograd Functions' fwd and dgrad GEMMs to the TMA kernel."""
+def _wgrad_ref(dy, x, offsets):
+    """float64 dw[e] = dy[group e]^T @ x[group e], db[e] = column sums of dy[group e] (zeros for an empty group)."""
+    E, bounds = offsets.shape[0] - 1, offsets.tolist()
+    dw = torch.zeros(E, dy.shape[1], x.shape[1], dtype=torch.float64, device=dy.device)
+    db = torch.zeros(E, dy.shape[1], dtype=torch.float64, device=dy.device)
+    for e in range(E):
+        lo, hi = bounds[e], bounds[e + 1]
+        dw[e], db[e] = dy[lo:hi].double().t() @ x[lo:hi].double(), dy[lo:hi].double().sum(0)
+    return dw, db
+
+
+# the TMA weight gradient (_grouped_wgrad_tma_kernel), 16 x 16 dw tiles, BLOCK_R = 16, 2 programs; N = 24, K = 40
+# are not multiples of the tiles; the unused rows past offsets[E] hold 1e4 (they would dominate any sum they entered)
+WGRAD_TMA_CASES = [  # sizes, dtype (of dy and x), dw's dtype (None: dy's), bias
+    ([5, 0, 20, 1, 11], torch.float32, None, True),  # an empty group, a 1-row group, partial row tiles
+    ([37, 0, 0], torch.float16, None, True),  # one group holds every row (last group empty too)
+    ([0, 13, 0, 30], torch.float32, None, False),  # empty first group, no bias
+    ([40, 3, 0, 33], torch.float32, None, True),  # 24 dw tiles over 2 programs: the persistent loop crosses groups
+    ([16, 1, 0, 32], torch.float16, torch.float32, True),  # whole row tiles; fp32 dw / db from fp16 (master grads)
+    ([0, 0, 0], torch.float32, None, True),  # no rows at all: zeros
+]
+
+
+@pytest.mark.parametrize("sizes,dtype,out_dtype,bias", WGRAD_TMA_CASES)
+def test_grouped_wgrad_tma_matches_reference(monkeypatch, sizes, dtype, out_dtype, bias):
     calls = []
-    launch = gg._launch_mm_tma
+    launch = gg._launch_wgrad_tma
+    monkeypatch.setattr(gg, "_launch_wgrad_tma", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    E, K, N = len(sizes), 40, 24
+    offsets = gg.offsets_of(sizes, "cpu")
+    used = sum(sizes)
+    R = used + 3
+    x = torch.randn(R, K, generator=_gen(1)).to(dtype)
+    dy = torch.randn(R, N, generator=_gen(4)).to(dtype)
+    x[used:], dy[used:] = 1e4, 1e4  # unused buffer rows: never read
+    dw, db = gg.grouped_wgrad(dy, x, offsets, dtype=out_dtype, bias=bias, tma=True)
+    assert calls == [1]
+    dw_p, db_p = gg.grouped_wgrad(dy, x, offsets, dtype=out_dtype, bias=bias, tma=False)
+    assert len(calls) == 1  # tma=False: the pointer kernel
+    dw_ref, db_ref = _wgrad_ref(dy, x, offsets)
+    want = out_dtype or dtype
+    assert dw.dtype == want and dw.shape == (E, N, K) and (db is None) == (not bias)
+    # fp32: summation order; fp16 out: dw / db rounded to fp16 (2**-11); fp32 out from fp16 operands: exact products
+    tol = 5e-3 if want == torch.float16 else 1e-5
+    empty = [e for e, n in enumerate(sizes) if n == 0]
+    for got, ptr, ref in ((dw, dw_p, dw_ref), (db, db_p, db_ref)):
+        if got is None:
+            assert ptr is None
+            continue
+        assert got.dtype == want and got.shape == ref.shape
+        assert (got[empty] == 0).all()  # written, not left as torch.empty's garbage
+        if used:
+            assert _max_rel(got, ref) <= tol, _max_rel(got, ref)
+            assert _max_rel(got, ptr.double()) <= tol  # the pointer kernel agrees
+        else:
+            assert (got == 0).all()
+
+
+def test_grouped_wgrad_tma_host_checks(monkeypatch):
+    """grouped_wgrad(tma=True) raises where its descriptors cannot be made; the flag falls back to the pointer
+    kernel there, and takes the TMA kernel (interpreter) where they can."""
+    offsets = gg.offsets_of([3, 4], "cpu")
+    dy, x = torch.randn(7, 24, generator=_gen(1)), torch.randn(7, 40, generator=_gen(2))
+    x37 = torch.randn(7, 37, generator=_gen(3))  # 148-byte rows
+    with pytest.raises(ValueError, match="16-byte"):
+        gg.grouped_wgrad(dy, x37, offsets, tma=True)
+    x4 = torch.randn(7, 4, generator=_gen(4))  # 16-byte rows of x, but 8-byte rows of an fp16 dw
+    with pytest.raises(ValueError, match="dw rows"):
+        gg.grouped_wgrad(dy, x4, offsets, dtype=torch.float16, tma=True)
+    calls = []
+    launch = gg._launch_wgrad_tma
+    monkeypatch.setattr(gg, "_launch_wgrad_tma", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    monkeypatch.setattr(gg, "TMA", True)
+    dw_ref, db_ref = _wgrad_ref(dy, x37, offsets)
+    dw, db = gg.grouped_wgrad(dy, x37, offsets)  # falls back
+    assert calls == [] and _max_rel(dw, dw_ref) <= 1e-5 and _max_rel(db, db_ref) <= 1e-5
+    dw, db = gg.grouped_wgrad(dy, x, offsets)  # the flag: TMA
+    dw_ref, db_ref = _wgrad_ref(dy, x, offsets)
+    assert calls == [1] and _max_rel(dw, dw_ref) <= 1e-5 and _max_rel(db, db_ref) <= 1e-5
+    monkeypatch.setattr(gg, "TMA", None)  # None: CUDA tensors only, so the pointer kernel on CPU
+    gg.grouped_wgrad(dy, x, offsets)
+    assert calls == [1]
+
+
+def test_grouped_mlp_takes_the_tma_kernel_under_the_flag(monkeypatch):
+    """gg.TMA (NANOPARA_GROUPED_TMA=1) sends the autograd Functions' fwd, dgrad and wgrad GEMMs to the TMA
+    kernels."""
+    calls, wgrads = [], []
+    launch, launch_w = gg._launch_mm_tma, gg._launch_wgrad_tma
     monkeypatch.setattr(gg, "_launch_mm_tma", lambda *a, **k: calls.append(a[2]) or launch(*a, **k))
+    monkeypatch.setattr(gg, "_launch_wgrad_tma", lambda *a, **k: wgrads.append(a[0].shape) or launch_w(*a, **k))
     monkeypatch.setattr(gg, "TMA", True)
     sizes = [5, 0, 20, 1, 11]
     E, C, H = len(sizes), 24, 40
@@ -274,6 +360,7 @@ def test_grouped_mlp_takes_the_tma_kernel_under_the_flag(monkeypatch):
     got = _run_mlp(gg.grouped_mlp_triton, x, params, offsets, dy, used)
     want = _run_mlp(gg.grouped_mlp_ref, x.double(), [p.double() for p in params], offsets, dy.double(), used)
     assert sorted(calls) == [False, False, True, True]  # 2 forwards (trans_b), 2 dgrads
+    assert sorted(wgrads) == [(used + 3, C), (used + 3, H)]  # c_proj's (dy) and c_fc's (dh) weight gradients
     for i, (a, b) in enumerate(zip(got, want)):
         assert _max_rel(a, b) <= 1e-5, (i, _max_rel(a, b))
 
@@ -544,6 +631,8 @@ def test_bench_moe_smoke(tmp_path):
     assert len(out.read_text().splitlines()) == len(rows)
     parity = {r["impl"]: r for r in rows if r["section"] == "parity"}
     assert parity["triton"]["y"] < 1e-5 and parity["triton"]["dx"] < 1e-5  # fp32 on CPU
+    gemm = {(r["op"], r["impl"]) for r in rows if r["section"] == "gemm" and "ms" in r}
+    assert {(op, impl) for op in ("fwd", "dgrad", "wgrad") for impl in ("triton", "triton_tma")} <= gemm
     layer = {r["impl"] for r in rows if r["section"] == "layer" and "ms" in r}
     assert {"loop", "sorted", "grouped_mm", "triton", "grouped_mlp_only"} <= layer
 
@@ -616,3 +705,28 @@ def test_grouped_tma_bf16_matches_pointer_kernel():
         e_t, e_p = _max_rel(got[:used].float(), ref.double()), _max_rel(ptr[:used].float(), ref.double())
         assert e_t <= 2 * e_p + 1e-3, (name, e_t, e_p)
         assert _max_rel(got[:used].float(), ptr[:used].double()) <= 1e-2, name
+
+
+@pytest.mark.gpu
+def test_grouped_wgrad_tma_bf16_matches_pointer_kernel():
+    """The TMA weight gradient against the pointer kernel and an fp32 reference in bf16 at c_fc's shape (dw
+    (8, 3072, 768)), with empty groups, a 3-row group, partial row tiles and 3 unused buffer rows (filled with
+    large values): bf16 dw / db, and fp32 dw / db (fp32 master weights)."""
+    if not gg.tma_supported(torch.device("cuda"))[0]:
+        pytest.skip(gg.tma_supported(torch.device("cuda"))[1])
+    sizes = [1500, 0, 1001, 3, 0, 900, 599, 90]
+    E, N, K, R, used = 8, 3072, 768, 4096, sum(sizes)
+    offsets = gg.offsets_of(sizes, "cuda")
+    x = torch.randn(R, K, generator=_gen(1)).cuda().bfloat16()
+    dy = (0.1 * torch.randn(R, N, generator=_gen(4))).cuda().bfloat16()
+    x[used:], dy[used:] = 1e4, 1e4
+    dw_ref, db_ref = _wgrad_ref(dy, x, offsets)  # float64 on the GPU
+    for dtype in (torch.bfloat16, torch.float32):
+        dw_t, db_t = gg.grouped_wgrad(dy, x, offsets, dtype=dtype, tma=True)
+        dw_p, db_p = gg.grouped_wgrad(dy, x, offsets, dtype=dtype, tma=False)
+        assert dw_t.dtype == db_t.dtype == dtype
+        assert (dw_t[[1, 4]] == 0).all() and (db_t[[1, 4]] == 0).all()
+        for name, got, ptr, ref in (("dw", dw_t, dw_p, dw_ref), ("db", db_t, db_p, db_ref)):
+            e_t, e_p = _max_rel(got.float(), ref), _max_rel(ptr.float(), ref)
+            assert e_t <= 2 * e_p + 1e-3, (name, dtype, e_t, e_p)
+            assert _max_rel(got.float(), ptr.double()) <= 1e-2, (name, dtype)
