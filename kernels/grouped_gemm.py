@@ -616,7 +616,10 @@ def _launch_wgrad_tma(dy, x, offsets, dw, db):
 
 def grouped_wgrad(dy, x, offsets, dtype=None, bias=True, tma=None):
     """(dw (E, N, K), db (E, N) or None) in `dtype` (default dy's): dw[e] = dy[group e]^T @ x[group e]; an empty
-    group's are zeros, rows past offsets[E] do not count. tma: _use_tma (None: the module flag TMA)."""
+    group's are zeros, rows past offsets[E] do not count. tma: _use_tma, except that tma=None with the flag TMA
+    unset keeps the pointer kernel: the TMA wgrad kernel has not run on a GPU yet (NANOPARA_GROUPED_TMA=1 opts in)."""
+    if tma is None and TMA is None:
+        tma = False
     dy, x = dy.contiguous(), x.contiguous()
     R, N = dy.shape
     K = x.shape[1]
