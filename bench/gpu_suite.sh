@@ -9,7 +9,8 @@
 #   moebooks   issue #27: gpt2_moe (top-1 = the dense model's active compute, and top-2) on books as `curve`, then
 #            eval.py HellaSwag + val loss: against evalbooks' dense run (same tokens, same flags)
 #   generate   issue #31: bench/bench_generate.py (ours vs Hugging Face generate); lists any local HF GPT-2 weights
-#   posttrain  issue #31: bench/post_train_demo.py $PT_ARGS (runs under /tmp/post_train$PT_TAG; JSON + logs to $OUT)
+#   posttrain  issue #31: bench/post_train_demo.py $PT_ARGS, rl.py keys for every RL run in $PT_RL_ARGS (runs
+#            under /tmp/post_train$PT_TAG; JSON + logs to $OUT)
 #   fp8      FP8 end to end (issue #26): fp8bench (bench/bench_fp8_e2e.py throughput + profile, ~4 min) then
 #            fp8curve (gpt_1b on books, train.fp8=none vs tensor, 1000 steps each, and their comparison)
 #   tuned    last: the shipped tuning table plus every kernel choice tuned on this machine, to $OUT (copy it over
@@ -47,7 +48,7 @@ for s in "$@"; do
     generate) ls -d ~/.cache/huggingface/hub/*gpt2* 2>/dev/null | sed 's/^/local HF weights: /'
              $PY bench/bench_generate.py --out "$OUT" ${GEN_ARGS:-} 2>&1 | tee "$OUT/generate.txt" | tail -14 ;;
     posttrain) d=/tmp/post_train${PT_TAG:-}; rm -rf $d
-             $PY bench/post_train_demo.py --out $d ${PT_ARGS:-} 2>&1 | tail -20 | tee "$OUT/post_train${PT_TAG:-}.txt"
+             $PY bench/post_train_demo.py --out $d ${PT_ARGS:-} ${PT_RL_ARGS:+--rl_args="$PT_RL_ARGS"} 2>&1 | tail -20 | tee "$OUT/post_train${PT_TAG:-}.txt"
              cp $d/post_train.json "$OUT/post_train${PT_TAG:-}.json" 2>/dev/null
              tail -c 20000 $d/runs/sft.log > "$OUT/post_train${PT_TAG:-}_sft_log.txt" 2>/dev/null ;;
     fp8|fp8bench|fp8curve)
