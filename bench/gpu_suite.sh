@@ -13,6 +13,8 @@
 #            under /tmp/post_train$PT_TAG; JSON + logs to $OUT)
 #   fp8      FP8 end to end (issue #26): fp8bench (bench/bench_fp8_e2e.py throughput + profile, ~4 min) then
 #            fp8curve (gpt_1b on books, train.fp8=none vs tensor, 1000 steps each, and their comparison)
+#   fp8bench  fp8's first half alone
+#   fp8curve  fp8's second half alone
 #   tuned    last: the shipped tuning table plus every kernel choice tuned on this machine, to $OUT (copy it over
 #            kernels/tuned/ and commit, so later fresh machines skip those tunings)
 set -uo pipefail
