@@ -38,6 +38,7 @@
 # one; keep the sum of the command's own `timeout`s under the call's limit, or nothing comes back; a fresh machine
 # tunes every kernel shape on first use (FP8 and grouped GEMM layouts spend 1-2 minutes of each process tuning:
 # run `tuned` at the end and commit the table); lanes on one host: CUDA_VISIBLE_DEVICES=0,1 ... (N follows it).
+# bench/lanes.sh does all of this: lanes with their GPUs, one time limit, one tar, the tuning table.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 lay() {  # LABEL NGPU TRAIN.PY-FLAGS...: one bench_layout.py run of PRESET $P, unless RUNS names others

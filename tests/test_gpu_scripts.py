@@ -45,3 +45,21 @@ def test_gpu_suite_rejects_an_unknown_section(tmp_path):
     r = subprocess.run(["bash", os.path.join(ROOT, "bench/gpu_suite.sh"), "no_such_section"], cwd=ROOT,
                        capture_output=True, text=True, env={**os.environ, "OUT": str(tmp_path)})
     assert r.returncode == 2 and "unknown section no_such_section" in r.stdout
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("tar") is None, reason="needs bash and tar")
+def test_lanes_bring_every_lane_back_in_one_file_and_stop_at_the_limit(tmp_path):
+    """bench/lanes.sh: each lane's OUT and log land in OUT/lanes.tgz; a lane past LIMIT is killed (exit 124)."""
+    import tarfile
+    out = tmp_path / "out"
+    r = subprocess.run(["bash", os.path.join(ROOT, "bench/lanes.sh"), "0:echo made > $OUT/result.txt",
+                        "1,2:sleep 60", "echo gpus=${CUDA_VISIBLE_DEVICES:-all}"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "OUT": str(out), "LIMIT": "3", "PY": "true"})
+    assert r.returncode == 0, r.stderr
+    with tarfile.open(out / "lanes.tgz") as tar:
+        files = {m.name.lstrip("./"): m for m in tar.getmembers()}
+        read = lambda name: tar.extractfile(files[name]).read().decode()  # noqa: E731
+        assert read("lane1/result.txt") == "made\n"
+        assert "exit 0" in read("lane1/log")
+        assert "exit 124" in read("lane2/log")  # killed at LIMIT, not left to run
+        assert "gpus=all" in read("lane3/log")
