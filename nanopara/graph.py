@@ -18,11 +18,14 @@ Limits, checked by parallel.check_layout before any work: a CUDA device; one pro
 (TP's collectives run inside forward and backward, so the graph records them, NCCL kernels included; DDP/ZeRO and
 the pipeline launch communication from Python hooks, which a replay would not run); fixed shapes (every
 micro-batch is micro_batch x seq_len, as the loader makes them); no fp16 dynamic loss scaling (its scale changes
-between steps). FP8 (train.fp8): the weight casts are captured and run on every replay (once per micro-step
-instead of once per step: the same values); the activation scales are computed on the device, nothing syncs.
+between steps); no dropout under sequence parallel (tp._PerRankDropoutRng swaps RNG states from Python hooks).
+FP8 (train.fp8): the weight casts are captured and run on every replay (once per micro-step instead of once per
+step: the same values); the activation scales are computed on the device, nothing syncs.
 
 Tested by tests/test_graph.py (GPU: graphed and eager training give the same losses and weights; CPU: the layout
-errors); measured by bench/bench_gpt.py (`triton:graph=1`).
+errors) and tests/test_capture_safety.py (CPU, tp2 +- sp: the captured region, warm-up then `_before_capture` then
+`_fwd_bwd`, makes no host sync, no host-to-device copy and the same collectives on every rank); measured by
+bench/bench_gpt.py (`triton:graph=1`).
 """
 from __future__ import annotations
 
@@ -49,6 +52,20 @@ class GraphedMicroStep:
         (loss.float() * self.scale).backward()
         return loss.detach()
 
+    def _before_capture(self):
+        """Between the eager warm-up and the capture (tests/test_capture_safety.py runs the same sequence on CPU:
+        warm-up `_fwd_bwd` calls, this, then the `_fwd_bwd` a capture would record)."""
+        self.engine.zero_grad_buffers()
+        tp = getattr(self.model, "tp_state", None)
+        if tp is not None and tp.sp and self.model.cfg.dropout > 0:  # as parallel.check_layout, for direct callers
+            raise ValueError("cuda_graph with sequence parallel and dropout: tp.py swaps each rank's RNG state from "
+                             "Python hooks, which a capture cannot record")
+        fp8 = getattr(self.model, "fp8", None)
+        if fp8 is not None:  # FP8 (fp8.py): a stale weight cache now makes the capture record each layer's weight
+            if fp8.recipe.delayed:  # cast, so every replay casts the weights it reads (no Python check on replay)
+                raise ValueError("cuda_graph with FP8 delayed scaling: the amax histories advance in Python")
+            fp8.step()
+
     def _capture(self, x, y):
         self.x, self.y = x.clone(), y.clone()  # static inputs: each replay reads these addresses
         side = torch.cuda.Stream()
@@ -57,12 +74,7 @@ class GraphedMicroStep:
             for _ in range(self.warmup):
                 self._fwd_bwd(self.x, self.y)
         torch.cuda.current_stream().wait_stream(side)
-        self.engine.zero_grad_buffers()
-        fp8 = getattr(self.model, "fp8", None)
-        if fp8 is not None:  # FP8 (fp8.py): a stale weight cache now makes the capture record each layer's weight
-            if fp8.recipe.delayed:  # cast, so every replay casts the weights it reads (no Python check on replay)
-                raise ValueError("cuda_graph with FP8 delayed scaling: the amax histories advance in Python")
-            fp8.step()
+        self._before_capture()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.loss = self._fwd_bwd(self.x, self.y)

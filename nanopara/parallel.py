@@ -61,6 +61,10 @@ def check_layout(cfg: Config, world: int, device_type: str) -> int:
     if t.cuda_graph and world != p.tp:  # TP's collectives run inside forward/backward: a graph records them
         raise ConfigError("train.cuda_graph=true supports one GPU or tensor parallel alone (world size = parallel.tp):"
                           " data-parallel engines launch communication from Python hooks that a replay would skip")
+    if t.cuda_graph and p.sp and cfg.model.dropout > 0:  # tp._PerRankDropoutRng: nothing of it would replay
+        raise ConfigError("train.cuda_graph=true with parallel.sp=true and model.dropout > 0: each tp rank's dropout "
+                          "RNG is swapped in and out by Python hooks around every forward (CUDA RNG state reads "
+                          "and writes), which a capture cannot record: set model.dropout=0 or turn one of the two off")
     m = tokens_per_step // per_micro
     if p.pp > 1:  # the micro-batches are the pipeline's: 1F1B-type schedules need m >= pp, interleaved m % pp == 0
         try:

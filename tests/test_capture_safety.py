@@ -1,0 +1,503 @@
+"""Capture safety of the TP / SP micro-step (issue #30: tp2 + sp under --train.cuda_graph=true), checked on CPU.
+
+graph.py captures `GraphedMicroStep._fwd_bwd` (forward under autocast + backward of one micro-step) after eager
+warm-up calls of the same function. A CUDA graph capture breaks on what the host cannot record, and hangs where the
+ranks disagree about communication. This test runs that exact region (warm-up calls, `_before_capture`, the call a
+capture would record) of a tiny GPT built by parallel.parallelize, as train.py builds it, in 2 gloo processes, with
+`CaptureProbe` watching every Python-level call, and asserts for the would-be-captured call:
+
+  syncs        none of: Tensor.item / tolist / numpy / cpu / __bool__ / __int__ / __float__ / __index__,
+               torch.equal / allclose / is_nonzero, .to("cpu"), torch.cuda.synchronize, Stream / Event
+               synchronize (each a device-to-host wait; inside a capture it raises, and a rank that raises
+               inside a capture leaves the other waiting in its next collective)
+  dynamic      no data-dependent shapes: nonzero / argwhere / masked_select / unique / boolean-mask indexing
+  host tensors no tensor made from host data (torch.tensor / as_tensor / from_numpy) and no device-less factory
+               (torch.arange(k) with no device=: a CPU tensor in a GPU run) whose result meets the device tensors
+               (an op mixing them, indexing with them, .to(device) / .cuda() / copy_ of them: a pageable H2D copy)
+  rng          no RNG state reads or writes (torch.get_rng_state / set_rng_state / manual_seed, torch.cuda's):
+               a replay re-runs none of them
+  collectives  both ranks issue the same ordered list of (op, shapes, dtypes, group ranks, reduce op, async),
+               the same list in the first warm-up call and in the captured call, and every async handle issued
+               in the region is waited for inside it (an unjoined NCCL stream ends a capture with an error)
+
+Everything here is CPU and gloo: what it cannot see is listed in notes/tp.md ("SP under CUDA graphs"): whatever
+the CUDA kernels, the caching allocator, NCCL or Triton do below Python.
+
+    .venv/bin/python -m pytest -q tests/test_capture_safety.py
+    .venv/bin/python tests/test_capture_safety.py      # prints every layout's report, offending sites included
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import traceback
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.autograd import _make_grads
+from torch.autograd.graph import _engine_run_backward
+from torch.overrides import TorchFunctionMode
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from tests.distributed import spawn  # noqa: E402
+
+T = torch.Tensor
+SYNCS = {T.item, T.tolist, T.numpy, T.cpu, T.__bool__, T.__int__, T.__float__, T.__index__, T.__complex__,
+         T.__array__, T.equal, T.allclose, T.is_nonzero, torch.equal, torch.allclose, torch.is_nonzero}
+DYNAMIC = {T.nonzero, torch.nonzero, T.argwhere, torch.argwhere, T.masked_select, torch.masked_select, T.unique,
+           torch.unique, T.unique_consecutive, torch.unique_consecutive}
+FROM_HOST = {torch.tensor, torch.as_tensor, torch.from_numpy}  # host data: a copy from pageable memory
+FACTORIES = {torch.arange, torch.zeros, torch.ones, torch.empty, torch.full, torch.rand, torch.randn,
+             torch.randint, torch.randperm, torch.linspace, torch.eye, torch.empty_strided, torch.scalar_tensor}
+MOVES = {T.to, T.cuda, T.copy_}
+INDEXING = {T.__getitem__, T.__setitem__, T.index_select, torch.index_select, T.gather, torch.gather,
+            T.index_add_, T.index_copy_, T.scatter_, T.scatter_add_}
+COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_single",
+               "reduce_scatter_single", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
+               "all_to_all_single", "batch_isend_irecv", "send", "recv", "isend", "irecv", "barrier", "gather",
+               "scatter", "all_gather_object", "broadcast_object_list")
+RNG = [(torch, "get_rng_state"), (torch, "set_rng_state"), (torch, "manual_seed"), (torch, "seed"),
+       (torch.random, "fork_rng"), (torch.cuda, "get_rng_state"), (torch.cuda, "set_rng_state"),
+       (torch.cuda, "manual_seed"), (torch.cuda, "manual_seed_all"), (torch.cuda, "get_rng_state_all"),
+       (torch.cuda, "set_rng_state_all")]
+HOST_WAITS = [(torch.cuda, "synchronize"), (torch.cuda.Stream, "synchronize"), (torch.cuda.Event, "synchronize"),
+              (torch.cuda.Stream, "query"), (torch.cuda.Event, "query")]
+
+
+def _site() -> str:
+    """file:line of the innermost frame of this repository's code (not tests/, not the venv), then its callers."""
+    frames = [f for f in traceback.extract_stack()[:-2] if f.filename.startswith(ROOT)
+              and not any(d in f.filename[len(ROOT):] for d in (os.sep + "tests" + os.sep, "site-packages"))]
+    if not frames:
+        return "<outside the repository>"
+    chain = [f"{os.path.relpath(f.filename, ROOT)}:{f.lineno} ({f.name})" for f in reversed(frames[-4:])]
+    return " <- ".join(chain)
+
+
+def _name(func) -> str:
+    return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+
+
+def _is_cpu_target(args, kwargs) -> bool:
+    """.to(...) aimed at the host by name ("cpu" or torch.device("cpu") written out); a device object passed from
+    the mesh cannot be told apart on a CPU run, so only literal strings count."""
+    targets = [a for a in args if isinstance(a, str)] + [kwargs.get("device")]
+    return any(isinstance(t, str) and t.startswith("cpu") for t in targets)
+
+
+def _has_device(kwargs) -> bool:
+    return kwargs.get("device") is not None
+
+
+def _flat_tensors(obj, out):
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            _flat_tensors(o, out)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            _flat_tensors(o, out)
+    return out
+
+
+class _Mode(TorchFunctionMode):
+    def __init__(self, probe):
+        super().__init__()
+        self.probe = probe
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is T.backward:  # a mode is off while it handles a call: run the engine with a mode of its own on,
+            # so the backward's Python (custom Functions, hooks) is recorded too
+            (t, *rest), grad = args, kwargs.get("gradient")
+            grad = rest[0] if rest and grad is None else grad
+            grads = _make_grads((t,), (grad,), is_grads_batched=False)
+            with _Mode(self.probe):
+                _engine_run_backward((t,), grads, bool(kwargs.get("retain_graph")), False, (),
+                                     allow_unreachable=True, accumulate_grad=True)
+            return None
+        out = func(*args, **kwargs)
+        if self.probe.active:
+            self.probe.torch_call(func, args, kwargs, out)
+        return out
+
+
+class _Work:
+    """An async collective's handle that tells the probe when it is waited for."""
+
+    def __init__(self, work, probe, idx):
+        self._work, self._probe, self._idx = work, probe, idx
+
+    def wait(self, *a, **k):
+        self._probe.waited.add(self._idx)
+        return self._work.wait(*a, **k)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+class CaptureProbe:
+    """Records, while `region(label)` is open, the calls a CUDA graph capture cannot hold (see the module docstring)
+    and the collectives issued; install() once per process (patches torch.distributed and the RNG / stream calls)."""
+
+    def __init__(self):
+        self.active = False
+        self.events, self.collectives, self.waited = [], [], set()
+        self._host = {}  # id -> weakref: tensors made on the host inside a region (and what is computed from them)
+        self._saved = []
+
+    # --- patching
+    def _patch(self, obj, name, make):
+        orig = getattr(obj, name, None)
+        if orig is None:
+            return
+        self._saved.append((obj, name, orig))
+        setattr(obj, name, make(orig))
+
+    def install(self):
+        for name in COLLECTIVES:
+            self._patch(dist, name, lambda orig, name=name: self._collective(name, orig))
+        for obj, name in RNG:
+            self._patch(obj, name, lambda orig, name=name: self._plain("rng", f"{obj.__name__}.{name}", orig))
+        for obj, name in HOST_WAITS:
+            self._patch(obj, name, lambda orig, name=name, obj=obj: self._plain("sync", f"{obj.__name__}.{name}",
+                                                                                  orig))
+        return self
+
+    def uninstall(self):
+        for obj, name, orig in reversed(self._saved):
+            setattr(obj, name, orig)
+        self._saved = []
+
+    def _plain(self, kind, what, orig):
+        def wrapper(*args, **kwargs):
+            if self.active:
+                self._event(kind, what)
+            return orig(*args, **kwargs)
+        return wrapper
+
+    def _collective(self, name, orig):
+        def wrapper(*args, **kwargs):
+            if not self.active:
+                return orig(*args, **kwargs)
+            group = kwargs.get("group")
+            tensors = _flat_tensors([a for a in args if not isinstance(a, dist.ProcessGroup)], [])
+            if name == "batch_isend_irecv":
+                tensors = [op.tensor for op in args[0]]
+            op = kwargs.get("op")
+            sig = dict(op=name, shapes=[list(t.shape) for t in tensors], dtypes=[str(t.dtype) for t in tensors],
+                       group=dist.get_process_group_ranks(group) if group is not None else "world",
+                       reduce=str(op) if op is not None else None, async_op=bool(kwargs.get("async_op", False)),
+                       site=_site())
+            idx = len(self.collectives)
+            self.collectives.append(sig)
+            work = orig(*args, **kwargs)
+            if sig["async_op"] and work is not None:
+                return _Work(work, self, idx)
+            return work
+        return wrapper
+
+    # --- recording
+    def is_host(self, t) -> bool:
+        ref = self._host.get(id(t))
+        return ref is not None and ref() is t
+
+    def mark_host(self, tensors):
+        for t in tensors:
+            self._host[id(t)] = weakref.ref(t)
+
+    def _event(self, kind, what):
+        self.events.append(dict(kind=kind, what=what, site=_site()))
+
+    def torch_call(self, func, args, kwargs, out):
+        if func in SYNCS:
+            return self._event("sync", _name(func))
+        if func in DYNAMIC:
+            return self._event("dynamic", _name(func))
+        tensors = _flat_tensors(list(args) + list(kwargs.values()), [])
+        host = [t for t in tensors if self.is_host(t)]
+        outs = _flat_tensors(out, [])
+        if func in FROM_HOST and not (args and isinstance(args[0], torch.Tensor)):
+            where = "" if _has_device(kwargs) else ", left on the host"
+            self._event("host_tensor", f"{_name(func)} (copy of host data{where})")
+            if not _has_device(kwargs):
+                self.mark_host(outs)
+            return
+        if func in FACTORIES and not _has_device(kwargs):
+            self.mark_host(outs)  # harmless until it meets a device tensor (checked below)
+            return
+        if func is T.to and _is_cpu_target(args[1:], kwargs):
+            return self._event("sync", "Tensor.to(cpu)")
+        if func in (T.__getitem__, T.__setitem__):
+            idx = args[1] if len(args) > 1 else None
+            for t in _flat_tensors(idx if isinstance(idx, (tuple, list)) else [idx], []):
+                if t.dtype == torch.bool and t.dim() > 0:
+                    self._event("dynamic", "boolean-mask indexing")
+        if host:
+            if func in MOVES and (func is T.cuda or func is T.copy_ or self.is_host(args[0])):
+                self._event("h2d", f"{_name(func)} of a tensor made on the host in the step")
+                for t in outs:  # the copy is on the device (on a CPU run .to(cpu) returns the tensor itself)
+                    self._host.pop(id(t), None)
+                return
+            device_side = [t for t in tensors if not self.is_host(t) and t.dim() > 0]
+            if device_side:  # a host tensor meets device tensors: an implicit (pageable) copy or a device error
+                return self._event("h2d", f"{_name(func)} mixes a tensor made on the host in the step with device "
+                                          f"tensors")
+            self.mark_host(outs)  # host-only arithmetic stays on the host
+
+    @contextlib.contextmanager
+    def region(self):
+        """Record into fresh lists while the block runs; yields a dict filled with the results at exit."""
+        res = {}
+        self.events, self.collectives, self.waited = [], [], set()
+        self.active = True
+        try:
+            with _Mode(self):
+                yield res
+        finally:
+            self.active = False
+            unwaited = [c for i, c in enumerate(self.collectives) if c["async_op"] and i not in self.waited]
+            for c in unwaited:
+                self.events.append(dict(kind="unwaited", what=f"async {c['op']} not waited in the region",
+                                        site=c["site"]))
+            res.update(events=self.events, collectives=self.collectives)
+
+
+def signature(collectives) -> list:
+    """What must agree across ranks and steps (the call sites are for reading)."""
+    return [(c["op"], c["shapes"], c["dtypes"], c["group"], c["reduce"], c["async_op"]) for c in collectives]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the layouts and the worker
+
+LAYOUTS = {  # label -> (parallel flags, train flags, model flags)
+    "tp2": (dict(), dict(), dict()),
+    "tp2_sp": (dict(sp=True), dict(), dict()),
+    "tp2_sp_keep": (dict(sp=True, sp_keep_gathered=True), dict(), dict()),
+    "tp2_overlap2": (dict(tp_overlap=2), dict(), dict()),
+    "tp2_sp_overlap2": (dict(sp=True, tp_overlap=2), dict(), dict()),
+    "tp2_sp_fp8": (dict(sp=True), dict(fp8="tensor"), dict()),
+    "tp2_sp_fp8_row": (dict(sp=True), dict(fp8="row"), dict()),
+    "tp2_sp_bf16": (dict(sp=True), dict(dtype="bf16"), dict()),
+    "tp2_sp_dropout": (dict(sp=True), dict(), dict(dropout=0.1)),  # known: refused with cuda_graph (parallel.py)
+    "old_sp_positions": (dict(sp=True), dict(), dict()),  # the probe's own check: SP positions built on the host
+}
+
+
+def _old_sp_positions(self, pos):
+    """SeqShardedPositions.forward as it was before its host-to-device copy was removed (a pageable copy every
+    forward): the probe must flag it in the captured call."""
+    from nanopara.tp_linear import blocks, shard_rows
+    s = self.state
+    B, T = s.batch, pos.shape[0]
+    rows = shard_rows(B * T, s.rank, s.tp, blocks(B * T // s.tp, s.chunks))
+    return torch.nn.functional.embedding(pos[(rows % T).to(pos.device)], self.weight).view(B, T // s.tp, -1)
+
+
+def _run_layout(label, mesh, warmup=2):
+    from nanopara.config import Config, ModelConfig
+    from nanopara.engine import compute_dtype
+    from nanopara.graph import GraphedMicroStep
+    from nanopara.model import GPT
+    from nanopara.parallel import parallelize
+    par, train, model_kw = LAYOUTS[label]
+    cfg = Config(device="cpu", seed=0)
+    cfg.model = ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=250, kernels="torch")
+    for k, v in model_kw.items():
+        setattr(cfg.model, k, v)
+    cfg.parallel.tp = 2
+    for k, v in par.items():
+        setattr(cfg.parallel, k, v)
+    for k, v in train.items():
+        setattr(cfg.train, k, v)
+    torch.manual_seed(0)
+    engine = parallelize(GPT(cfg.model), mesh, cfg)
+    if label == "old_sp_positions":
+        import types
+        wpe = engine.model.transformer.wpe
+        wpe.forward = types.MethodType(_old_sp_positions, wpe)
+    dtype = compute_dtype(cfg, mesh.device)
+    amp = (lambda: torch.autocast("cpu", dtype=dtype)) if dtype != torch.float32 else contextlib.nullcontext
+    micro = GraphedMicroStep(engine.model, amp, 0.5, engine, warmup=warmup)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=gen)
+    y = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=gen)
+    micro.x, micro.y = x.clone(), y.clone()  # graph.py's static inputs
+    probe = PROBE
+    steps = []
+    for i in range(warmup):  # graph.py's eager warm-up (on a side stream there)
+        with probe.region() as res:
+            micro._fwd_bwd(micro.x, micro.y)
+        steps.append(dict(phase=f"warmup{i}", **res))
+    try:
+        micro._before_capture()
+    except ValueError as e:  # graph.py refuses this layout before capturing
+        engine.close()
+        return steps, str(e)
+    with probe.region() as res:  # what torch.cuda.graph would record
+        loss = micro._fwd_bwd(micro.x, micro.y)
+    steps.append(dict(phase="capture", **res))
+    assert torch.isfinite(loss), label
+    engine.close()
+    return steps, None
+
+
+def _compare(label, steps, rank, world):
+    """Collective lists per phase from every rank (all_gather_object, outside any region): the mismatches."""
+    mine = [signature(s["collectives"]) for s in steps]
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    problems = []
+    for phase, seqs in zip([s["phase"] for s in steps], zip(*every)):
+        for r in range(1, world):
+            if json.dumps(seqs[r]) != json.dumps(seqs[0]):
+                n = next((i for i, (a, b) in enumerate(zip(seqs[0], seqs[r])) if a != b), min(len(seqs[0]),
+                                                                                            len(seqs[r])))
+                problems.append(f"{label} {phase}: rank {r} differs from rank 0 at collective {n} "
+                                f"({len(seqs[r])} vs {len(seqs[0])} issued)")
+    if json.dumps(mine[0]) != json.dumps(mine[-1]):
+        problems.append(f"{label}: rank {rank}'s captured call issues other collectives than its first warm-up call")
+    return problems
+
+
+PROBE = None
+
+
+def _worker(rank, world, labels, out_dir):
+    global PROBE
+    torch.set_num_threads(1)
+    from nanopara.mesh import Mesh
+    mesh = Mesh.build(tp=2, device="cpu")
+    PROBE = CaptureProbe().install()
+    report = {}
+    try:
+        for label in labels:
+            steps, refused = _run_layout(label, mesh)
+            report[label] = dict(steps=steps, refused=refused, mismatch=_compare(label, steps, rank, world))
+    finally:
+        PROBE.uninstall()
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+            json.dump(report, fh)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run(labels) -> dict:
+    """{rank: {label: {"steps": [...], "mismatch": [...]}}} from 2 gloo processes."""
+    with tempfile.TemporaryDirectory() as d:
+        spawn(_worker, 2, list(labels), d)
+        return {r: json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(2)}
+
+
+def summarize(reports) -> str:
+    lines = []
+    for label in next(iter(reports.values())):
+        for rank, rep in reports.items():
+            for s in rep[label]["steps"]:
+                ev = s["events"]
+                lines.append(f"{label:16s} rank {rank} {s['phase']:8s}: {len(s['collectives']):3d} collectives, "
+                             f"{len(ev)} events")
+                seen = set()
+                for e in ev:
+                    key = (e["kind"], e["what"], e["site"])
+                    if key not in seen:
+                        seen.add(key)
+                        n = sum(1 for o in ev if (o["kind"], o["what"], o["site"]) == key)
+                        lines.append(f"    {e['kind']:11s} {e['what']}  x{n}  at {e['site']}")
+            for m in rep[label]["mismatch"]:
+                lines.append(f"    MISMATCH {m}")
+            if rep[label]["refused"]:
+                lines.append(f"    refused by graph.py before capture: {rep[label]['refused']}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the test
+
+CHECKED = ("tp2", "tp2_sp", "tp2_sp_keep", "tp2_overlap2", "tp2_sp_overlap2", "tp2_sp_fp8", "tp2_sp_bf16")
+
+
+def test_tp_sp_micro_step_is_capture_safe():
+    """The region graph.py captures, under tp2 / tp2+sp (keep_gathered, overlap, FP8 tensor scaling, bf16 autocast):
+    nothing that syncs the host or copies host data in, and the same collectives on both ranks, warm-up and
+    capture alike. SP with dropout swaps RNG states inside the region: graph.py and check_layout refuse it."""
+    reports = run(CHECKED + ("tp2_sp_dropout", "old_sp_positions"))
+    text = summarize(reports)
+    print(text)
+    for rank, rep in reports.items():
+        old = [e for e in rep["old_sp_positions"]["steps"][-1]["events"]]  # the bug fixed before: caught
+        assert [e["kind"] for e in old] == ["h2d"] and old[0]["site"].startswith("nanopara/model.py"), old
+        drop = rep["tp2_sp_dropout"]
+        assert drop["refused"] and {e["kind"] for e in drop["steps"][-1]["events"]} == {"rng"}, text
+        assert all("nanopara/tp.py" in e["site"] for e in drop["steps"][-1]["events"])
+        for label in CHECKED:
+            steps = rep[label]["steps"]
+            assert not rep[label]["mismatch"] and not rep[label]["refused"], text
+            cap = steps[-1]
+            assert cap["phase"] == "capture"
+            assert not cap["events"], f"{label} rank {rank}: {cap['events']}"
+            assert cap["collectives"], label  # the probe saw the TP collectives at all
+            for s in steps[:-1]:  # warm-up: only the first call's one-off host work (SP's cached row positions)
+                assert all(e["kind"] in ("h2d", "host_tensor") for e in s["events"]), (label, s["events"])
+    # SP issues its all-gathers / reduce-scatters; TP alone only all-reduces
+    sp_ops = {c["op"] for c in reports[0]["tp2_sp"]["steps"][-1]["collectives"]}
+    tp_ops = {c["op"] for c in reports[0]["tp2"]["steps"][-1]["collectives"]}
+    assert tp_ops == {"all_reduce"} and "all_reduce" in sp_ops  # the loss's two all-reduces
+    assert sp_ops & {"all_gather_into_tensor", "all_gather_single"} and \
+        sp_ops & {"reduce_scatter_tensor", "reduce_scatter_single"}  # (torch 2.13 renamed them *_single)
+
+
+def test_check_layout_refuses_sp_dropout_under_a_graph():
+    from nanopara.config import PRESETS, ConfigError
+    from nanopara.parallel import check_layout
+    cfg = PRESETS["tiny"]()
+    cfg.train.cuda_graph, cfg.parallel.tp, cfg.parallel.sp = True, 2, True
+    assert check_layout(cfg, 2, "cuda") == 1  # SP without dropout: captured (the test above)
+    cfg.model.dropout = 0.1
+    with pytest.raises(ConfigError, match="dropout"):
+        check_layout(cfg, 2, "cuda")
+    cfg.parallel.sp = False  # TP alone: every rank draws the same masks from the shared generator, in the graph
+    assert check_layout(cfg, 2, "cuda") == 1
+
+
+def test_probe_catches_what_it_claims():
+    """The probe itself: a sync, a data-dependent shape, a host tensor meeting a device tensor, an RNG read and an
+    unwaited async handle are all reported (in one process, no group needed for these)."""
+    probe = CaptureProbe().install()
+    try:
+        x = torch.randn(4)
+        with probe.region() as res:
+            x.sum().item()
+            bool(x.sum() > 0)
+            torch.nonzero(x > 0)
+            x[x > 0]
+            idx = torch.arange(2)  # no device=: a host tensor in a GPU run
+            x[idx]  # ... indexing a device tensor: an implicit pageable copy
+            torch.tensor([1.0, 2.0], device=x.device)
+            torch.get_rng_state()
+            x.to("cpu")
+            torch.arange(4, device=x.device)[idx % 2]  # still host-derived
+        kinds = [e["kind"] for e in res["events"]]
+        assert kinds == ["sync", "sync", "dynamic", "dynamic", "h2d", "host_tensor", "rng", "sync", "h2d"], kinds
+        assert all("test_capture_safety" not in e["site"] for e in res["events"])
+        with probe.region() as res:  # what the TP code does: device-side factories, no reads
+            y = torch.arange(4, device=x.device) % 3
+            z = x.new_empty(4).copy_(x)
+            (y.float() + z).sum()
+        assert res["events"] == [], res["events"]
+    finally:
+        probe.uninstall()
+
+
+if __name__ == "__main__":
+    print(summarize(run(sys.argv[1:] or LAYOUTS)))
