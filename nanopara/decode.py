@@ -6,31 +6,44 @@ shorter than its launch: `model.generate` and `rl.sample` spend most of a step w
 records the launches of one step once and replays them with a single call.
 
 A graph replays fixed kernels on fixed addresses, so everything a step touches must keep its shape and storage:
-  StaticKVCache  per layer, (B, nh, T_max, hs) key/value buffers allocated once. The write position is a DEVICE
-                 tensor `pos` (shared by all layers): `update` writes with `index_copy_` along the time axis at `pos`
-                 and returns the whole T_max buffers; `mask` returns a (1, 1, T, T_max) boolean mask letting query
-                 i see the keys at positions <= its own. The unwritten (or stale) tail is masked out, so nothing
-                 ever needs clearing. It speaks model.KVCache's protocol (`update`, `mask`), so the model's attention
-                 runs unchanged; the positional embedding reads the same `pos` (GPT.forward's `pos` argument).
-  Decoder        static input token (B, 1) and position (1,) tensors, the caches, and `step(tok) -> logits (B, V)`.
-                 The step's body: mask from pos, model forward on the static token at pos, pos += 1. With
-                 graph=True (CUDA) the body is captured on the first step: a few eager warm-up steps on a side
-                 stream first (Triton tuning and compilation, cuBLAS handles, the allocator: torch.cuda.graphs'
-                 recipe), then one capture; later steps copy the token in and replay. `prefill(idx)` runs the prompt
-                 (any length T) eagerly into the same caches and sets pos = T, so one captured graph serves every
-                 prompt length and step. The host keeps its own copy of the position (no sync) for bounds checks.
+  StaticKVCache  per layer, (B, nh, T_max, hs) key/value buffers allocated once. The write SLOT is a DEVICE tensor
+                 `pos` (shared by all layers and all rows): `update` writes with `index_copy_` along the time axis at
+                 `pos` and returns the whole T_max buffers; `mask` returns a (B, 1, T, T_max) boolean mask (one per
+                 row, broadcast over heads). The unwritten (or stale) tail is masked out, so nothing ever needs
+                 clearing. It speaks model.KVCache's protocol (`update`, `mask`), so the model's attention runs
+                 unchanged; the positional embedding reads per-row positions (GPT.forward's `pos`, (B, T) here).
+  Decoder        static input token (B, 1), slot (1,) and left-padding counts pad (B, 1), the caches, and
+                 `step(tok) -> logits (B, V)`. The step's body: mask and positions from pos and pad, model forward
+                 on the static token, pos += 1. With graph=True (CUDA) the body is captured on the first step: a few
+                 eager warm-up steps on a side stream first (Triton tuning and compilation, cuBLAS handles, the
+                 allocator: torch.cuda.graphs' recipe), then one capture; later steps copy the token in and replay.
+                 `prefill(idx, pad)` runs the prompts (any length T) eagerly into the same caches, copies the pad
+                 counts into their static buffer and sets pos = T, so one captured graph serves every prompt length,
+                 every mix of lengths (same B and T_max) and every step. The host keeps its own copy of the slot (no
+                 sync) for bounds checks.
   generate       prefill, then per token: pick from the static logits OUTSIDE the graph (argmax, or temperature /
                  top-k multinomial on (B, V): a handful of cheap launches, and any sampling rule works), write the
-                 token into the output buffer and replay. No host sync per token: with `eot`, one sync every
-                 `check_every` tokens asks whether every row has emitted it, and stops early if so.
+                 token into the output buffer and replay. No host sync per token: with `eot` (or a `finished`
+                 callback), one sync every `check_every` tokens asks whether every row is done, and stops if so.
 
-Contract of `generate` (like GPT.generate): (B, T + n) tokens, n = max_new_tokens cut to the context
-(block_size). Rows stay in the batch to the end: a fixed batch is what a graph replays, and cheaper than shrinking
-it. Tokens after a row's first `eot` are unspecified (the model's continuation, or `eot` once every row finished
-early): callers that stop at EOT truncate each row after its first EOT (rl.sample does).
+Left padding (prompts of different lengths in one batch): the prompts are left-padded to the longest, L tokens;
+row b has p_b = L - len_b padding slots, its real tokens sit at slots p_b..L-1 with positions 0..len_b-1, and every
+later token at slot s has position s - p_b. The write slot stays shared (L, L+1, ...: one index_copy_ for the
+batch); only the mask and the positions are per row: row b's query at slot s sees keys at slots p_b..s. A query on
+a padding slot sees only itself (a query with no key at all gives NaN, and NaN in a padding slot's value would leak
+through even a zero attention weight) and has position 0; its outputs are never read. A padding-free row
+(p_b = 0) computes exactly what the one-position decoder computed (bit for bit on CPU, fp32: tests/test_decode.py).
+
+Contract of `generate` on a (B, T) tensor (like GPT.generate): (B, T + n) tokens, n = max_new_tokens cut to the
+context (block_size). On a list of token-id lists: a list of new-token lists, cut after the first `eot` (kept);
+the longest prompt + max_new_tokens must fit the context (ValueError). Rows stay in the batch to the end: a fixed
+batch is what a graph replays, and cheaper than shrinking it. Tokens after a row's first `eot` are unspecified in
+the tensor (the model's continuation, or `eot` once every row finished early): callers that stop at EOT truncate
+each row after its first EOT (rl.sample does).
 
 Limits:
-- One position for the whole batch: prompts of one length (as rl.sample batches them).
+- One write slot for the batch: a short prompt's row still occupies L + n slots, and its padding slots are
+  computed (prefill) and read (masked) like the others; sorting prompts by length before batching keeps that small.
 - Autocast: the graph bakes in the autocast state of its first step (checked on every later step). Captured with
   autocast's weight-cast cache off (a cast cached outside the graph would be freed under it), so under bf16
   autocast each replay casts the fp32 weights again: one read of the fp32 weights per token (likely the main cost
@@ -42,8 +55,8 @@ Limits:
   tensors (`.to()`, load_state_dict(assign=True)) are not, so `decoder_for` keys its cache on the parameters'
   addresses.
 - Attention reads all T_max cached keys every step (masked), not only the filled ones: fixed shapes.
-Greedy decoding equals GPT.generate token for token on CPU (tests/test_decode.py); on GPU bf16 the masked
-attention over T_max keys rounds differently from the sliced one, so rare near-ties may differ.
+Greedy decoding equals GPT.generate token for token on CPU (tests/test_decode.py), left-padded rows included; on
+GPU bf16 the masked attention over T_max keys rounds differently from the sliced one, so rare near-ties may differ.
 """
 from __future__ import annotations
 
@@ -56,8 +69,9 @@ from nanopara.moe import moe_layers
 
 
 class StaticKVCache:
-    """One layer's keys/values in fixed (B, nh, T_max, hs) buffers, written at device positions (see the module
-    docstring). `pos` (T,) int64 and `attn_mask` are set by the Decoder before each forward (`Decoder._bind`)."""
+    """One layer's keys/values in fixed (B, nh, T_max, hs) buffers, written at device slots (see the module
+    docstring). `pos` (T,) int64 slots and `attn_mask` (B, 1, T, T_max) are set by the Decoder before each forward
+    (`Decoder._bind`)."""
 
     def __init__(self, B, nh, T_max, hs, device, dtype):
         self.k = torch.zeros(B, nh, T_max, hs, device=device, dtype=dtype)
@@ -69,7 +83,7 @@ class StaticKVCache:
         self.v.index_copy_(2, self.pos, v.to(self.v.dtype))
         return self.k, self.v
 
-    def mask(self, T):  # (1, 1, T, T_max): query i (absolute pos[i]) sees keys 0..pos[i]
+    def mask(self, T):  # (B, 1, T, T_max): row b's query at slot s sees its keys at slots pad[b]..s
         return self.attn_mask
 
 
@@ -84,12 +98,14 @@ def _amp_state(device):
 
 
 class Decoder:
-    """Static caches + a one-token step for `batch` rows and up to `max_len` positions (prompt included).
+    """Static caches + a one-token step for `batch` rows and up to `max_len` cache slots (prompt included).
 
-    prefill(idx (B, T)) -> logits (B, V) of the last prompt position; step(tok (B,) or (B, 1)) -> logits (B, V) of
-    that token, which sits at the next position. Returned logits are float views of static buffers (graph=True):
-    read them before the next call. V = the real vocabulary (padding columns dropped). Runs under torch.no_grad
-    and in the model's current mode (call with the model in eval mode: generate does)."""
+    prefill(idx (B, T), pad=None) -> logits (B, V) of the last prompt slot; step(tok (B,) or (B, 1)) -> logits (B, V)
+    of that token, which sits at the next slot. `pad` (B,) counts the left-padding slots of each row (None: none):
+    row b's real tokens fill slots pad[b]..T-1 at positions 0..T-1-pad[b], and its keys before pad[b] are never
+    attended to. Returned logits are float views of static buffers (graph=True): read them before the next call.
+    V = the real vocabulary (padding columns dropped). Runs under torch.no_grad and in the model's current mode
+    (call with the model in eval mode: generate does)."""
 
     def __init__(self, model, batch: int, max_len: int, dtype, graph: bool = True, warmup: int = 2):
         p = model.transformer.wpe.weight
@@ -102,34 +118,46 @@ class Decoder:
         self.V = model.cfg.vocab_size
         self.caches = [StaticKVCache(batch, blk.attn.n_head, max_len, blk.attn.head_dim, p.device, dtype)
                        for blk in model.transformer.h]
-        self.keys = torch.arange(max_len, device=p.device)  # key positions, for the masks
+        self.keys = torch.arange(max_len, device=p.device)  # key slots, for the masks
         self.tok = torch.zeros(batch, 1, dtype=torch.long, device=p.device)  # static input of a step
-        self.pos = torch.zeros(1, dtype=torch.long, device=p.device)  # static position of that token
-        self.n = 0  # the host's copy of pos: tokens in the caches
+        self.pos = torch.zeros(1, dtype=torch.long, device=p.device)  # static slot of that token (shared by the rows)
+        self.pad = torch.zeros(batch, 1, dtype=torch.long, device=p.device)  # static left-padding slots per row
+        self.n = 0  # the host's copy of pos: slots in the caches
         self.graph = self.logits = self.amp = None
 
-    def _bind(self, pos):
-        """Every cache writes at positions `pos` (T,) and masks with the mask they imply (one mask for all layers)."""
-        mask = (self.keys[None, :] <= pos[:, None])[None, None]  # (1, 1, T, T_max)
+    def _bind(self, slots):
+        """Every cache writes at `slots` (T,) (the same for every row) and masks with the mask they imply, one for
+        all layers: row b's query at slot s sees keys at slots lo..s, lo = pad[b] (its first real token), or s itself
+        for a query on a padding slot (a row with no key at all would give NaN, and NaN in a padding slot's value
+        poisons even a zero attention weight). Returns the rows' positions (B, T) = slot - pad[b] (0 on padding)."""
+        s = slots[None, :, None]  # (1, T, 1)
+        lo = torch.minimum(self.pad[:, :, None], s)  # (B, T, 1)
+        k = self.keys[None, None, :]  # (1, 1, T_max)
+        mask = ((k >= lo) & (k <= s))[:, None]  # (B, 1, T, T_max)
         for c in self.caches:
-            c.pos, c.attn_mask = pos, mask
+            c.pos, c.attn_mask = slots, mask
+        return (slots[None, :] - self.pad).clamp_(min=0)  # (B, T)
 
     @torch.no_grad()
-    def prefill(self, idx):
+    def prefill(self, idx, pad=None):
         B, T = idx.shape
         if B != self.B or T > self.max_len:
             raise ValueError(f"Decoder.prefill: batch of {B} x {T} tokens for a decoder of {self.B} x {self.max_len}")
-        pos = torch.arange(T, device=self.device)
-        self._bind(pos)
+        if pad is None:
+            self.pad.zero_()
+        else:
+            self.pad.copy_(torch.as_tensor(pad, dtype=torch.long).view(B, 1))
+        slots = torch.arange(T, device=self.device)
+        pos = self._bind(slots)
         logits, _ = self.model(idx, kv_caches=self.caches, pos=pos)
         self.pos.fill_(T)
         self.n = T
         return logits[:, -1, :self.V].float()
 
     def _body(self):
-        """One step on the static token and position: the whole of what the graph records."""
-        self._bind(self.pos)
-        logits, _ = self.model(self.tok, kv_caches=self.caches, pos=self.pos)
+        """One step on the static token, slot and padding: the whole of what the graph records."""
+        pos = self._bind(self.pos)
+        logits, _ = self.model(self.tok, kv_caches=self.caches, pos=pos)
         self.pos.add_(1)
         return logits[:, -1, :self.V].float()  # (B, V)
 
@@ -207,40 +235,85 @@ def pick(logits, temperature: float = 0.0, top_k: int | None = None, generator=N
     return torch.multinomial(F.softmax(z, dim=-1), 1, generator=generator)[:, 0]
 
 
+def _decode(dec, idx, pad, n: int, temperature, top_k, generator, eot, check_every, finished):
+    """Prefill idx (with `pad`) and pick n tokens -> (out (B, n), m): m = the columns picked before an early stop
+    (the rest hold `eot`, or -1 without one)."""
+    B, dev = idx.shape[0], idx.device
+    out = torch.full((B, n), -1 if eot is None else eot, dtype=torch.long, device=dev)
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    logits = dec.prefill(idx, pad)
+    for i in range(n):
+        tok = pick(logits, temperature, top_k, generator)
+        out[:, i] = tok
+        if i == n - 1:
+            break
+        if eot is not None:
+            done |= tok == eot
+        if (eot is not None or finished is not None) and i % check_every == check_every - 1:
+            stop = done
+            if finished is not None:  # the host reads the tokens so far: the same single sync
+                stop = done | torch.as_tensor(finished(out[:, :i + 1].cpu()), dtype=torch.bool, device=dev)
+            if bool(stop.all()):  # the only host sync
+                return out, i + 1
+        logits = dec.step(tok)
+    return out, n
+
+
 @torch.no_grad()
 def generate(model, idx, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
              generator: torch.Generator | None = None, eot: int | None = None, graph="auto",
-             check_every: int = 16):
-    """Continuations of idx (B, T) -> (B, T + n), n = max_new_tokens cut to the context, as GPT.generate returns.
-    graph: True (CUDA graph), False (the same static caches, eager) or "auto" (True where `graph_ok`). With `eot`,
-    every `check_every` tokens one host sync asks whether all rows have emitted it; if so the rest is `eot`. Tokens
-    after a row's first `eot` are unspecified: truncate there. The caches take the autocast dtype when autocast is
-    on (call inside it), else the parameters' dtype."""
-    B, T = idx.shape
+             check_every: int = 16, max_len: int | None = None, finished=None, pad_id: int = 0):
+    """Continuations of `idx`, either a (B, T) tensor or a list of B token-id lists of any lengths.
+
+    Tensor: -> (B, T + n), n = max_new_tokens cut to the context, as GPT.generate returns. Tokens after a row's
+    first `eot` are unspecified: truncate there.
+    List: the prompts are left-padded (with `pad_id`, never attended to) to the longest, L tokens, and decoded as one
+    batch (per-row positions and key masks, see Decoder) -> a list of B lists of new tokens, max_new_tokens each,
+    cut after the first `eot` (kept) when eot is given, and shorter where everything stopped early (below). The
+    longest prompt + max_new_tokens must fit the context (ValueError otherwise; no silent cut).
+    graph: True (CUDA graph), False (the same static caches, eager) or "auto" (True where `graph_ok`). With `eot`
+    (or `finished`), every `check_every` tokens one host sync asks whether all rows are done; if so decoding stops
+    (the tensor's rest is `eot`). finished(tokens (B, i) CPU tensor of the new tokens so far) -> (B,) bools: rows
+    the caller needs no more tokens of (evals: a stop string). max_len: the caches' slots (default: the prompt +
+    n); a larger fixed value lets calls with other prompt lengths reuse one decoder and its graph (decoder_for).
+    The caches take the autocast dtype when autocast is on (call inside it), else the parameters' dtype."""
     dev = model.transformer.wpe.weight.device
-    total = min(T + max_new_tokens, model.cfg.block_size)
+    block = model.cfg.block_size
+    as_list = not isinstance(idx, torch.Tensor)
+    if as_list:
+        prompts = [list(p) for p in idx]
+        if not prompts:
+            return []
+        if min(map(len, prompts)) == 0:
+            raise ValueError("decode.generate: every prompt needs at least one token")
+        T = max(map(len, prompts))
+        if T + max(max_new_tokens, 0) > block:
+            raise ValueError(f"decode.generate: a prompt of {T} tokens + {max_new_tokens} new tokens exceeds the "
+                             f"model's context of {block}")
+        pad = [T - len(p) for p in prompts]
+        idx = torch.tensor([[pad_id] * k + p for k, p in zip(pad, prompts)], dtype=torch.long)
+        pad = torch.tensor(pad, dtype=torch.long)
+    else:
+        pad = None
+    B, T = idx.shape
+    total = min(T + max_new_tokens, block)
     n = total - T
     if n <= 0:
-        return idx
+        return [[] for _ in range(B)] if as_list else idx
+    slots = total if max_len is None else max_len
+    if slots < total:
+        raise ValueError(f"decode.generate: max_len {max_len} < the {total} slots this call needs")
     on, dt = _amp_state(dev)
     use_graph = graph_ok(model) if graph == "auto" else bool(graph)
-    dec = decoder_for(model, B, total, dt if on else model.transformer.wpe.weight.dtype, use_graph)
+    dec = decoder_for(model, B, slots, dt if on else model.transformer.wpe.weight.dtype, use_graph)
     was_training = model.training
     model.eval()
     try:
-        out = torch.full((B, n), -1 if eot is None else eot, dtype=torch.long, device=dev)
-        done = torch.zeros(B, dtype=torch.bool, device=dev)
-        logits = dec.prefill(idx.to(dev))
-        for i in range(n):
-            tok = pick(logits, temperature, top_k, generator)
-            out[:, i] = tok
-            if i == n - 1:
-                break
-            if eot is not None:
-                done |= tok == eot
-                if i % check_every == check_every - 1 and bool(done.all()):  # the only host sync
-                    break
-            logits = dec.step(tok)
+        out, m = _decode(dec, idx.to(dev), None if pad is None else pad.to(dev), n, temperature, top_k, generator,
+                         eot, check_every, finished)
     finally:
         model.train(was_training)
-    return torch.cat([idx.to(dev), out], dim=1)
+    if not as_list:
+        return torch.cat([idx.to(dev), out], dim=1)
+    rows = out[:, :m].tolist()
+    return [r[:r.index(eot) + 1] if eot is not None and eot in r else r for r in rows]

@@ -14,12 +14,13 @@ tokens include the closing EOT, so the policy learns where to stop. Log-probs ar
 the distribution that was sampled.
 
 Prompts are sft.prompt_ids(enc, prompt) = EOT + "User: {prompt}\nAssistant:", what SFT trained on.
-Sampling: the KV caches have no padding mask, so `sample` batches the rows whose prompts have one token length
-(a prompt's G copies always do). On CUDA (models without MoE layers) a batch decodes with nanopara/decode.py: one
-CUDA graph replay per token, a fixed batch (finished rows keep running, their tokens are cut at EOT afterwards),
-no host sync per token. Otherwise (`sampler="dynamic"`) model.py's KV cache: finished rows (EOT or max_new) leave
-the batch, one host sync per token. Training forwards right-pad the sequences: causal attention never lets a real
-token see the padding after it, and masks drop the rest.
+Sampling: on CUDA (models without MoE layers) `sample` decodes with nanopara/decode.py: all prompts of a call in one
+left-padded batch (per-row positions and key masks; chunks of `max_batch` rows, longest prompts first), one CUDA
+graph replay per token, a fixed batch (finished rows keep running, their tokens are cut at EOT afterwards), no host
+sync per token. Otherwise (`sampler="dynamic"`) model.py's KV cache, which has no padding mask: rows batched by
+prompt token length (a prompt's G copies always share one), finished rows (EOT or max_new) leave the batch, one
+host sync per token. Training forwards right-pad the sequences: causal attention never lets a real token see the
+padding after it, and masks drop the rest.
 
 Data parallel: each rank samples and scores its share of the prompts (groups never straddle ranks, so advantages
 need no communication); `update` divides by the global token count and all-reduces the gradients (sum), so a step
@@ -74,23 +75,44 @@ def policy_loss(logp, old_logp, adv, mask, clip_eps: float, ref_logp=None, kl_co
 SAMPLERS = ("auto", "graph", "static", "dynamic")
 
 
+SLOT_MULTIPLE = 64  # the static caches' slots are rounded up to this: calls of nearby lengths reuse one decoder
+
+
 def _sample_static(model, prompts: list, max_new: int, temperature: float, eot: int, generator, amp,
                    graph: bool) -> list:
-    """_sample_batch with decode.generate: a fixed batch on static caches (graph: one replay per token); each row
-    is cut after its first EOT."""
-    dev, L = model.transformer.wpe.weight.device, len(prompts[0])
+    """New token ids (EOT kept) of prompts of any lengths, in one left-padded batch on decode.py's static caches
+    (graph: one replay per token); each row is cut after its first EOT. The longest prompt + max_new must fit the
+    context. The caches get that many slots rounded up to SLOT_MULTIPLE (at most the context), so later calls
+    whose prompts are a little longer or shorter reuse the kept decoder and its captured graph."""
+    need = max(map(len, prompts)) + max_new
+    slots = min(-(-need // SLOT_MULTIPLE) * SLOT_MULTIPLE, model.cfg.block_size)
     with amp():
-        out = decode.generate(model, torch.tensor(prompts, device=dev), max_new, temperature, None, generator,
-                              eot=eot, graph=graph)
-    rows = out[:, L:].tolist()  # the one host sync (besides decode's every-16-tokens EOT check)
-    return [r[:r.index(eot) + 1] if eot in r else r for r in rows]
+        return decode.generate(model, prompts, max_new, temperature, None, generator, eot=eot, graph=graph,
+                               max_len=slots)
+
+
+def _static_batches(prompts: list, max_new: int, block: int, max_batch: int) -> list:
+    """[(row indices, new tokens)]: the rows whose prompt + max_new fit the context in chunks of max_batch rows,
+    longest prompts first; a row that does not fit gets block - len new tokens (what the dynamic path gives it), in
+    a batch of its prompt length."""
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    fit = [i for i in order if len(prompts[i]) + max_new <= block]
+    out = [(fit[s:s + max_batch], max_new) for s in range(0, len(fit), max_batch)]
+    by_len = {}
+    for i in order:
+        if len(prompts[i]) + max_new > block:
+            by_len.setdefault(len(prompts[i]), []).append(i)
+    for L, rows in by_len.items():
+        out += [(rows[s:s + max_batch], max(block - L, 0)) for s in range(0, len(rows), max_batch)]
+    return out
 
 
 @torch.no_grad()
 def _sample_batch(model, prompts: list, max_new: int, temperature: float, eot: int, generator, amp,
                   sampler: str = "dynamic") -> list:
     """New token ids (EOT kept) for prompts of one token length. sampler "graph" / "static": decode.py's static
-    caches with / without a CUDA graph; "dynamic": model.py's KV cache, finished rows leave the batch."""
+    caches with / without a CUDA graph (any lengths there); "dynamic": model.py's KV cache, finished rows leave the
+    batch."""
     if sampler in ("graph", "static"):
         return _sample_static(model, prompts, max_new, temperature, eot, generator, amp, sampler == "graph")
     dev, V = model.transformer.wpe.weight.device, model.cfg.vocab_size
@@ -125,23 +147,33 @@ def _sample_batch(model, prompts: list, max_new: int, temperature: float, eot: i
 
 
 def sample(model, prompts: list, max_new: int, temperature: float = 1.0, eot: int = 50256, generator=None,
-           amp=contextlib.nullcontext, sampler: str = "auto") -> list:
-    """New token ids of each prompt (a list of token-id lists), stopping at EOT (kept) or after max_new tokens;
-    temperature 0 is greedy. Prompts of one length run as one batch, shortest first. sampler: "auto" ("graph"
-    where decode.graph_ok: CUDA, no MoE layers; else "dynamic"), "graph", "static" or "dynamic" (_sample_batch).
-    Greedy gives the same tokens whichever runs (up to rounding on GPU); sampling draws from the same distribution
-    but not the same random numbers (the fixed batch draws for finished rows too)."""
+           amp=contextlib.nullcontext, sampler: str = "auto", max_batch: int = 256) -> list:
+    """New token ids of each prompt (a list of token-id lists), stopping at EOT (kept) or after max_new tokens (cut
+    to the context); temperature 0 is greedy. sampler: "auto" ("graph" where decode.graph_ok: CUDA, no MoE layers;
+    else "dynamic"), "graph", "static" or "dynamic". "graph" / "static" run every prompt of the call in one
+    left-padded batch of decode.py's static caches (with / without a CUDA graph), in chunks of `max_batch` rows,
+    longest prompts first (_static_batches); "dynamic" runs the prompts of one length as one batch, shortest first
+    (_sample_batch). Greedy gives the same tokens whichever runs (up to rounding on GPU); sampling draws from the
+    same distribution but not the same random numbers (the fixed batch draws for finished rows too)."""
     if sampler not in SAMPLERS:
         raise ValueError(f"sample: sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
+    if max_batch < 1:
+        raise ValueError(f"sample: max_batch must be >= 1, got {max_batch}")
     if sampler == "auto":
         sampler = "graph" if decode.graph_ok(model) else "dynamic"
-    by_len = {}
-    for i, p in enumerate(prompts):
-        by_len.setdefault(len(p), []).append(i)
     outs = [None] * len(prompts)
     was_training = model.training
     model.eval()
     try:
+        if sampler in ("graph", "static"):
+            for rows, n in _static_batches(prompts, max_new, model.cfg.block_size, max_batch):
+                for i, new in zip(rows, _sample_static(model, [prompts[i] for i in rows], n, temperature, eot,
+                                                       generator, amp, sampler == "graph")):
+                    outs[i] = new
+            return outs
+        by_len = {}
+        for i, p in enumerate(prompts):
+            by_len.setdefault(len(p), []).append(i)
         for L in sorted(by_len):
             rows = by_len[L]
             for i, new in zip(rows, _sample_batch(model, [prompts[i] for i in rows], max_new, temperature, eot,

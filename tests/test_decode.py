@@ -182,3 +182,133 @@ def test_rl_sample_graph_equals_dynamic_on_cuda():
     free = rl.sample(model, prompts, 20, 0.0, -1, sampler="dynamic")
     eot = free[0][5]
     assert rl.sample(model, prompts, 20, 0.0, eot) == rl.sample(model, prompts, 20, 0.0, eot, sampler="dynamic")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# left padding: prompts of different lengths in one batch
+
+
+class OnePosition(decode.Decoder):
+    """The decoder as it was before left padding: one (1, 1, T, T_max) mask and one (T,) position for the batch."""
+
+    def _bind(self, slots):
+        mask = (self.keys[None, :] <= slots[:, None])[None, None]
+        for c in self.caches:
+            c.pos, c.attn_mask = slots, mask
+        return slots
+
+
+def _prompts(lengths, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 1000, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_left_padded_batch_equals_each_prompt_alone():
+    """Lengths 1, 4, 7 in one batch: each row's greedy tokens are its own decoding alone (and GPT.generate's), and
+    teacher-forced on those tokens every step's logits match the lone decoder's within 1e-5."""
+    model, new = small(block=24), 10
+    prompts = _prompts([1, 4, 7])
+    got = decode.generate(model, prompts, new, graph=False)
+    for p, row in zip(prompts, got):
+        assert row == decode.generate(model, [p], new, graph=False)[0]
+        assert row == model.generate(torch.tensor([p]), new, temperature=0)[0, len(p):].tolist()
+    assert len({tuple(r) for r in got}) == 3 and all(len(set(r)) > 2 for r in got)  # not degenerate
+    L = 7
+    dec = decode.Decoder(model, 3, L + new, torch.float32, graph=False)
+    idx = torch.tensor([[999] * (L - len(p)) + p for p in prompts])  # any padding id
+    batch = [dec.prefill(idx, [L - len(p) for p in prompts])]
+    batch += [dec.step(torch.tensor([r[t] for r in got])) for t in range(new - 1)]
+    for i, (p, row) in enumerate(zip(prompts, got)):
+        one = decode.Decoder(model, 1, len(p) + new, torch.float32, graph=False)
+        alone = [one.prefill(torch.tensor([p]))] + [one.step(torch.tensor([row[t]])) for t in range(new - 1)]
+        for t, (a, b) in enumerate(zip(batch, alone)):
+            torch.testing.assert_close(a[i], b[0], atol=1e-5, rtol=0, msg=f"row {i} step {t}")
+    # the padding ids never matter; a second batch in the same decoder reuses its caches (stale slots masked)
+    again = decode.Decoder(model, 3, L + new, torch.float32, graph=False)
+    again.prefill(torch.zeros(3, 7, dtype=torch.long))  # fills every slot with other keys first
+    torch.testing.assert_close(again.prefill(idx.masked_fill(idx == 999, 3), [6, 3, 0]), batch[0], atol=1e-6, rtol=0)
+
+
+def test_padding_free_rows_equal_the_one_position_decoder_bit_for_bit():
+    model = small(block=16)
+    seq = torch.randint(0, 1000, (3, 16), generator=torch.Generator().manual_seed(3))
+    a = decode.Decoder(model, 3, 16, torch.float32, graph=False)
+    b = OnePosition(model, 3, 16, torch.float32, graph=False)
+    assert torch.equal(a.prefill(seq[:, :5], [0, 0, 0]), b.prefill(seq[:, :5]))
+    for t in range(5, 16):
+        assert torch.equal(a.step(seq[:, t]), b.step(seq[:, t])), t
+
+
+def test_list_prompts_fill_the_context_and_guard():
+    """The longest prompt may fill the context up to block_size - max_new; beyond, a ValueError (the list API does
+    not cut). EOT cuts each row after its first; empty inputs."""
+    model, new = small(block=24), 6
+    prompts = _prompts([24 - new, 2, 11], seed=9)
+    got = decode.generate(model, prompts, new, graph=False)
+    assert [len(r) for r in got] == [new] * 3
+    for p, row in zip(prompts, got):
+        assert row == model.generate(torch.tensor([p]), new, temperature=0)[0, len(p):].tolist()
+    with pytest.raises(ValueError, match="exceeds the model's context of 24"):
+        decode.generate(model, _prompts([24 - new + 1, 2]), new, graph=False)
+    with pytest.raises(ValueError, match="at least one token"):
+        decode.generate(model, [[1, 2], []], new, graph=False)
+    with pytest.raises(ValueError, match="max_len 20"):
+        decode.generate(model, prompts, new, graph=False, max_len=20)
+    assert decode.generate(model, [], new) == []
+    eot = got[1][2]
+    cut = decode.generate(model, prompts, new, graph=False, eot=eot, max_len=24)  # a larger cache: same tokens
+    assert cut == [r[:r.index(eot) + 1] if eot in r else r for r in got] and len(cut[1]) <= 3
+
+
+def test_finished_callback_stops_the_batch_early():
+    model = small(block=48)
+    prompts = _prompts([2, 5])
+    full = decode.generate(model, prompts, 40, graph=False)
+    got = decode.generate(model, prompts, 40, graph=False, check_every=4, finished=lambda t: [t.shape[1] >= 6] * 2)
+    assert got == [r[:8] for r in full]  # the check after 4 tokens says no, the one after 8 says yes
+    assert next(reversed(decode._DECODERS.values())).n == 5 + 7
+
+
+def test_rl_sample_static_equals_dynamic_mixed_lengths():
+    """All prompts in one left-padded batch (or chunks of max_batch rows) = the dynamic path's length groups,
+    greedy, with rows stopping at EOT and a prompt too long for max_new (cut to the context like the dynamic path)."""
+    model = small(block=32)
+    prompts = _prompts([1, 6, 3, 9, 3, 2, 24], seed=11)
+    free = rl.sample(model, prompts, 12, 0.0, eot=-1, sampler="dynamic")
+    assert len(free[6]) == 32 - 24  # cut to the context
+    eot = free[3][4]
+    dynamic = rl.sample(model, prompts, 12, 0.0, eot=eot, sampler="dynamic")
+    assert sum(len(s) < 12 and s[-1] == eot for s in dynamic) >= 1 and any(len(s) == 12 for s in dynamic)
+    for mb in (256, 3):
+        assert rl.sample(model, prompts, 12, 0.0, eot=eot, sampler="static", max_batch=mb) == dynamic, mb
+    assert rl.sample(model, prompts, 12, 0.0, eot=-1, sampler="static") == free
+    assert rl._static_batches(prompts, 12, 32, 3) == [([3, 1, 2], 12), ([4, 5, 0], 12), ([6], 8)]  # longest first
+    with pytest.raises(ValueError, match="max_batch"):
+        rl.sample(model, prompts, 4, 0.0, eot=eot, sampler="static", max_batch=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bf16", [True, False])
+def test_left_padded_graph_equals_eager_on_cuda(bf16):
+    """A left-padded batch of mixed lengths: graph replays = eager steps (tokens; bf16 autocast and fp32), and a
+    second batch of other lengths replays the SAME captured graph (the pad counts are a static device buffer)."""
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=1000)).cuda().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "ln_" not in name and p.dim() > 1:
+                p.normal_(0.0, 0.1)
+    first, second = _prompts([1, 4, 7, 30, 13, 2]), _prompts([9, 30, 1, 1, 22, 5], seed=6)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+        for prompts in (first, second):
+            eager = decode.generate(model, prompts, 50, graph=False, max_len=96)
+            graphed = decode.generate(model, prompts, 50, graph=True, max_len=96)
+            assert graphed == eager
+            if not bf16:  # fp32: each row also equals its own decoding alone
+                assert graphed == [decode.generate(model, [p], 50, graph=False)[0] for p in prompts]
+        dt = torch.bfloat16 if bf16 else torch.float32
+        dec = decode.decoder_for(model, 6, 96, dt, True)
+        graph = dec.graph
+        assert graph is not None and decode.generate(model, first, 50, graph=True, max_len=96) == \
+            decode.generate(model, first, 50, graph=False, max_len=96)
+        assert dec.graph is graph  # replayed, not captured again

@@ -205,6 +205,84 @@ def test_greedy_complete_equals_generate_with_stops():
     assert len({len(w) for w in want}) > 1  # rows did leave the batch at different steps
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny matmuls: one thread is much faster than two fighting over a loaded machine's cores (as test_rl.py)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def spread(model, std=0.1):
+    """Weights redrawn N(0, std): at GPT-2's init a random model mostly repeats one byte, so every comparison of two
+    decoders would hold trivially (as tests/test_decode.py does)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "ln_" not in name and p.dim() > 1:
+                p.normal_(0.0, std)
+    return model
+
+
+def old_gsm8k_completions(model, prompts, batch, max_new, token_bytes, eot, stops):
+    """evals.gsm8k's generation before left padding: equal-length groups, longest first, greedy_complete."""
+    by_len, out = {}, {}
+    for i, p in enumerate(prompts):
+        by_len.setdefault(len(p), []).append(i)
+    for n in sorted(by_len, reverse=True):
+        g = by_len[n]
+        for s in range(0, len(g), batch):
+            rows = g[s:s + batch]
+            out.update(zip(rows, evals.greedy_complete(model, [prompts[i] for i in rows], max_new, token_bytes, eot,
+                                                       stops)))
+    return out
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("use_eot", [False, True])
+def test_gsm8k_left_padded_batches_equal_the_length_groups(use_eot):
+    """GSM8K's generation in left-padded batches of mixed lengths (longest first) = the old equal-length batches,
+    token for token per prompt (fp32, CPU), with rows stopping at a stop string (and at EOT) at different steps;
+    the rank split covers every prompt once."""
+    model, tb, max_new = spread(tiny()), ByteTok().decode_single_token_bytes, 16
+    texts = ["abc", "Tom has 3 apples.", "Tom has 9 apples.", "x", "How many?", "Question: 12 + 30 =", "qq", "abc"]
+    prompts = [list(t.encode()) for t in texts]
+    alone = [model.generate(torch.tensor([p]), max_new, temperature=0)[0, len(p):].tolist() for p in prompts]
+    assert len({tuple(a) for a in alone}) == len(set(texts))  # distinct, not degenerate
+    stop = alone[1][3]  # a byte prompt 1 emits early: rows stop at different steps, some never
+    eot = alone[4][5] if use_eot else None
+    stops = [bytes([stop]) + b"\x00", bytes([stop])]  # (the first never occurs: more than one stop)
+    old = old_gsm8k_completions(model, prompts, 3, max_new, tb, eot, stops)
+    new = evals.gsm8k_completions(model, prompts, 3, max_new, tb, eot, stops)
+    assert new == old
+    lens = [len(old[i]) for i in range(len(prompts))]
+    assert min(lens) < max_new and max(lens) == max_new, lens
+    for i, a in enumerate(alone):  # and each equals its prompt decoded alone, cut by the stop rule
+        n = evals.stop_length(a, tb, eot, stops)
+        assert new[i] == a[:n], i
+    assert evals.gsm8k_batches(prompts, 3) == [[5, 1, 2], [4, 0, 7], [6, 3]]  # longest first, mixed lengths
+    halves = [evals.gsm8k_completions(model, prompts, 3, max_new, tb, eot, stops, rank=r, world=2) for r in (0, 1)]
+    assert sorted(halves[0]) == [1, 2, 3, 5, 6] and {**halves[0], **halves[1]} == new
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_gsm8k_exact_match_unchanged_by_left_padding():
+    """gsm8k() end to end: the answers are set from the OLD path's completions (right where they hold a number),
+    so the exact match the new path reports must be the fraction of those."""
+    model, enc = spread(tiny(block=128, seed=3)), ByteTok()
+    with torch.no_grad():  # the final LayerNorm's bias along the digits' embeddings: completions hold numbers
+        model.transformer.ln_f.bias += model.transformer.wte.weight[list(b"0123456789\n")].sum(0)
+    qs = ["1+1?", "Tom has 3 apples and 4 pears.", "What is 7 * 8, in total?", "9", "How many legs has a cat?"]
+    prompts = [evals.gsm8k_prompt(enc, q, [], 128 - 24)[0] for q in qs]
+    old = old_gsm8k_completions(model, prompts, 2, 24, enc.decode_single_token_bytes, None, evals.STOPS)
+    nums = [evals.extract_number(evals.cut_at_stop(enc.decode(old[i]))) for i in range(len(qs))]
+    rows = [{"question": q, "answer": f"#### {n if n is not None else 123456789}"} for q, n in zip(qs, nums)]
+    got = evals.gsm8k(model, enc, rows, [], batch=2, max_new=24)
+    assert sum(n is not None for n in nums) == 4  # (not a trivial 0 / 5)
+    assert got["gsm8k_exact_match"] == pytest.approx(4 / 5)
+    assert got["gsm8k_n"] == 5
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the command line: weights, files, one run, two ranks
 

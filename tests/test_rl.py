@@ -128,6 +128,28 @@ def test_sample_greedy_equals_generate_and_stops_at_eot():
     assert rl.sample(model, prompts, 10, 1.0, EOT_TOY, torch.Generator().manual_seed(0)) == [[EOT_TOY]] * 4
 
 
+def test_static_sampler_batches_mixed_lengths_and_samples():
+    """sampler="static": prompts of many lengths (G copies each, as a step samples them) in left-padded chunks of
+    max_batch rows = the dynamic path's length groups, greedy; seeded sampling is reproducible, in the vocabulary,
+    and a completion is cut right after its EOT."""
+    model = toy(vocab=64, block=40).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "ln_" not in name and p.dim() > 1:
+                p.normal_(0.0, 0.2)  # GPT-2's init would mostly repeat one token
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (1, 9, 4, 4, 13, 2)] * 2
+    eot = rl.sample(model, prompts, 10, 0.0, eot=-1, sampler="dynamic")[4][3]
+    dynamic = rl.sample(model, prompts, 10, 0.0, eot=eot, sampler="dynamic")
+    assert any(len(c) < 10 for c in dynamic) and any(len(c) == 10 for c in dynamic)
+    for mb in (256, 5):
+        assert rl.sample(model, prompts, 10, 0.0, eot=eot, sampler="static", max_batch=mb) == dynamic
+    drawn = [rl.sample(model, prompts, 10, 1.0, eot, torch.Generator().manual_seed(1), sampler="static")
+             for _ in range(2)]
+    assert drawn[0] == drawn[1]
+    assert all(0 < len(c) <= 10 and all(0 <= t < 64 for t in c) and eot not in c[:-1] for c in drawn[0])
+
+
 def test_token_logprobs_ignore_padding():
     model = toy()
     prompts, completions = [[1, 2, 3], [4, 5]], [[6, 7], [8, 9, 10, EOT_TOY]]
