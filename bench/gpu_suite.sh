@@ -4,11 +4,13 @@
 #   kernels  per-kernel benchmarks (attention, its Hopper Gluon kernels, layernorm, cross-entropy, adamw)
 #   lnsweep  LayerNorm tiles and bandwidth per shape, A/B against .carry/old if that checkout exists
 #   e2e      GPT-2 124M training throughput: nanopara vs torch / torch.compile
-#   curve    GPT-2 124M loss curve on the offline book corpus (needs .carry/data, see README)
-#   evalbooks  issue #31: gpt2_124m trained on books as `curve` (runs under /tmp), then eval.py HellaSwag + val loss
+#   curve    GPT-2 124M loss curve on the offline book corpus (needs .carry/data: `make carry`, carried along)
+#   evalbooks  issue #31: gpt2_124m trained on books as `curve` (runs under /tmp), then eval.py HellaSwag, val loss
+#            and GSM8K (EVAL_TASKS; needs .carry/data/eval/{hellaswag,gsm8k})
 #   moebooks   issue #27: gpt2_moe (top-1 = the dense model's active compute, and top-2) on books as `curve`, then
 #            eval.py HellaSwag + val loss: against evalbooks' dense run (same tokens, same flags)
-#   generate   issue #31: bench/bench_generate.py (ours vs Hugging Face generate); lists any local HF GPT-2 weights
+#   generate   issue #31: bench/bench_generate.py (ours vs Hugging Face generate), equal and mixed prompt lengths;
+#            lists any local HF GPT-2 weights
 #   posttrain  issue #31: bench/post_train_demo.py $PT_ARGS, rl.py keys for every RL run in $PT_RL_ARGS (runs
 #            under /tmp/post_train$PT_TAG; JSON + logs to $OUT)
 #   fp8      FP8 end to end (issue #26): fp8bench (bench/bench_fp8_e2e.py throughput + profile, ~4 min) then
@@ -45,10 +47,13 @@ for s in "$@"; do
                  --train.steps=${CURVE_STEPS:-3000} --train.warmup_steps=200 --train.lr=1.2e-3 --train.val_every=500 \
                  --train.log_every=100 ${CURVE_ARGS:-} 2>&1 | grep -v '^ \|^[{}]' > "$OUT/books_$name.txt"
                tail -3 "$OUT/books_$name.txt"; cp $dir/metrics.jsonl "$OUT/books_${name}_metrics.jsonl"
-               $PY eval.py --out_dir=$dir --tasks=hellaswag,loss --batch=32 ${EVAL_ARGS:-} --out="$OUT/books_evals.jsonl" 2>&1 \
+               $PY eval.py --out_dir=$dir --tasks=${EVAL_TASKS:-hellaswag,loss,gsm8k} --batch=32 ${EVAL_ARGS:-} \
+                 --out="$OUT/books_evals.jsonl" 2>&1 \
                  | grep -v '^ ' | tail -4 | sed "s/^/$name: /"; done ;;
     generate) ls -d ~/.cache/huggingface/hub/*gpt2* 2>/dev/null | sed 's/^/local HF weights: /'
-             $PY bench/bench_generate.py --out "$OUT" ${GEN_ARGS:-} 2>&1 | tee "$OUT/generate.txt" | tail -14 ;;
+             $PY bench/bench_generate.py --out "$OUT" ${GEN_ARGS:-} 2>&1 | tee "$OUT/generate.txt" | tail -14
+             mkdir -p "$OUT/mixed"; $PY bench/bench_generate.py --mixed --out "$OUT/mixed" ${GEN_ARGS:-} 2>&1 \
+               | tee "$OUT/generate_mixed.txt" | tail -6 ;;
     posttrain) d=/tmp/post_train${PT_TAG:-}; rm -rf $d
              $PY bench/post_train_demo.py --out $d ${PT_ARGS:-} ${PT_RL_ARGS:+--rl_args="$PT_RL_ARGS"} 2>&1 | tail -20 | tee "$OUT/post_train${PT_TAG:-}.txt"
              cp $d/post_train.json "$OUT/post_train${PT_TAG:-}.json" 2>/dev/null

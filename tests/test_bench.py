@@ -118,6 +118,23 @@ def test_bench_generate_same_weights_same_greedy_tokens():
     assert parity(model, hf_model(other), torch.device("cpu")) > 0
 
 
+def test_bench_generate_left_padded_batches_match_hugging_face():
+    """Prompts of different lengths in one batch: ours left-padded (decode.py: per-row positions and key mask) and
+    Hugging Face's left-padded batch with an attention mask give the same greedy tokens (skipped without
+    transformers)."""
+    pytest.importorskip("transformers")
+    import torch
+    from bench_generate import hf_model, parity_mixed
+    from nanopara.config import PRESETS
+    from nanopara.model import GPT
+    torch.manual_seed(0)
+    model = GPT(PRESETS["tiny"]().model).eval()
+    with torch.no_grad():  # larger weights than GPT-2's init: greedy decoding that is not one repeated token
+        for p in model.parameters():
+            p.normal_(0, 0.1)
+    assert parity_mixed(model, hf_model(model), torch.device("cpu")) == 0
+
+
 @pytest.mark.parametrize("layout", [["--parallel.pp=2", "--parallel.pp_schedule=1f1b"], ["--parallel.tp=2"],
                                     ["--parallel.dp=2"]])
 def test_bench_layout_runs_train_layouts_on_cpu(tmp_path, layout):
