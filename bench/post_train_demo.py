@@ -39,6 +39,9 @@ from nanopara.consolidate import full_model_state  # noqa: E402
 from nanopara.data import get_tokenizer  # noqa: E402
 from nanopara.model import GPT  # noqa: E402
 
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from bench_generate import timed  # noqa: E402
+
 
 def sh(argv: list[str], log: str) -> float:
     """Run a command from the repo root, its output into `log`; seconds taken. Fails loudly with the log's tail."""
@@ -72,14 +75,7 @@ def generation_speed(model: GPT, device, batches=(1, 16, 64, 256), prompt=32, ne
                                                                    generator=g))):
             try:
                 with amp():
-                    fn()  # warm-up: kernels, allocator
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    fn()
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
-                res[f"{name}_tokens_per_s"] = B * new / (time.perf_counter() - t0)
+                    res[f"{name}_tokens_per_s"] = B * new / timed(fn, device)  # after a warm-up call
             except RuntimeError as e:  # one sampler failing must not lose the other's number
                 res[f"{name}_error"] = str(e).splitlines()[0][:200]
         rows.append(res)
