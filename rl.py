@@ -14,7 +14,7 @@ under <out_dir>/ckpt that sample.py, eval.py and rl.py read.
 Keys (`--key=value`; a repeated key: the last one wins):
   --init=PATH        the starting policy: a run, ckpt/ or step directory (any layout), or a Hugging Face GPT-2 state
                      dict file (.bin/.pt)
-  --task=NAME        arith | sort | count | gsm8k (arith); --gsm8k=PATH: GSM8K's folder (default: the mirror's)
+  --task=NAME        arith | digits | sort | count | gsm8k (arith); --gsm8k=PATH: GSM8K's folder (default: the mirror's)
   --train_n=N        training prompts to draw from (20000); --test_n=N held-out prompts scored (500)
   --steps=N (100)  --prompts=P per step, global (32)  --group=G completions per prompt (8)
   --max_new=N        tokens per completion, EOT included (32); --temperature=T for sampling (1.0)

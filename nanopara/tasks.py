@@ -7,6 +7,8 @@
 An Example is a prompt (the user's text; sft.format_prompt wraps it), the correct response (the text SFT trains on,
 starting with a space as the template expects) and the answer its checker compares against.
   arith   "What is 348+57?" -> " 405": a+b or a-b, operands uniform in [0, 1000)
+  digits  "What is 3 4 8 + 5 7?" -> " 4 0 5": arith written one digit per token (GPT-2's BPE cuts "348+57" into
+          chunks that differ from number to number, " 7"+"12" beside " 712"; single digits make the sum learnable)
   sort    "Sort: 5 2 9 1" -> " 1 2 5 9": 3-8 digits, ascending
   count   "How many times does 3 appear in 3 1 3 7 3?" -> " 3": 5-12 digits
   gsm8k   GSM8K's question -> its worked solution ("<<...>>" calculator notes removed), answer = the final number
@@ -17,6 +19,7 @@ Checker rules (reward 1.0 or 0.0), applied to the completion cut at the first ne
 line or "Question:"/"User:", since its solutions span lines):
   arith, count  the first number of the text equals the answer (commas in groups of three and trailing decimal
                 zeros allowed: "1,234.0" = 1234; leading/trailing whitespace and any text after the number ignored)
+  digits        as arith, after single spaces between digits (and after a leading minus) are closed up: "- 1 1 8"
   sort          the integers of the text, in order, equal the answer's (separators free: "1, 2, 5, 9" counts)
   gsm8k         the last number of the text equals the answer (evals.extract_number: GSM8K's usual rule)
 The JSONL lines also carry "text" = format_prompt(prompt) + response, so `data/prepare.py text FILE` can pre-train
@@ -69,6 +72,13 @@ def check_number(completion: str, answer: str) -> float:
     return float(got is not None and got == answer)
 
 
+_SPACED = re.compile(r"(?<=[\d-]) (?=\d)")
+
+
+def check_digits(completion: str, answer: str) -> float:
+    return check_number(_SPACED.sub("", first_line(completion)), answer)
+
+
 def check_sorted(completion: str, answer: str) -> float:
     return float(_INT.findall(first_line(completion)) == answer.split())
 
@@ -86,6 +96,16 @@ def gen_arith(rng: random.Random) -> Example:
     a, b, op = rng.randrange(1000), rng.randrange(1000), rng.choice("+-")
     c = a + b if op == "+" else a - b
     return Example(f"What is {a}{op}{b}?", f" {c}", str(c))
+
+
+def spaced(n: int) -> str:
+    return " ".join(str(n))  # -118 -> "- 1 1 8"
+
+
+def gen_digits(rng: random.Random) -> Example:
+    a, b, op = rng.randrange(1000), rng.randrange(1000), rng.choice("+-")
+    c = a + b if op == "+" else a - b
+    return Example(f"What is {spaced(a)} {op} {spaced(b)}?", " " + spaced(c), str(c))
 
 
 def gen_sort(rng: random.Random) -> Example:
@@ -108,7 +128,8 @@ class Task:
     gen: Callable[[random.Random], Example] | None  # None: read from files (GSM8K)
 
 
-TASKS = {t.name: t for t in (Task("arith", check_number, gen_arith), Task("sort", check_sorted, gen_sort),
+TASKS = {t.name: t for t in (Task("arith", check_number, gen_arith), Task("digits", check_digits, gen_digits),
+                             Task("sort", check_sorted, gen_sort),
                              Task("count", check_number, gen_count), Task("gsm8k", check_gsm8k, None))}
 
 

@@ -9,7 +9,7 @@ from nanopara.config import ConfigError
 from nanopara.data import default_mirror
 from nanopara.sft import format_prompt
 
-SYNTHETIC = ("arith", "sort", "count")
+SYNTHETIC = ("arith", "digits", "sort", "count")
 
 
 @pytest.mark.parametrize("name", SYNTHETIC)
@@ -28,9 +28,10 @@ def test_splits_are_disjoint_distinct_and_seeded(name):
 def test_responses_are_right_and_pass_their_checker(name):
     for e in tasks.make_examples(name, 200, "train", seed=3):
         assert e.response.startswith(" ") and tasks.TASKS[name].check(e.response, e.answer) == 1.0
-        nums = [int(x) for x in e.prompt.replace("?", " ").replace("+", " + ").replace("-", " - ").split()
+        prompt = "is " + e.prompt.split("is ", 1)[1].replace(" ", "") if name == "digits" else e.prompt
+        nums = [int(x) for x in prompt.replace("?", " ").replace("+", " + ").replace("-", " - ").split()
                 if x.lstrip("-").isdigit()]
-        if name == "arith":
+        if name in ("arith", "digits"):
             a, b = nums
             assert int(e.answer) == (a + b if "+" in e.prompt else a - b)
         elif name == "sort":
@@ -53,6 +54,25 @@ def test_responses_are_right_and_pass_their_checker(name):
 ])
 def test_number_checker(completion, answer, want):
     assert tasks.check_number(completion, answer) == want
+
+
+@pytest.mark.parametrize("completion, answer, want", [
+    (" 4 0 5", "405", 1), ("405", "405", 1), (" 4 0 5\n9", "405", 1), (" 4 0 5 is it", "405", 1),
+    (" - 1 1 8", "-118", 1), (" -1 1 8", "-118", 1), (" 1 1 8", "-118", 0), (" - 1 1 8", "118", 0),
+    (" 4 0 6", "405", 0), (" 4 0 5 0", "405", 0), (" 4  0 5", "405", 0),  # two spaces: the numbers 4 and 5
+    (" 4 0", "405", 0), ("", "405", 0), (" 0", "0", 1), (" 1 0 3 4", "1034", 1),
+])
+def test_digits_checker(completion, answer, want):
+    assert tasks.check_digits(completion, answer) == want
+    assert tasks.TASKS["digits"].check(completion, answer) == want
+
+
+def test_digits_prompts_are_one_token_per_digit():
+    from nanopara.data import get_tokenizer
+    enc = get_tokenizer()
+    for e in tasks.make_examples("digits", 50, "train", seed=4):
+        for text in (e.prompt.split("is ", 1)[1], e.response):
+            assert all(len(enc.decode([t]).strip()) <= 1 for t in enc.encode(text)), text
 
 
 @pytest.mark.parametrize("completion, want", [
