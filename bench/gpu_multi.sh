@@ -28,7 +28,8 @@
 #   compose  layouts built without GPU numbers yet: FP8 on 1 GPU / tp2 (+sp, +CUDA graph), gpt2_moe (FP8 experts) under pp2,
 #          tp2 + sp, ep2 + ZeRO-3 and (4 GPUs) ep2 x pp2, each beside its plain run
 #   pp     bench_pp.py: ppN (N = the GPUs) with PP_SCHEDULES at m = PP_M (16), PRESET (gpt_1b), Triton kernels
-#   cp     bench_cp.py: cpN at one sequence of CP_T (32768) tokens: efficiency, exposed comm, Ulysses, zigzag balance
+#   cp     bench_cp.py: cpN at one sequence of CP_T (32768) tokens: efficiency, exposed comm, Ulysses, zigzag balance;
+#          CP_ARGS="--memory" adds peak memory at T/2 and T and the longest T that fits
 #   ep     bench_ep.py: gpt2_moe on 1 GPU, dpN, epN and (N > 2) epN/2 x dp2, one profiled step per layout
 #   train  train.py's own step time (metrics.jsonl, bench/step_times.py) at B=16, one micro-step, on 1 and N GPUs,
 #          this tree and OLD="<dir> ..." (other commits' trees) alternating, twice; needs data/shards/shakespeare
@@ -205,7 +206,7 @@ m = PRESETS['$P']().model; print(','.join(map(str, b(m.n_layer, 2, 2 * m.padded_
     pp)    run $N bench/bench_pp.py --preset ${PRESET:-gpt_1b} --kernels auto --n_micro ${PP_M:-16} \
              --schedules ${PP_SCHEDULES:-1f1b,interleaved:2,zb} --compare '' --out "$OUT/pp$N.jsonl" 2>&1 \
              | grep -v -e Warning -e OMP_NUM | tee "$OUT/pp$N.txt" ;;
-    cp)    run $N bench/bench_cp.py --seq_len ${CP_T:-32768} --steps 3 --out "$OUT/cp$N" 2>&1 \
+    cp)    run $N bench/bench_cp.py --seq_len ${CP_T:-32768} --steps 3 --out "$OUT/cp$N" ${CP_ARGS:-} 2>&1 \
              | grep -v -e Warning -e OMP_NUM | tee "$OUT/cp$N.txt" ;;
     ep)    run $N bench/bench_ep.py --layouts single,dp$N,ep$N$([ $N -gt 2 ] && echo ,ep$((N / 2))) --profile --out "$OUT/ep$N" \
              2>&1 | grep -v -e Warning -e OMP_NUM | tee "$OUT/ep$N.txt" ;;

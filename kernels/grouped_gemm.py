@@ -31,7 +31,8 @@ _grouped_mm_tma_kernel, the same forward / dgrad with x, w and the outputs moved
 read nor write another group's rows), persistent over tiles numbered group by group; sm_90+ (and the interpreter).
 _grouped_wgrad_tma_kernel: the weight gradient the same way (per-group dy and x descriptors, so the reduction's
 partial last row tile zero-fills; dw through one 3-D descriptor; persistent over dw's tiles group by group; db fused
-into the k-tile-0 tiles). Unmeasured on the GPU (compiled for sm_90 only: wgmma fed from shared memory, pipelined).
+into the k-tile-0 tiles). H100, R = 65536 over 8 experts: 0.75-0.95x dense cuBLAS, 0.93-1.07x torch._grouped_mm,
+against the pointer wgrad's 0.62-0.78x (results/moe_tma_wgrad_h100.txt).
 
 FP8 (kernels/grouped_gemm_fp8.py): the same forward/dgrad kernel with SCALED: e4m3 operands, a scale per row of
 A and per (group, output column) of B applied before the bias and the epilogue.
@@ -616,10 +617,7 @@ def _launch_wgrad_tma(dy, x, offsets, dw, db):
 
 def grouped_wgrad(dy, x, offsets, dtype=None, bias=True, tma=None):
     """(dw (E, N, K), db (E, N) or None) in `dtype` (default dy's): dw[e] = dy[group e]^T @ x[group e]; an empty
-    group's are zeros, rows past offsets[E] do not count. tma: _use_tma, except that tma=None with the flag TMA
-    unset keeps the pointer kernel: the TMA wgrad kernel has not run on a GPU yet (NANOPARA_GROUPED_TMA=1 opts in)."""
-    if tma is None and TMA is None:
-        tma = False
+    group's are zeros, rows past offsets[E] do not count. tma: _use_tma (None: the module flag TMA)."""
     dy, x = dy.contiguous(), x.contiguous()
     R, N = dy.shape
     K = x.shape[1]
