@@ -3,8 +3,9 @@
     python3 bench/post_train_demo.py --out=DIR                        # ~10 min on one H100
     python3 bench/post_train_demo.py --out=/tmp/x --device=cpu --smoke=1   # the logic, in ~3 min on CPU
 
-1. Data: `python -m nanopara.tasks arith` (a+b, a-b with operands below 1000; held-out prompts disjoint by hash)
-   -> JSONL -> `data/prepare.py sft` (packed, loss-masked rows).
+1. Data: `python -m nanopara.tasks arith` (a+b, a-b with operands below 1000; held-out prompts disjoint by hash;
+   --task=digits writes them one digit per token, which a model from scratch learns far sooner: 89.6 % after 3,000
+   steps against arith's 18.4 %, results/post_train_rl_sweep_h100.txt) -> JSONL -> `data/prepare.py sft`.
 2. SFT from scratch with train.py (--preset, default gpt2_124m; --sft_steps), a checkpoint every --sft_every
    steps, each scored by greedy exact match on --test_n held-out prompts: the "SFT alone" curve.
 3. RL with rl.py from the SFT checkpoint of step --rl_from (default auto: the first whose greedy exact match on
