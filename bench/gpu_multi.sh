@@ -20,7 +20,8 @@
 #          tokens/s, MFU, memory, exposed comm per layer
 #   layouts  issue #28: PRESET (gpt_1b) through bench_layout.py (train.py's step, synthetic tokens): 1 GPU, dpN, tpN
 #          (+sp, +CUDA graph), tpN/2 x dp2, ppN, tp2 x pp2, pp2 x dp2 at G=32 sequences of 1024 a step; 1 GPU, cpN,
-#          tp2 x cp2, cp2 x dp2 at one sequence of 16k, 1 GPU, cpN and cp2 + ZeRO-1 at four 16k sequences a step.
+#          tp2 x cp2, cp2 x dp2 at one sequence of 16k, 1 GPU, cpN and cp2 + ZeRO-1 at four 16k sequences a step,
+#          cpN ring and Ulysses at one sequence of CP_LONG (131072) tokens.
 #          RUNS="label ..." runs some. Then, for the same issue:
 #          sections pp, cp and ep below
 #   layouts3d  issue #29 (8 GPUs): 1 GPU, dpN + ZeRO-1, tp2 x pp2 x dpN/4, tp4 x pp2 (+sp) at G=64 sequences of 1024
@@ -166,6 +167,11 @@ for s in "$@"; do
              lay 1gpu_16k_acc4 1 $t16k --train.tokens_per_step=65536
              lay cp${N}_16k_acc4_zero1 $N $t16k --parallel.cp=$N --train.tokens_per_step=65536 --parallel.zero=1
              lay cp2_16k_acc4_zero1 2 $t16k --parallel.cp=2 --train.tokens_per_step=65536 --parallel.zero=1
+             # one sequence of CP_LONG (131072) tokens: about the longest cp4 fits without recompute (bench_cp --memory)
+             tl="--train.seq_len=${CP_LONG:-131072} --model.block_size=${CP_LONG:-131072} --train.micro_batch=1"
+             lay cp${N}_long $N $tl --train.tokens_per_step=${CP_LONG:-131072} --parallel.cp=$N
+             lay cp${N}_long_ulysses $N $tl --train.tokens_per_step=${CP_LONG:-131072} --parallel.cp=$N \
+               --parallel.cp_impl=ulysses
            } 2>&1 | grep -v -e Warning -e OMP_NUM -e '^\*\*\*' -e '^ *_warn' -e '^$' | tee -a "$OUT/layouts_$P.txt" ;;
     layouts3d) # issue #29 (8 GPUs): 3D layouts of PRESET (gpt_1b; gpt2_1558m) against 1 GPU and dpN at G (64)
            # sequences of 1024 a step, and tp2 x cp2 x dp at 16k; the stages balanced for the head (bench_pp.py's rule)
