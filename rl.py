@@ -19,6 +19,9 @@ Keys (`--key=value`; a repeated key: the last one wins):
   --steps=N (100)  --prompts=P per step, global (32)  --group=G completions per prompt (8)
   --max_new=N        tokens per completion, EOT included (32); --temperature=T for sampling (1.0)
   --lr=LR (1e-5)  --warmup=N steps of linear warm-up (10)  --weight_decay=W (0)  --grad_clip=C (1.0)
+  --optim=adamw|sgd  (adamw, betas 0.9 / 0.95); --adam_eps=E (1e-8): AdamW's epsilon; one well above the gradients'
+                     size keeps Adam from scaling a noise-level gradient up to a full-lr step (notes/post_training.md)
+  --momentum=M       sgd's momentum (0.9)
   --clip_eps=E       PPO ratio clip (0.2); --kl_coef=B: k3 KL penalty to the starting model, 0 = none (0)
   --updates=K        optimizer steps per batch of rollouts (1); --micro=R rows per forward in updates, 0 = all (0)
   --eval_every=N     held-out exact match every N steps, 0 = only at the start and the end (25)
@@ -72,6 +75,9 @@ class Args:
     lr: float = 1e-5
     warmup: int = 10
     weight_decay: float = 0.0
+    optim: str = "adamw"
+    adam_eps: float = 1e-8
+    momentum: float = 0.9
     grad_clip: float = 1.0
     clip_eps: float = 0.2
     kl_coef: float = 0.0
@@ -95,6 +101,10 @@ def parse_args(argv: list[str]) -> Args:
     for key, lo, hi in (("lr", 0, 1), ("clip_eps", 0, 1)):
         if not lo < getattr(a, key) <= hi:
             raise RLError(f"--{key} must be in ({lo}, {hi}], got {getattr(a, key)}")
+    if a.optim not in ("adamw", "sgd"):
+        raise RLError(f"--optim must be adamw or sgd, got {a.optim!r}")
+    if not 0 < a.adam_eps < 1 or not 0 <= a.momentum < 1:
+        raise RLError(f"--adam_eps must be in (0, 1) and --momentum in [0, 1), got {a.adam_eps}, {a.momentum}")
     for key in ("weight_decay", "grad_clip", "kl_coef"):
         if not 0 <= getattr(a, key) < float("inf"):
             raise RLError(f"--{key} must be a finite number >= 0, got {getattr(a, key)}")
@@ -164,8 +174,10 @@ def run(a: Args) -> dict:
         raise RLError(f"a prompt of {longest} tokens + --max_new={a.max_new} exceeds the policy's context of {T}")
     policy.to(dev).eval()  # no dropout anywhere: the first update's ratio must be exactly 1
     ref = copy.deepcopy(policy).eval() if a.kl_coef > 0 else None
-    opt = torch.optim.AdamW(param_groups(policy.named_parameters(), a.weight_decay), lr=a.lr, betas=(0.9, 0.95),
-                            fused=dev.type == "cuda")
+    groups = param_groups(policy.named_parameters(), a.weight_decay)
+    opt = torch.optim.SGD(groups, lr=a.lr, momentum=a.momentum) if a.optim == "sgd" else \
+        torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), eps=a.adam_eps,
+                          fused=dev.type == "cuda")
     metrics = Metrics(a.out_dir, mesh.is_main)
     if mesh.is_main:
         os.makedirs(a.out_dir, exist_ok=True)

@@ -7,7 +7,8 @@
 #   curve    GPT-2 124M loss curve on the offline book corpus (needs .carry/data: `make carry`, carried along)
 #   evalbooks  issue #31: gpt2_124m trained on books as `curve` (runs under /tmp), then eval.py HellaSwag, val loss
 #            and GSM8K (EVAL_TASKS; needs .carry/data/eval/{hellaswag,gsm8k})
-#   moebooks   issue #27: gpt2_moe (top-1 = the dense model's active compute, and top-2) on books as `curve`, then
+#   moebooks   issue #27: gpt2_moe (top-1 = the dense model's active compute, with a softmax and a sigmoid gate, and
+#            top-2) on books as `curve`, then
 #            eval.py HellaSwag + val loss: against evalbooks' dense run (same tokens, same flags); BOOKS_RUNS="moe_top1"
 #            runs some (lanes: one run per GPU); CURVE_STEPS (3000) sets the length of every books run
 #   generate   issue #31: bench/bench_generate.py (ours vs Hugging Face generate), equal and mixed prompt lengths;
@@ -42,7 +43,8 @@ for s in "$@"; do
              [ -f data/shards/books/books_val_000000.bin ] || \
                $PY data/prepare.py books --mirror .carry/data > "$OUT/prepare_$s.txt" 2>&1
              if [ $s = evalbooks ]; then runs="dense:--preset=gpt2_124m"
-             else runs="moe_top1:--preset=gpt2_moe,--model.moe_top_k=1,--model.moe_renorm=false moe_top2:--preset=gpt2_moe"; fi
+             else runs="moe_top1:--preset=gpt2_moe,--model.moe_top_k=1,--model.moe_renorm=false moe_top2:--preset=gpt2_moe"
+               runs="$runs moe_top1_sigmoid:--preset=gpt2_moe,--model.moe_top_k=1,--model.moe_renorm=false,--model.moe_score=sigmoid"; fi
              [ -n "${BOOKS_RUNS:-}" ] && runs=$(for r in $runs; do case " $BOOKS_RUNS " in *" ${r%%:*} "*) echo $r;; esac; done)
              for r in $runs; do name=${r%%:*}; flags=$(echo "${r#*:}" | tr ',' ' '); dir=/tmp/np_runs/books_$name
                $PY train.py $flags --data.dataset=books --out_dir=$dir --overwrite=true --train.micro_batch=16 \

@@ -38,7 +38,7 @@ class ModelConfig:
     moe_experts: int = 0         # E experts (GPT-2 MLPs) per MoE layer; 0 = dense (no MoE layer)
     moe_every: int = 2           # block i gets the MoE MLP when i % moe_every == moe_every - 1 (2: every other one)
     moe_top_k: int = 2           # experts per token
-    moe_score: str = "softmax"   # router scores: softmax | sigmoid (DeepSeek-V3; needs moe_renorm)
+    moe_score: str = "softmax"   # router scores: softmax | sigmoid (DeepSeek-V3 with renorm; Llama 4's top-1 without)
     moe_renorm: bool = True      # gates renormalised over the chosen k (False: Switch's k = 1 gate)
     moe_capacity: float = 0.0    # capacity factor: an expert keeps ceil(cf * tokens * k / E) assignments, 0 = dropless
     moe_aux_coef: float = 0.01   # Switch/GShard load-balancing loss weight; 0 = off

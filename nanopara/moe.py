@@ -4,7 +4,8 @@ Math, per token x (C,), E experts, top-k (Shazeer et al. 2017; Fedus et al. 2021
     z = W_r x in fp32 (E,),   s = softmax(z) | sigmoid(z)
     experts e_1..e_k = top-k of s + b      b: the aux-loss-free balancing bias (a buffer; selects, never weighs)
     gates g_j = s_{e_j} / sum_i s_{e_i}     (renormalised over the chosen k; moe_renorm=False keeps s_{e_j}: with
-                                             k = 1 a renormalised gate is always 1 and the router learns nothing)
+                                             k = 1 a renormalised gate is always 1 and the router learns nothing;
+                                             top-1 softmax starts near 1/E, top-1 sigmoid near 1/2, as Llama 4's)
     y = sum_j g_j MLP_{e_j}(x),  MLP_e(x) = c_proj_e(gelu_tanh(c_fc_e(x)))
   Capacity (moe_capacity = cf > 0): each expert keeps at most c = ceil(cf * N * k / E) of the layer's N*k
   assignments, first choices before second choices, each in token order (GShard); a dropped assignment adds nothing
@@ -78,8 +79,6 @@ def check_moe_config(cfg) -> None:
                          f"experts={cfg.moe_experts}")
     if cfg.moe_score not in ("softmax", "sigmoid"):
         raise ValueError(f"moe_score must be softmax or sigmoid, got {cfg.moe_score!r}")
-    if cfg.moe_score == "sigmoid" and not cfg.moe_renorm:
-        raise ValueError("moe_score=sigmoid needs moe_renorm=true (sigmoid scores do not sum to 1)")
     for name in ("moe_capacity", "moe_aux_coef", "moe_z_coef", "moe_bias_rate"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)}")

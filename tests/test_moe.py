@@ -547,13 +547,22 @@ def test_expert_bias_steers_selection_and_updates_by_sign():
     assert m.load.sum() == 0  # eval forwards do not count
 
 
+def test_top1_gate_scales():
+    """moe_renorm=False at k = 1: the gate is the chosen expert's score, softmax s_e (~1/E at init) or sigmoid
+    sigma(z_e) (~1/2); renormalised, it is 1 whatever the router says."""
+    z = torch.randn(6, 8, generator=_gen(11))
+    idx = z.argmax(-1, keepdim=True)
+    torch.testing.assert_close(gate_weights(z, idx, "sigmoid", False), z.gather(1, idx).sigmoid())
+    torch.testing.assert_close(gate_weights(z, idx, "softmax", False), z.softmax(-1).gather(1, idx))
+    assert torch.equal(gate_weights(z, idx, "sigmoid", True), torch.ones(6, 1))
+    MoEConfig(moe_top_k=1, moe_score="sigmoid", moe_renorm=False)  # a valid layout (Llama 4's top-1 gate)
+
+
 def test_config_checks():
     with pytest.raises(ValueError, match="top_k"):
         MoEConfig(moe_experts=4, moe_top_k=5)
     with pytest.raises(ValueError, match="moe_score"):
         MoEConfig(moe_score="relu")
-    with pytest.raises(ValueError, match="renorm"):
-        MoEConfig(moe_score="sigmoid", moe_renorm=False)
     with pytest.raises(ValueError, match="moe_capacity"):
         MoEConfig(moe_capacity=-1.0)
     with pytest.raises(ValueError, match="moe_impl"):

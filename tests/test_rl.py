@@ -269,6 +269,19 @@ def policy_dir(tmp_path_factory):
     return str(d)
 
 
+@pytest.mark.parametrize("extra, kind, want", [([], torch.optim.AdamW, {"eps": 1e-8, "betas": (0.9, 0.95)}),
+                                               (["--adam_eps=1e-5"], torch.optim.AdamW, {"eps": 1e-5}),
+                                               (["--optim=sgd", "--momentum=0.5"], torch.optim.SGD, {"momentum": 0.5})])
+def test_optimizer_keys_reach_the_optimizer(policy_dir, tmp_path, monkeypatch, extra, kind, want):
+    made = []
+    real_step = kind.step
+    monkeypatch.setattr(kind, "step", lambda self, *a, **k: made.append(self) or real_step(self, *a, **k))
+    argv = [f"--init={policy_dir}", f"--out_dir={tmp_path / 'r'}", "--device=cpu", "--steps=1", "--prompts=2",
+            "--group=2", "--max_new=4", "--train_n=4", "--test_n=2", "--save=0", *extra]
+    assert rl_script.main(argv) == 0 and made
+    assert all(made[0].param_groups[0][k] == v for k, v in want.items()), made[0].param_groups[0]
+
+
 def test_script_runs_and_writes_a_loadable_checkpoint(policy_dir, tmp_path):
     out = tmp_path / "rl"
     argv = [f"--init={policy_dir}", "--task=count", "--steps=2", "--prompts=2", "--group=2", "--max_new=4",
@@ -311,6 +324,8 @@ def test_script_on_two_gloo_ranks(policy_dir, tmp_path):
     (["--group=1"], "--group must be >= 2"), (["--task=chess"], "unknown task"), (["--lr=0"], "--lr must be"),
     (["--temperature=0"], "--temperature"), (["--grpup=4"], "did you mean --group"), (["--init=/nope"], "no such"),
     (["--max_new=60"], "exceeds the policy's context"), (["--prompts=3"], None),
+    (["--optim=adam"], "--optim must be"), (["--adam_eps=0"], "--adam_eps"), (["--momentum=1"], "--momentum"),
+    (["--optim=sgd", "--lr=1e-3"], None), (["--adam_eps=1e-5"], None),
 ])
 def test_user_errors_are_one_line(policy_dir, tmp_path, capsys, extra, fragment):
     argv = [f"--init={policy_dir}", f"--out_dir={tmp_path / 'r'}", "--device=cpu", "--steps=1", "--prompts=2",
