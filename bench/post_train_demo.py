@@ -1,23 +1,28 @@
 """SFT then RL on one GPU: held-out exact match after SFT and after GRPO, plus batched-generation tokens/s.
 
-    python3 bench/post_train_demo.py --out=DIR                        # ~10 min on one H100
+    python3 bench/post_train_demo.py --out=DIR                        # ~8.5 min on one H100
     python3 bench/post_train_demo.py --out=/tmp/x --device=cpu --smoke=1   # the logic, in ~3 min on CPU
 
-1. Data: `python -m nanopara.tasks arith` (a+b, a-b with operands below 1000; held-out prompts disjoint by hash;
-   --task=digits writes them one digit per token, which a model from scratch learns far sooner: 89.6 % after 3,000
-   steps against arith's 18.4 %, results/post_train_rl_sweep_h100.txt) -> JSONL -> `data/prepare.py sft`.
+The setting RL with verifiable rewards is for: labelled answers are scarce, prompts and a checker are not. SFT gets
+--examples labelled examples (20,000 by default) and trains on them to its plateau; RL then draws its prompts from
+rl.py's own 20,000 training prompts (another seed: nearly all unseen by SFT) and learns only from the checker.
+1. Data: `python -m nanopara.tasks digits` ("What is 3 4 8 + 5 7?" -> " 4 0 5"; --task=arith writes GPT-2 BPE
+   numbers, which a model from scratch learns far later: 18.4 % after 3,000 steps with 200,000 examples) -> JSONL
+   -> `data/prepare.py sft`. Held-out prompts are disjoint from training ones by hash.
 2. SFT from scratch with train.py (--preset, default gpt2_124m; --sft_steps), a checkpoint every --sft_every
    steps, each scored by greedy exact match on --test_n held-out prompts: the "SFT alone" curve.
-3. RL with rl.py from the SFT checkpoint of step --rl_from (default auto: the first whose greedy exact match on
-   training prompts reaches --auto_em = 25 %, so groups hold rewards that differ) for --rl_steps of --prompts x
-   --group completions, one run per learning rate in --rl_lr; the run reported is the one with the higher
-   training reward (never chosen on the test prompts). rl.py scores the same held-out prompts at its step 0 and
-   every --eval_every steps.
+3. RL with rl.py from the SFT checkpoint of step --rl_from (default last: then "SFT alone" is RL's start; auto: the
+   first whose greedy exact match on training prompts reaches --auto_em, which helps when SFT ends near 100 %) for
+   --rl_steps of --prompts x --group completions, one run per learning rate in --rl_lr; the run reported is the one
+   with the higher training reward (never chosen on the test prompts). rl.py scores the same held-out prompts at
+   its step 0 and every --eval_every steps.
 4. Generation: rl.sample (batched, KV cache, rows leave at EOT) on the SFT model's shape with EOT never hit, prompt
    32 tokens, 128 new, batch 1..256, bf16: tokens/s; model.generate (one batch, no stop) beside it.
 Results: DIR/post_train.json (GPU, date, the SFT curve, exact match at RL's start and end, the gain in points over
 the start and over SFT's last step, RL curves, generation tokens/s) and the runs (metrics.jsonl, logs) under
-DIR/runs. Goal (issue 31): RL adds >= 15 points.
+DIR/runs; `python bench/plot.py DIR/post_train.json` draws both curves. Goal (issue 31): RL adds >= 15 points over
+SFT's last step. Measured with these defaults: 10.2 % -> 33.3 % (results/post_train_rl_scarce_h100.txt, which also
+holds the other SFT data sizes: RL's gain depends strongly on where SFT leaves the model).
 """
 from __future__ import annotations
 
@@ -109,30 +114,32 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--device", default="cuda")
     p.add_argument("--smoke", type=int, default=0, help="1: tiny sizes, to check the pipeline on CPU")
-    p.add_argument("--task", default="arith")
+    p.add_argument("--task", default="digits")
     p.add_argument("--preset", default="gpt2_124m")
     p.add_argument("--model", default="", help="train.py model keys, e.g. '--model.n_layer=6 --model.n_embd=384'")
-    p.add_argument("--examples", type=int, default=200_000)
-    p.add_argument("--sft_steps", type=int, default=2500,
-                   help="600 steps (70 s on an H100) left exact match at 0.6 %%: too few from scratch")
-    p.add_argument("--sft_every", type=int, default=500, help="SFT checkpoints (each scored) every N steps")
-    p.add_argument("--rl_from", default="auto", help="the SFT step RL starts from; auto: the first checkpoint "
-                   "with >= --auto_em exact match on training prompts (else the last)")
+    p.add_argument("--examples", type=int, default=20_000, help="labelled SFT examples (20,000: SFT plateaus near "
+                   "10 %%; 30,000 and more: near 86-96 %%, little left for RL)")
+    p.add_argument("--sft_steps", type=int, default=3000)
+    p.add_argument("--sft_every", type=int, default=1000, help="SFT checkpoints (each scored) every N steps")
+    p.add_argument("--rl_from", default="last", help="the SFT step RL starts from; last: the final one; auto: the "
+                   "first checkpoint with >= --auto_em exact match on training prompts (else the last)")
     p.add_argument("--auto_em", type=float, default=0.25)
     p.add_argument("--sft_lr", type=float, default=6e-4)
-    p.add_argument("--rl_steps", type=int, default=150)
-    p.add_argument("--rl_lr", default="2e-5,1e-4", help="comma-separated: one RL run each from the same start")
+    p.add_argument("--rl_steps", type=int, default=600)
+    p.add_argument("--rl_lr", default="2e-5", help="comma-separated: one RL run each from the same start")
     p.add_argument("--rl_args", default="", help="more rl.py keys for every RL run, e.g. '--kl_coef=0.02 "
                    "--temperature=0.7'")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--group", type=int, default=16)
     p.add_argument("--test_n", type=int, default=1000)
-    p.add_argument("--eval_every", type=int, default=25)
+    p.add_argument("--eval_every", type=int, default=100)
     a = p.parse_args()
     if a.smoke:
         a.preset, a.model, a.examples = "tiny", "--model.n_layer=2", 3000
         a.sft_steps, a.sft_every = 20, 10
         a.rl_steps, a.rl_lr, a.prompts, a.group, a.test_n, a.eval_every = 2, "1e-5,4e-5", 4, 4, 20, 0
+    if a.rl_from == "last":
+        a.rl_from = str(a.sft_steps)
     if a.sft_steps % a.sft_every or (a.rl_from != "auto" and (int(a.rl_from) % a.sft_every
                                                                 or not 0 < int(a.rl_from) <= a.sft_steps)):
         raise SystemExit("--sft_steps and --rl_from must be multiples of --sft_every, rl_from <= sft_steps")
@@ -201,14 +208,14 @@ def main():
                "gen_tokens_per_s_median": sorted(r["gen_tokens_per_s"] for r in steps)[len(steps) // 2]}
         res["rl_runs"].append(run)
         print(f"RL lr {lr:g}: held-out exact match {run['exact_match_start']:.1%} -> {run['exact_match_end']:.1%}, "
-              f"train reward (first / last 10%) {run['train_reward_first10pct']:.3f} / {run['train_reward_last10pct']:.3f}, "
-              f"{secs:.0f} s", flush=True)
+              f"train reward (first / last 10%) {run['train_reward_first10pct']:.3f} / "
+              f"{run['train_reward_last10pct']:.3f}, {secs:.0f} s", flush=True)
     best = max(res["rl_runs"], key=lambda r: r["train_reward_last10pct"])  # chosen by training reward, not test
     res["rl_lr_chosen"] = best["lr"]
     res["exact_match_after_sft"], res["exact_match_after_rl"] = best["exact_match_start"], best["exact_match_end"]
     res["gain_points_over_start"] = 100 * (best["exact_match_end"] - best["exact_match_start"])
     res["gain_points_over_sft_final"] = 100 * (best["exact_match_end"] - res["sft_final_exact_match"])
-    res["goal_met"] = res["gain_points_over_start"] >= 15
+    res["goal_met"] = min(res["gain_points_over_start"], res["gain_points_over_sft_final"]) >= 15  # over SFT alone
 
     # 4. batched generation speed on the SFT model's shape
     sd, cfg = full_model_state(sft_dir)

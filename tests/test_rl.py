@@ -349,3 +349,24 @@ def test_demo_generation_speed_runs_on_cpu():
     rows = demo.generation_speed(toy(vocab=64, block=16), torch.device("cpu"), batches=(1, 3), prompt=4, new=5)
     assert [r["batch"] for r in rows] == [1, 3]
     assert all(r["rl_sample_tokens_per_s"] > 0 and r["model_generate_tokens_per_s"] > 0 for r in rows), rows
+
+
+def test_plot_draws_a_post_train_record(tmp_path):
+    """bench/plot.py on a post_train_demo record (.json, and a .jsonl line chosen by --index)."""
+    pytest.importorskip("matplotlib")
+    import subprocess
+    import sys
+    rec = {"task": "digits", "train_examples": 20, "gpu": "cpu", "date": "2026-11-27T00:00:00", "rl_from_step": 2,
+           "sft_final_exact_match": 0.1, "sft_curve": [{"step": 1, "test_exact_match": 0.0},
+                                                      {"step": 2, "test_exact_match": 0.1}],
+           "rl_runs": [{"lr": 2e-5, "curve": [{"step": 0, "test_exact_match": 0.1},
+                                              {"step": 3, "test_exact_match": 0.3}],
+                        "reward": [{"step": s, "reward": 0.1 * s} for s in (1, 2, 3)]}]}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    (tmp_path / "a.json").write_text(json.dumps(rec))
+    (tmp_path / "b.jsonl").write_text(json.dumps(rec) + "\n" + json.dumps({**rec, "rl_runs": []}) + "\n")
+    for args, png in ((["a.json"], "a.png"), (["b.jsonl", "--index=0", "--out=c.png"], "c.png")):
+        r = subprocess.run([sys.executable, os.path.join(root, "bench", "plot.py"), *args], cwd=tmp_path,
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        assert (tmp_path / png).stat().st_size > 1000
