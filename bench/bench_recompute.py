@@ -13,6 +13,11 @@ the modes are switched on the same model (nanopara/recompute.py's apply_activati
              full 6; Korthikanti et al. 2022: 34 + 5*a*s/h), and the per-parameter part (bf16 weight copies)
   max batch  the largest micro-batch whose training step runs: doubling from --batch, then bisection to 1/32
              (exact below 64); OOM caught, one step per probe, the allocator's cache emptied between probes
+  profile    (--profile) one more step under torch.profiler: its GPU span, the time some kernel runs (union of
+             kernel intervals) and the idle rest, the kernel count and the kernels that cost most; the allocator's
+             retries (cudaFree-and-retry when the cache cannot serve a request) during the timed steps are in every
+             time row. Idle time that grows with the mode means the GPU waits for the host (or the allocator);
+             kernel time that grows means the recomputation itself.
 The timings of all modes come first, then the searches. Before all, parity: on a 4-layer 124M-wide model with
 dropout 0.1, loss and gradients of each mode against none on the GPU (bf16): exact, or the largest difference
 relative to the largest gradient (none against a rerun of none: the noise floor; expected exact everywhere).
@@ -32,6 +37,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_layout's interval union
 
 from nanopara.config import PRESETS  # noqa: E402
 from nanopara.mesh import Mesh  # noqa: E402
@@ -116,6 +122,7 @@ def timed(model, engine, cfg, args) -> dict:
     sync(dev)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    r0 = retries() if dev.type == "cuda" else 0
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
@@ -127,7 +134,36 @@ def timed(model, engine, cfg, args) -> dict:
     flops = flops_per_token(cfg.model, model.num_params(), args.seq) * tok_s
     peak = peak_flops(dev)
     return {"step_ms": dt * 1e3, "tokens_per_s": tok_s, "tflops": flops / 1e12, "mfu": flops / peak if peak else 0.0,
-            "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if dev.type == "cuda" else None}
+            "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if dev.type == "cuda" else None,
+            "alloc_retries": retries() - r0 if dev.type == "cuda" else None}
+
+
+def retries() -> int:
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0)
+
+
+def profiled(model, engine, cfg, args) -> dict:
+    """One training step under torch.profiler (after timed(): warm): where its span goes, busy or idle."""
+    from torch.profiler import ProfilerActivity, profile
+    from bench_layout import _union
+    dev = engine.device
+    x, y = tokens(dev, args.batch, args.seq, cfg.model.vocab_size)
+    train_step(model, engine, x, y)
+    sync(dev)
+    kind = torch.autograd.DeviceType.CUDA if dev.type == "cuda" else torch.autograd.DeviceType.CPU
+    with profile(activities=[ProfilerActivity.CUDA if dev.type == "cuda" else ProfilerActivity.CPU]) as prof:
+        train_step(model, engine, x, y)
+        sync(dev)
+    ev = [e for e in prof.events() if e.device_type == kind]
+    busy, _ = _union([(e.time_range.start, e.time_range.end) for e in ev])
+    span = max(e.time_range.end for e in ev) - min(e.time_range.start for e in ev) if ev else 0
+    cost = {}
+    for e in ev:
+        n, t = cost.get(e.name, (0, 0.0))
+        cost[e.name] = (n + 1, t + e.time_range.elapsed_us())
+    top = sorted(cost.items(), key=lambda kv: -kv[1][1])[:args.profile_top]
+    return {"prof_span_ms": span / 1e3, "prof_busy_ms": busy / 1e3, "prof_idle_ms": (span - busy) / 1e3,
+            "prof_kernels": len(ev), "prof_top": [{"name": k[:120], "calls": n, "ms": t / 1e3} for k, (n, t) in top]}
 
 
 def kept(model, cfg, args, b1=1, b2=2) -> dict:
@@ -226,6 +262,8 @@ def run_preset(preset: str, args, mesh, on_gpu: bool, rows: list, emit) -> None:
             row = {"section": "mode", "preset": preset, "mode": mode, "batch": args.batch, "seq": args.seq}
             try:
                 row.update(timed(model, engine, cfg, args))
+                if args.profile:
+                    row.update(profiled(model, engine, cfg, args))
             except torch.OutOfMemoryError:
                 row["step_ms"] = None  # does not fit at --batch: the search still runs below it
                 model.zero_grad(set_to_none=True)
@@ -263,6 +301,8 @@ def main(argv=None):
     ap.add_argument("--search_frac", type=int, default=32, help="bisect until hi - lo <= lo / this")
     ap.add_argument("--no_search", action="store_true", help="skip the largest-micro-batch search")
     ap.add_argument("--quick", action="store_true", help="fewer steps, coarser search")
+    ap.add_argument("--profile", action="store_true", help="one profiled step per mode: busy / idle time, top kernels")
+    ap.add_argument("--profile_top", type=int, default=12, help="kernels listed per profiled mode")
     ap.add_argument("--out", default="", help="append JSON lines here")
     ap.add_argument("--parity_preset", default="gpt2_124m", help="the parity model's width (4 layers, dropout 0.1)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (no memory numbers)")
@@ -310,6 +350,14 @@ def main(argv=None):
               f"{f('tokens_per_s', '9,.0f'):>9s} {(format(r['mfu'] * 100, '5.1f') + '%') if r.get('mfu') else '-':>6s} "
               f"{f('peak_mem_gb', '8.1f'):>8s} {f('act_sbh_per_layer', '13.2f'):>13s} "
               f"{f('act_bytes_per_block_param', '7.2f'):>7s} {mb:>10s}")
+    for r in rows:
+        if r.get("prof_span_ms") is None:
+            continue
+        print(f"\nprofile {r['preset']} {r['mode']}: span {r['prof_span_ms']:.1f} ms = busy {r['prof_busy_ms']:.1f} + "
+              f"idle {r['prof_idle_ms']:.1f}, {r['prof_kernels']} kernels, allocator retries in the timed steps "
+              f"{r.get('alloc_retries')}")
+        for k in r["prof_top"]:
+            print(f"  {k['ms']:8.2f} ms {k['calls']:5d}x  {k['name']}")
     print(f"total {time.perf_counter() - t_start:.0f} s")
 
 

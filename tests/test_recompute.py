@@ -317,3 +317,22 @@ def test_bench_max_batch_search(monkeypatch, limit, start):
     lo, hi = bench_recompute.max_batch(None, None, None, args, start)
     assert lo <= limit < hi and hi - lo <= max(1, lo // 32), (lo, hi, probes)
     assert len(probes) <= 16
+
+
+def test_bench_profile_smoke_on_cpu(tmp_path, capsys):
+    """bench_recompute.py --profile on CPU: every mode gets a profiled step whose span splits into busy + idle."""
+    import json
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import bench_recompute
+    out = tmp_path / "r.jsonl"
+    bench_recompute.main(["--device=cpu", "--presets=tiny", "--parity_preset=tiny", "--profile", "--quick",
+                          "--no_search", "--batch=2", "--seq=32", f"--out={out}"])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    prof = [r for r in rows if r.get("section") == "mode"]
+    assert [r["mode"] for r in prof] == ["none", "full", "selective"]
+    for r in prof:
+        assert r["prof_kernels"] > 0 and r["prof_top"], r
+        assert abs(r["prof_busy_ms"] + r["prof_idle_ms"] - r["prof_span_ms"]) < 1e-6 and r["prof_idle_ms"] >= 0
+    assert "profile tiny selective: span" in capsys.readouterr().out
