@@ -1,4 +1,5 @@
-"""Registers, spills and shared memory of the LayerNorm, attention and cross-entropy tiles on sm_90a, no GPU.
+"""Registers, spills and shared memory of the LayerNorm, attention, cross-entropy and grouped-GEMM tiles on sm_90a,
+no GPU.
 
     python bench/ptxas_report.py [--json]
 
@@ -203,6 +204,23 @@ def report() -> list[dict]:
             rows.append({"case": f"gluon attn dkdv D{d} {cfg[0]}x{cfg[1]}", "reg_bound": 168, "spill_bound": 0,
                          "pipelined_bytes": ring, "smem_bound": SMEM_LIMIT,
                          **gluon_attention_usage("dkdv", d, cfg)})
+    # the MoE grouped GEMM's TMA forward (kernels/grouped_gemm.py), tile and K loops flattened into one pipelined
+    # loop: the autotuner's forward candidates must compile for sm_90 without real spills (the GELU' dgrad
+    # epilogue spills 396-648 B there, so _flatten_prune keeps it unflattened). Shared memory: stages x (A + B)
+    # tiles of the pipeline plus the half-width store tile
+    from kernels import grouped_gemm as gg
+    sig = dict(A="*bf16", B="*bf16", BIAS="*bf16", C="*bf16", PRE="*bf16", OFFSETS="*i32", N="i32", K="i32",
+               E="i32", R_BUCKET="i32", stride_am="i32", stride_be="i32", stride_bd1="i32", stride_biase="i32",
+               stride_cm="i32", stride_pm="i32")
+    for (bm, bn, warps, stages), epi, spill in (((128, 256, 8, 3), 0, 0), ((128, 256, 8, 3), 1, 16),
+                                               ((128, 128, 8, 4), 1, 0), ((128, 64, 4, 4), 1, 0)):
+        consts = dict(HAS_BIAS=True, EPILOGUE=epi, INPUT_PRECISION="ieee", TRANS_B=True, BLOCK_M=bm, BLOCK_N=bn,
+                      BLOCK_K=64, GROUP_M=8, PROGRAMS_PER_SM=1, FLATTEN=True)
+        rows.append({"case": f"grouped fwd{' +gelu' if epi else ''} {bm}x{bn} w{warps} s{stages} flat",
+                     "reg_bound": 255, "spill_bound": spill, "smem_bound": SMEM_LIMIT,
+                     "pipelined_bytes": (stages - 1) * (bm + bn) * 64 * 2,
+                     **usage(gg._grouped_mm_tma_kernel.fn, {n: sig[n] for n in sig if n not in consts}, consts,
+                             warps, stages)})
     return rows
 
 

@@ -105,17 +105,21 @@ def _configs(kind):
         return [triton.Config({"BLOCK_R": 16, "BLOCK_N": 16, "BLOCK_K": 16, "PROGRAMS_PER_SM": 2}, num_warps=4)]
     if _INTERPRET:  # 16 is tl.dot's smallest tile; 2 programs on one "SM": the persistent loop runs
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2,
-                               **({"PROGRAMS_PER_SM": 2} if kind in ("mm", "mm_tma") else {})}, num_warps=4)]
+                               **({"PROGRAMS_PER_SM": 2} if kind in ("mm", "mm_tma") else {}),
+                               **({"FLATTEN": True} if kind == "mm_tma" else {})}, num_warps=4)]
     if kind == "mm":  # (BM, BN, BK, warps, stages): the usual Hopper bf16 tiles, persistent or not
         tiles = ((128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3),
                  (64, 128, 64, 4, 4))
         return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "PROGRAMS_PER_SM": p},
                               num_warps=w, num_stages=s) for m, n, k, w, s in tiles for p in (0, 1)]
-    if kind == "mm_tma":  # (BM, BN, BK, warps, stages), always persistent: one program per SM
+    if kind == "mm_tma":  # (BM, BN, BK, warps, stages), always persistent: one program per SM; each tile with the
+        # tile and K loops flattened into one pipelined loop or not (_flatten_prune drops the flattened ones where
+        # they spill: the GELU' epilogue)
         tiles = ((128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 4, 3), (128, 128, 64, 4, 4),
                  (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3), (128, 64, 64, 4, 4))
-        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "PROGRAMS_PER_SM": 1},
-                              num_warps=w, num_stages=s) for m, n, k, w, s in tiles]
+        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "PROGRAMS_PER_SM": 1,
+                               "FLATTEN": f}, num_warps=w, num_stages=s) for m, n, k, w, s in tiles
+                for f in (False, True)]
     if kind == "wgrad_tma":  # (BR, BN, BK, warps, stages): BLOCK_R the reduction over a group's rows, (BN, BK) dw's
         # tile; always persistent, one program per SM. 128 x 256 / 256 x 128 need 8 warps (128 fp32 accumulator
         # registers a thread) and 3 stages (48 KB of operands a stage beside the dw staging tile)
@@ -208,6 +212,15 @@ def _grouped_mm_kernel(A, B, BIAS, C, PRE, SA, SB, OFFSETS, N, K, E, R_BUCKET,
 
 
 @triton.jit
+def _group_tile(local, m_tiles, width, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A group's tile number -> (first row within the group, first column): GROUP_M m tiles share a sweep over the
+    n tiles (the weight tile stays in L2 for them); width = GROUP_M * n tiles."""
+    first_m = (local // width) * GROUP_M
+    size_m = tl.minimum(m_tiles - first_m, GROUP_M)
+    return (first_m + (local % width) % size_m) * BLOCK_M, ((local % width) // size_m) * BLOCK_N
+
+
+@triton.jit
 def _store_halves(desc, row, col, x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """A (BLOCK_M, BLOCK_N) tile through a TMA descriptor of block (BLOCK_M, BLOCK_N // 2): two half-width stores,
     so the shared-memory staging tile is half as large (room for 3-4 stages of 128 x 256 x 64 operand tiles)."""
@@ -216,14 +229,25 @@ def _store_halves(desc, row, col, x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexp
     desc.store([row, col + BLOCK_N // 2], x1)
 
 
-@triton.autotune(configs=_configs("mm_tma"), key=["N", "K", "R_BUCKET", "EPILOGUE"])
+def _flatten_prune(configs, named_args, **kwargs):
+    """The flattened loop nest keeps the next tile's operands and this tile's epilogue live together: compiled for
+    sm_90 (triton 3.6), the forward tiles fit (126-255 registers, at most 12 bytes spilled), the GELU' epilogue of
+    the dgrad spills 396-648 bytes in five of eight tiles, so it keeps the unflattened loops."""
+    if _INTERPRET or kwargs.get("EPILOGUE") != 2:
+        return configs
+    return [c for c in configs if not c.kwargs.get("FLATTEN")] or configs[:1]
+
+
+@triton.autotune(configs=_configs("mm_tma"), key=["N", "K", "R_BUCKET", "EPILOGUE"],
+                 prune_configs_by={"early_config_prune": _flatten_prune})
 @triton.jit
 def _grouped_mm_tma_kernel(A, B, BIAS, C, PRE, OFFSETS, N, K, E, R_BUCKET,
                            stride_am, stride_be, stride_bd1, stride_biase, stride_cm, stride_pm,
                            HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                            TRANS_B: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           GROUP_M: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr):  # PROGRAMS_PER_SM: grid only
+                           GROUP_M: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr,  # PROGRAMS_PER_SM: grid only
+                           FLATTEN: tl.constexpr = False):
     """_grouped_mm_kernel's forward / dgrad (no SCALED) with A, B, C (and the GELU pre-activation's store) moved by
     TMA descriptors made on the device. B: the weights w as one 3-D descriptor, read in (1, BN, BK) blocks of
     w[e] (TRANS_B, forward: w (E, N, K), transposed in the dot) or (1, BK, BN) blocks (dgrad: w (E, K, N) here).
@@ -260,12 +284,9 @@ def _grouped_mm_tma_kernel(A, B, BIAS, C, PRE, OFFSETS, N, K, E, R_BUCKET,
             if EPILOGUE == 1:
                 p_desc = tl.make_tensor_descriptor(PRE + g_start.to(tl.int64) * stride_pm, shape=[rows, N],
                                                    strides=[stride_pm, 1], block_shape=[BLOCK_M, BLOCK_N // 2])
-            for tile in range(first, tile_end, P):
-                local = tile - tile_start
-                first_m = (local // width) * GROUP_M  # GROUP_M m tiles share a sweep over the n tiles (L2 reuse)
-                size_m = tl.minimum(m_tiles - first_m, GROUP_M)
-                m0 = (first_m + (local % width) % size_m) * BLOCK_M  # row within the group
-                n0 = ((local % width) // size_m) * BLOCK_N
+            tile_c = first - P  # FLATTEN: the epilogue's own tile counter (see below)
+            for tile in tl.range(first, tile_end, P, flatten=FLATTEN):
+                m0, n0 = _group_tile(tile - tile_start, m_tiles, width, GROUP_M, BLOCK_M, BLOCK_N)
                 acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 for k0 in range(0, K, BLOCK_K):
                     a = a_desc.load([m0, k0])
@@ -274,6 +295,12 @@ def _grouped_mm_tma_kernel(A, B, BIAS, C, PRE, OFFSETS, N, K, E, R_BUCKET,
                     else:
                         b = tl.reshape(b_desc.load([e, k0, n0]), [BLOCK_K, BLOCK_N])
                     acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+                # FLATTEN: the tile and K loops become one software-pipelined loop, so the next tile's first loads
+                # are in flight during this tile's epilogue (c_fc's K = 768 is only 12 steps of 64: the pipeline's
+                # fill and drain per tile weigh). The epilogue then recomputes its coordinates from its own counter
+                # rather than carrying m0 / n0 across the tile boundary (as kernels/fp8_matmul.py does).
+                tile_c += P
+                m0, n0 = _group_tile(tile_c - tile_start, m_tiles, width, GROUP_M, BLOCK_M, BLOCK_N)
                 cols = n0 + tl.arange(0, BLOCK_N)
                 if HAS_BIAS:
                     acc += tl.load(BIAS + e * stride_biase + cols, mask=cols < N,
