@@ -370,3 +370,23 @@ def test_plot_draws_a_post_train_record(tmp_path):
                            capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
         assert (tmp_path / png).stat().st_size > 1000
+
+
+def test_demo_smoke_end_to_end_on_cpu(tmp_path):
+    """bench/post_train_demo.py --smoke=1 (~40 s): tasks -> prepare.py sft -> train.py -> scored checkpoints -> rl.py
+    (two learning rates) -> generation speed, and the JSON the GPU runs are read from; RL starts from SFT's last
+    checkpoint by default, so its start is "SFT alone"."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(root, "bench", "post_train_demo.py"), f"--out={tmp_path}",
+                        "--device=cpu", "--smoke=1"], cwd=root, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads((tmp_path / "post_train.json").read_text())
+    assert res["task"] == "digits" and res["rl_from_step"] == res["sft_steps"] == 20
+    assert [c["step"] for c in res["sft_curve"]] == [10, 20]
+    assert [run["lr"] for run in res["rl_runs"]] == [1e-5, 4e-5]
+    assert res["exact_match_after_sft"] == res["sft_final_exact_match"]  # RL's step 0 scores SFT's last checkpoint
+    assert res["gain_points_over_start"] == res["gain_points_over_sft_final"]
+    assert res["goal_met"] == (res["gain_points_over_sft_final"] >= 15)
+    assert all(len(run["reward"]) == 2 for run in res["rl_runs"]) and len(res["generation"]) == 2
