@@ -21,6 +21,7 @@ Tuning (kernels/tuning.py): an autotuned kernel's first call per tuning key take
 one (only that config compiles), else announces the tuning, compiles the candidates on threads, lets the autotuner
 time them and stores its pick. Under TRITON_INTERPRET=1 (CPU tests) no binary is kept: every call is a `launch`.
 """
+import inspect
 import os
 
 import torch
@@ -74,30 +75,39 @@ class FastKernel:
         self.names = jit.arg_names
         self.tuned_on = [self.names.index(k) for k in getattr(kernel, "keys", [])]  # autotune key positions
         self.tuner = tuning.Tuner.of(kernel) if isinstance(kernel, Autotuner) and len(kernel.configs) > 1 else None
+        self.defaults = {n: p.default for n, p in inspect.signature(jit.fn).parameters.items()
+                         if p.default is not inspect.Parameter.empty}  # constexprs a config may leave out
         self.cache = {}
 
     def __getitem__(self, grid):
         return lambda *args, **constexprs: self.run(grid, args, constexprs)
 
     def run(self, grid, args, constexprs):
-        if _INTERPRET:
-            return self.launch(grid, args, constexprs)
+        if _INTERPRET:  # no binary kept; the tail is still built, so CPU tests see what the GPU path would
+            compiled = self.launch(grid, args, constexprs)
+            self.tail(len(args), constexprs)
+            return compiled
         key = (torch.cuda.current_device(), _spec(args), tuple(args[i] for i in self.tuned_on if i < len(args)),
                tuple(constexprs.items()))  # binaries are per device, as in the JIT's own cache
         hit = self.cache.get(key)
         if hit is None:  # tune / compile / launch the normal way, then keep the binary and its config
             compiled = self.launch(grid, args, constexprs)
-            cfg = getattr(self.kernel, "best_config", None)
-            meta = {**constexprs, **(cfg.kwargs if cfg is not None else {})}
-            missing = [n for n in self.names[len(args):] if n not in meta]
-            if missing:
-                raise TypeError(f"{self.names}: pass non-constexpr arguments positionally (got {missing} by name)")
-            self.cache[key] = (compiled, meta, tuple(meta[n] for n in self.names[len(args):]))
+            self.cache[key] = (compiled, *self.tail(len(args), constexprs))
             return compiled
         compiled, meta, tail = hit
         g = grid(meta) if callable(grid) else grid
         compiled[(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1)](*args, *tail)
         return compiled
+
+    def tail(self, n_args: int, constexprs):
+        """The grid's meta (the call's constexprs, the chosen config's kwargs, the kernel's defaults for what
+        neither gives) and the constexpr values a binary launch appends after the positional arguments."""
+        cfg = getattr(self.kernel, "best_config", None)
+        meta = {**self.defaults, **constexprs, **(cfg.kwargs if cfg is not None else {})}
+        missing = [n for n in self.names[n_args:] if n not in meta]
+        if missing:
+            raise TypeError(f"{self.names}: pass non-constexpr arguments positionally (got {missing} by name)")
+        return meta, tuple(meta[n] for n in self.names[n_args:])
 
     def launch(self, grid, args, constexprs):
         """The normal launch. For an autotuned kernel at a tuning key its autotuner has not seen, the stored choice

@@ -157,3 +157,26 @@ def test_tuning_compiles_its_candidates_on_threads_then_times_them(store, monkey
     assert len(threads) == 2 and threading.get_ident() not in threads
     assert tuning.STORE.get(tuning.gpu_name(), k.tuner.name, k.tuner.source, (16, "torch.int32")) == \
         tuning.config_record(_tag_kernel.configs[1])
+
+
+@triton.autotune(configs=[triton.Config({"TAG": 3}, num_warps=1), triton.Config({"TAG": 4, "EXTRA": 10}, num_warps=1)],
+                 key=["n"], do_bench=_time_by_tag)
+@triton.jit
+def _defaulted_kernel(OUT, n, TAG: tl.constexpr, BLOCK: tl.constexpr, EXTRA: tl.constexpr = 0):
+    offs = tl.arange(0, BLOCK)
+    tl.store(OUT + offs, tl.full([BLOCK], TAG + EXTRA, tl.int32), mask=offs < n)
+
+
+@pytest.mark.parametrize("tag", [3, 4])
+def test_config_may_leave_out_a_defaulted_constexpr(store, tag):
+    """A config without a constexpr that has a default (grouped_gemm's FLATTEN) launches, and its binary is
+    relaunched with the default: the fast path once raised TypeError here, on GPUs only."""
+    _defaulted_kernel.cache.clear()
+    k = launch.fast(_defaulted_kernel)
+    cfg = next(c for c in _defaulted_kernel.configs if c.kwargs["TAG"] == tag)
+    key = launch.autotune_key(_defaulted_kernel, (_OUT, 5), {"BLOCK": 8})
+    store.put(tuning.gpu_name(), k.tuner.name, k.tuner.source, key, tuning.config_record(cfg))
+    for _ in range(2):  # the miss, then (on a GPU) the binary launch with the appended constexprs
+        assert _tag_after_launch(k) == {3: 3, 4: 14}[tag]
+    meta, tail = k.tail(2, {"BLOCK": 8})
+    assert meta["EXTRA"] == (0 if tag == 3 else 10) and tail == (tag, 8, meta["EXTRA"])
