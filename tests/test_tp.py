@@ -303,18 +303,19 @@ def _vocab_ce(mesh):
     want = F.cross_entropy(full[:, :V], targets, ignore_index=-1)
     want.backward()
     vl = Vp // n
-    local = logits[:, r * vl:(r + 1) * vl].clone().requires_grad_()
-    got = tpmod.vocab_parallel_cross_entropy(local, targets, r * vl, V, mesh.tp_group)
-    torch.testing.assert_close(got, want, **TOL)
-    got.backward()
-    torch.testing.assert_close(local.grad, full.grad[:, r * vl:(r + 1) * vl], **TOL)
-    # bf16 logits: fp32 math inside, grad returned in bf16
-    lb = logits[:, r * vl:(r + 1) * vl].bfloat16().requires_grad_()
-    got = tpmod.vocab_parallel_cross_entropy(lb, targets, r * vl, V, mesh.tp_group)
-    want = F.cross_entropy(logits.bfloat16().float()[:, :V], targets, ignore_index=-1)
-    torch.testing.assert_close(got, want, **TOL)
-    got.backward()
-    assert lb.grad.dtype == torch.bfloat16
+    for kernels in ("torch", "triton"):  # triton: the shard kernels in the interpreter (widths not 16-divisible)
+        local = logits[:, r * vl:(r + 1) * vl].clone().requires_grad_()
+        got = tpmod.vocab_parallel_cross_entropy(local, targets, r * vl, V, mesh.tp_group, kernels)
+        torch.testing.assert_close(got, want, **TOL)
+        got.backward()
+        torch.testing.assert_close(local.grad, full.grad[:, r * vl:(r + 1) * vl], **TOL)
+        # bf16 logits: fp32 math inside, grad returned in bf16
+        lb = logits[:, r * vl:(r + 1) * vl].bfloat16().requires_grad_()
+        got = tpmod.vocab_parallel_cross_entropy(lb, targets, r * vl, V, mesh.tp_group, kernels)
+        wb = F.cross_entropy(logits.bfloat16().float()[:, :V], targets, ignore_index=-1)
+        torch.testing.assert_close(got, wb, **TOL)
+        got.backward()
+        assert lb.grad.dtype == torch.bfloat16
 
 
 def _generate_and_dropout(mesh):
@@ -472,7 +473,8 @@ def _worker_gpu():
         _check_training(mesh, _cfg(), sp, tol=dict(rtol=1e-4, atol=1e-5), B=3, T=10, overlap=4)  # async NCCL
     _autocast_bf16(mesh)
     for sp in (False, True):
-        _graphed(mesh, sp)
+        for overlap, kernels in ((4, "torch"), (0, "torch"), (0, "triton")):  # one-block SP paths, Triton kernels
+            _graphed(mesh, sp, overlap, kernels)
         _fp8(mesh, sp)
 
 
@@ -508,18 +510,18 @@ def _fp8(mesh, sp: bool):
         assert 0 < diff < 0.05 and runs[mode][-1] < runs[mode][0], (mode, sp, runs)
 
 
-def _graphed(mesh, sp: bool):
-    """TP (+SP, overlapped) forward + backward replayed from a CUDA graph, NCCL kernels recorded in it, trains
+def _graphed(mesh, sp: bool, overlap: int = 4, kernels: str = "torch"):
+    """TP (+SP, overlapped or not) forward + backward replayed from a CUDA graph, NCCL kernels recorded in it, trains
     exactly like eager mode: the replay launches the same kernels in the same order on the same inputs."""
     from nanopara.graph import GraphedMicroStep
     from nanopara.parallel import build_engine
     cfg = Config(device="cuda", seed=0)
-    cfg.model = _cfg()
+    cfg.model = _cfg(kernels=kernels, n_embd=64)  # Triton kernels: widths a multiple of 16
     cfg.parallel.tp, cfg.parallel.sp = 2, sp
     runs = []
     for graphed in (False, True):
         torch.manual_seed(0)
-        model = tpmod.apply_tp(GPT(cfg.model), mesh, sp=sp, overlap=4).to(mesh.device)
+        model = tpmod.apply_tp(GPT(cfg.model), mesh, sp=sp, overlap=overlap).to(mesh.device)
         engine = build_engine(model, mesh, cfg)
         amp = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
         micro = GraphedMicroStep(engine.model, amp, 1.0, engine) if graphed else None
@@ -537,7 +539,8 @@ def _graphed(mesh, sp: bool):
             engine.step(1e-2)
         runs.append((losses, [p.detach().clone() for p in model.parameters()]))
     (eager, w_eager), (graph, w_graph) = runs
-    assert graph == pytest.approx(eager, rel=1e-5, abs=1e-5) and graph[-1] < graph[0]
+    where = f"sp={sp} overlap={overlap} kernels={kernels}"
+    assert graph == pytest.approx(eager, rel=1e-5, abs=1e-5) and graph[-1] < graph[0], (where, graph, eager)
     for a, b in zip(w_graph, w_eager):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
