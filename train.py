@@ -293,6 +293,8 @@ def train(cfg: Config) -> dict:
     text = sample(model, mesh.device, t.sample_tokens, cfg.seed, amp) if t.sample_tokens and model is not None else ""
     if text:
         log(f"sample: {text!r}")
+    if graphed is not None:
+        graphed.close()  # before the process group goes: a captured NCCL kernel blocks its destruction
     mesh.destroy()
     return {"losses": reporter.losses, "steps": t.steps, "start": start, "sample": text}
 

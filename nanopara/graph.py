@@ -88,3 +88,11 @@ class GraphedMicroStep:
         self.y.copy_(y, non_blocking=True)
         self.graph.replay()
         return self.loss
+
+    def close(self):
+        """Free the graph. Before destroy_process_group: NCCL kernels captured in a live graph make ncclCommDestroy
+        hang (pytorch/pytorch#115388; measured: tp2 runs that finished training hung at exit)."""
+        if self.graph is not None:
+            torch.cuda.synchronize()
+            self.graph.reset()
+            self.graph = None

@@ -112,3 +112,29 @@ def test_engine_keeps_grad_buffers_for_the_graph():
     engine.backward(loss)
     engine.step(1e-3)
     assert all(p.grad is None for p in model.parameters())  # the default frees them
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("sp", [False, True])
+def test_train_py_tp2_graphed_run_exits(tmp_path, sp):
+    """train.py under torchrun at tp2 (+sp) with train.cuda_graph=true trains and exits: with the graph alive,
+    destroy_process_group hangs in ncclCommDestroy (pytorch/pytorch#115388), so train.py frees it first."""
+    import os
+    import subprocess
+    import sys
+    import numpy as np
+    from nanopara.data import write_shard
+    rng = np.random.default_rng(0)
+    toks = rng.integers(0, 256, 40_000)
+    write_shard(str(tmp_path / "syn_train_000000.bin"), toks)
+    write_shard(str(tmp_path / "syn_val_000000.bin"), toks[:3000])
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+           "--preset=tiny", f"--out_dir={tmp_path / 'run'}", f"--data.dataset={tmp_path / 'syn_*.bin'}",
+           "--model.vocab_size=256", "--model.block_size=64", "--train.micro_batch=4", "--train.seq_len=64",
+           "--train.tokens_per_step=256", "--train.steps=6", "--train.warmup_steps=2", "--train.val_every=0", "--train.sample_tokens=0",
+           "--ckpt.final=false", "--parallel.tp=2", f"--parallel.sp={str(sp).lower()}", "--train.cuda_graph=true"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "run" / "metrics.jsonl").exists()
