@@ -9,7 +9,9 @@ synthetic tokens, warms up 5 steps, times --steps steps (the slowest rank's wall
 GPUs with report.flops_per_token, which counts a MoE's active parameters; peak memory of the fullest GPU) and
 profiles one step on rank 0. From the GPU kernels of that step:
   comm     the union of the NCCL kernels' intervals;
-  exposed  the part of it during which no compute kernel runs: the time the step waits on communication.
+  exposed  the part of it during which no compute kernel runs: the time the step waits on communication;
+  kinds    GPU time per kind of kernel (GEMM, attention, NCCL, AdamW, LayerNorm, FP8 casts, other) and the
+           costliest kernels: where a layout's step goes beside the one-GPU step.
 Both are printed per step and per layer (divided by n_layer). --tree imports nanopara from another checkout
 (`git archive REV | tar -x -C DIR`), so the same script measures an older tree; flags that tree does not know
 are dropped with a note.
@@ -57,6 +59,22 @@ def exposed_comm(kernels):
     b, bm = _union(comp)
     span = max(e for _, _, e in kernels) - min(s for _, s, _ in kernels)
     return c / 1e3, (c - _overlap(cm, bm)) / 1e3, b / 1e3, span / 1e3
+
+
+KINDS = (("nccl", ("nccl",)), ("attention", ("attn", "flash", "fmha", "sdpa")), ("fp8 cast", ("_amax", "_cast", "_rows_k",
+         "_blocks_k")), ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "_matmul", "_mm_", "wgmma")),
+         ("adamw", ("adamw", "multi_tensor")), ("layernorm", ("layernorm", "_ln_")), ("cross entropy", ("_ce_",)))
+
+
+def kernel_mix(kernels):
+    """GPU ms per kind of kernel (summed durations, overlaps counted twice) and the costliest kernel names."""
+    kinds, names = {}, {}
+    for n, s, e in kernels:
+        low = n.lower()
+        kind = next((k for k, keys in KINDS if any(key in low for key in keys)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + (e - s) / 1e3
+        names[n[:90]] = names.get(n[:90], 0.0) + (e - s) / 1e3
+    return kinds, sorted(names.items(), key=lambda kv: -kv[1])[:20]
 
 
 def main():
@@ -172,20 +190,26 @@ def main():
     if mesh.is_main:
         comm, exposed, busy, span = exposed_comm(kernels) if kernels else (0.0, 0.0, 0.0, 0.0)
         L = cfg.model.n_layer
+        kinds, top = kernel_mix(kernels) if kernels else ({}, [])
         res = dict(label=args.label or ("old" if args.tree else "new"), tree=args.tree or ".", flags=flags,
                    dropped_flags=dropped, gpu=torch.cuda.get_device_name() if cuda else "cpu",
                    n_gpu=mesh.world, date=datetime.date.today().isoformat(), micro_steps=accum, step_ms=step_s * 1e3,
                    tokens_per_s=tok_s, mfu=mfu,
                    peak_mem_gb=peak, profiled_step_span_ms=span, compute_busy_ms=busy, comm_ms=comm,
-                   exposed_comm_ms=exposed, comm_per_layer_ms=comm / L, exposed_per_layer_ms=exposed / L)
+                   exposed_comm_ms=exposed, comm_per_layer_ms=comm / L, exposed_per_layer_ms=exposed / L,
+                   kernel_ms_by_kind=kinds, top_kernels_ms=top)
         print(f"{res['label']:>14}: {tok_s:10,.0f} tok/s  MFU {mfu * 100:4.1f}%  peak {peak:5.1f} GB | "
               f"profiled step {span:6.1f} ms, comm {comm:6.1f} ms, exposed {exposed:6.1f} ms "
               f"({exposed / L:5.2f} ms/layer)" + (f"  [dropped {dropped}]" if dropped else ""), flush=True)
+        print(f"{'':>14}  kernel ms: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])),
+              flush=True)
         if args.out:
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "layout.jsonl"), "a") as fh:
                 fh.write(json.dumps(res) + "\n")
     barrier()
+    if graphed is not None:
+        graphed.close()  # (destroying the process group under a live graph with NCCL kernels hangs)
     if not one:
         dist.destroy_process_group()
 

@@ -129,7 +129,9 @@ for s in "$@"; do
            [ -d "${OLD:-}" ] || { echo "tpspeed: set OLD to the tree before (git archive REV | tar -x -C dir)"; exit 2; }
            P=${PRESET:-gpt_1b}; common="--preset=$P --train.micro_batch=${B:-8} --train.seq_len=1024"
            new=${NEW:+--tree $NEW}  # NEW: this tree, or another (e.g. a committed snapshot)
-           prof() { label=$1; shift; run "$@" --out "$OUT" --label "$label" -- $common $FLAGS; }
+           prof() { label=$1; n=$2; shift 2  # a stuck run (NP_STACKS_AFTER: its stacks) must not eat the lane
+             timeout ${LAY_TIMEOUT:-180} $PY -m torch.distributed.run --standalone --nproc_per_node=$n "$@" \
+               --out "$OUT" --label "$label" -- $common $FLAGS || echo "$label: exit $?"; }
            { for b in ${BASE:-1gpu 1gpu_graph dp2_zero3 old_tp2 old_tp2_sp}; do case $b in
                1gpu) FLAGS="" prof $b 1 bench/bench_layout.py $new ;;
                1gpu_graph) FLAGS="--train.cuda_graph=true" prof $b 1 bench/bench_layout.py $new ;;

@@ -103,6 +103,18 @@ def test_profile_tp_exposed_comm():
     assert busy == pytest.approx(0.180) and span == pytest.approx(0.270)
 
 
+def test_profile_kernel_mix():
+    """bench_layout.py's kernel kinds: names sorted into GEMM / attention / NCCL / AdamW / ..., ms summed."""
+    from bench_layout import kernel_mix
+    kernels = [("sm90_xmma_gemm_bf16bf16", 0, 100), ("_attn_fwd_kernel", 100, 130), ("nvjet_hsh_128x256", 130, 150),
+               ("ncclDevKernel_AllReduce_Sum", 100, 300), ("_adamw_kernel", 300, 340), ("_layernorm_fwd_kernel", 340, 345),
+               ("_amax_kernel", 345, 347), ("_fp8_matmul_kernel", 347, 400), ("elementwise_kernel", 400, 410)]
+    kinds, top = kernel_mix(kernels)
+    assert kinds == pytest.approx({"gemm": 0.173, "attention": 0.030, "nccl": 0.200, "adamw": 0.040,
+                                   "layernorm": 0.005, "fp8 cast": 0.002, "other": 0.010})
+    assert top[0] == ("ncclDevKernel_AllReduce_Sum", pytest.approx(0.2)) and len(top) == 9
+
+
 def test_bench_generate_same_weights_same_greedy_tokens():
     """bench/bench_generate.py's Hugging Face model holds our weights: greedy continuations agree (skipped where
     transformers is not installed: it is a benchmark-only dependency, present on the GPU machines)."""
