@@ -609,6 +609,51 @@ class AttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+@triton.jit
+def _merge_kernel(OA, LA, O, L, H, T, s_oab, s_oah, s_oat, s_lab, s_lah, s_lat, s_ob, s_oh, s_ot, s_lb, s_lh, s_lt,
+                  D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+    """(oa, la) <- merge of (oa, la) and (o, l), one (BLOCK_T, D) tile of one (b, h): the online-softmax step."""
+    b, h = tl.program_id(1) // H, tl.program_id(1) % H
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, D_PAD)
+    rows, tile = t < T, (t < T)[:, None] & (d < D)[None, :]
+    la_ptr = LA + b * s_lab + h * s_lah + t * s_lat
+    la = tl.load(la_ptr, mask=rows, other=0.0)
+    lb = tl.load(L + b * s_lb + h * s_lh + t * s_lt, mask=rows, other=0.0).to(tl.float32)
+    mx = tl.maximum(la, lb)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)  # both blocks empty for a row: weights 0, lse stays -inf
+    ea, eb = tl.exp(la - mx), tl.exp(lb - mx)
+    tot = ea + eb
+    new = mx + tl.log(tot)
+    wa, wb = tl.where(tot > 0, ea / tot, 0.0), tl.where(tot > 0, eb / tot, 0.0)
+    oa_ptr = OA + b * s_oab + h * s_oah + t[:, None] * s_oat + d[None, :]
+    oa = tl.load(oa_ptr, mask=tile, other=0.0)
+    o = tl.load(O + b * s_ob + h * s_oh + t[:, None] * s_ot + d[None, :], mask=tile, other=0.0).to(tl.float32)
+    tl.store(oa_ptr, oa * wa[:, None] + o * wb[:, None], mask=tile)
+    tl.store(la_ptr, new, mask=rows)
+
+
+_merge = fast(_merge_kernel)
+
+
+def attention_merge_(out, lse, o, l):
+    """In place: (out, lse) <- the attention over both key sets of (out, lse) and (o, l), partial results of the
+    same queries over two disjoint key blocks (natural-log LSE): lse = logaddexp(lse, l),
+    out = exp(lse_old - lse) out + exp(l - lse) o. out (B, H, T, D) fp32 and o (any float dtype) with unit stride
+    along D; lse, l (B, H, T) fp32; any other strides (views of a larger sequence). One pass over out and o."""
+    B, H, T, D = out.shape
+    if o.shape != out.shape or lse.shape != out.shape[:3] or l.shape != lse.shape:
+        raise ValueError(f"attention_merge_: shapes out {tuple(out.shape)}, o {tuple(o.shape)}, lse {tuple(lse.shape)}, "
+                         f"l {tuple(l.shape)}")
+    if out.dtype != torch.float32 or out.stride(3) != 1 or o.stride(3) != 1:
+        raise ValueError("attention_merge_: out must be fp32 and out, o unit-stride along the head dim")
+    if out.numel():
+        block_t = max(1, min(64, 4096 // next_pow2(D)))
+        _merge[(cdiv(T, block_t), B * H)](out, lse, o, l, H, T, *out.stride()[:3], *lse.stride(), *o.stride()[:3],
+                                         *l.stride(), D=D, D_PAD=next_pow2(D), BLOCK_T=block_t, num_warps=4)
+    return out, lse
+
+
 def split_qkv(qkv, n_head):
     """(B, T, 3*H*D) packed projection, columns [q heads | k heads | v heads] -> q, k, v (B, H, T, D) views."""
     B, T, C3 = qkv.shape

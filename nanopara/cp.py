@@ -47,7 +47,8 @@ import types
 import torch
 import torch.distributed as dist
 
-from kernels.attention import attention, attention_block_bwd, attention_block_fwd, attention_ref, attention_triton
+from kernels.attention import (attention, attention_block_bwd, attention_block_fwd, attention_merge_, attention_ref,
+                               attention_triton)
 from nanopara.model import GPT, CausalSelfAttention, split_qkv
 
 
@@ -104,9 +105,8 @@ def _plan(r: int, s: int, n: int, causal: bool, layout: str, T: int):
 # blocks: Triton kernels (out + lse; backward from a given lse) or the fp32 PyTorch reference
 
 def _block_fwd(q, k, v, causal, ring: Ring):
-    """(out fp32 (B, nh, Tq, hs), lse fp32 (B, nh, Tq)) of q against one K/V block."""
-    out, lse = (attention_block_fwd if ring.triton else attention_ref)(q, k, v, causal)
-    return out.float(), lse
+    """(out (B, nh, Tq, hs) in q's dtype, lse fp32 (B, nh, Tq)) of q against one K/V block."""
+    return (attention_block_fwd if ring.triton else attention_ref)(q, k, v, causal)
 
 
 def _block_bwd_ref(do, q, k, v, out, lse, causal):
@@ -123,10 +123,15 @@ def _block_bwd_ref(do, q, k, v, out, lse, causal):
     return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, dv
 
 
-def _block_bwd(do, q, k, v, out, lse, causal, ring: Ring):
+def _block_bwd(do, q, k, v, out, lse, causal, ring: Ring, dkdv=None):
+    """(dq, dk, dv) of one block; dk, dv written into `dkdv` (two views) when given."""
     if ring.triton:
-        return attention_block_bwd(do, q, k, v, out, lse, causal)
-    return _block_bwd_ref(do, q, k, v, out, lse, causal)
+        grads = None if dkdv is None else (torch.empty_like(q.transpose(1, 2)).transpose(1, 2), *dkdv)
+        return attention_block_bwd(do, q, k, v, out, lse, causal, grads=grads)
+    g = _block_bwd_ref(do, q, k, v, out, lse, causal)
+    if dkdv is None:
+        return g
+    return g[0], dkdv[0].copy_(g[1]), dkdv[1].copy_(g[2])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -159,11 +164,13 @@ def ring_fwd(q, k, v, ring: Ring):
             qs, ks, causal = plan
             o, l = _block_fwd(q[:, :, qs], kv[0, :, :, ks], kv[1, :, :, ks], causal, ring)
             if out is None:  # step 0 covers every query row (its own diagonal)
-                out, lse = o, l
-            else:  # merge in natural-log LSE, in place on the rows this block saw
+                out, lse = o.float(), l
+            elif ring.triton:  # merge in natural-log LSE, in place on the rows this block saw: one pass
+                attention_merge_(out[:, :, qs], lse[:, :, qs], o, l)
+            else:
                 o_acc, l_acc = out[:, :, qs], lse[:, :, qs]
                 new = torch.logaddexp(l_acc, l)
-                o_acc.mul_(torch.exp(l_acc - new)[..., None]).add_(torch.exp(l - new)[..., None] * o)
+                o_acc.mul_(torch.exp(l_acc - new)[..., None]).add_(torch.exp(l - new)[..., None] * o.float())
                 l_acc.copy_(new)
         if i < n - 1:
             _wait(pending)
@@ -173,34 +180,76 @@ def ring_fwd(q, k, v, ring: Ring):
     return y, lse
 
 
+def _bthd_zeros(n, B, nh, T, hs, device):
+    """n fp32 zero (B, nh, T, hs) views of (n, B, T, nh, hs) memory: the block kernels' gradient layout, so the
+    accumulating adds read and write both operands in the same order (vectorised, no strided gather)."""
+    return torch.zeros(n, B, T, nh, hs, dtype=torch.float32, device=device).transpose(2, 3)
+
+
 def ring_bwd(do, q, k, v, out, lse, ring: Ring):
-    """Gradients (dq, dk, dv), fp32 (B, nh, T, hs), of this rank's q, k, v, given the merged out and lse."""
+    """Gradients (dq, dk, dv), fp32 (B, nh, T, hs), of this rank's q, k, v, given the merged out and lse.
+    The K/V blocks travel the ring as in the forward; the dk/dv a rank computes for the block in hand (rank s's)
+    goes straight back to s in q's dtype, where it is added in fp32 (in ring order: the sum is the same as carrying
+    an fp32 accumulator around the ring, at half its bytes)."""
     n, r, T = ring.size, ring.rank, q.shape[2]
+    B, nh, _, hs = q.shape
     kv = torch.stack([k, v])
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq = _bthd_zeros(1, B, nh, T, hs, q.device)[0]
+    dkv = _bthd_zeros(2, B, nh, T, hs, q.device)  # this rank's dk, dv: its own part, then the others' as they come
+    back, sent = None, []  # (buffer, key slice, pending) of the part of dk/dv on its way home; parts sent
     for i in range(n):
         if i < n - 1:
             nxt, pending = _send_recv(kv, ring)
-        plan = _plan(r, (r - i) % n, n, ring.causal, ring.layout, T)
-        if plan is not None:  # this block's part, computed while the accumulator of its dk/dv is still arriving
+        s = (r - i) % n
+        plan = _plan(r, s, n, ring.causal, ring.layout, T)
+        ops, part = [], None
+        if plan is not None:  # this block's part, computed while the previous parts are still arriving
             qs, ks, causal = plan
+            if i > 0:  # (2, B, keys, nh, hs) in q's dtype, written by the kernel: the message home to rank s
+                part = torch.empty(2, B, len(range(*ks.indices(T))), nh, hs, dtype=q.dtype, device=q.device)
             g = _block_bwd(do[:, :, qs], q[:, :, qs], kv[0, :, :, ks], kv[1, :, :, ks], out[:, :, qs],
-                           lse[:, :, qs], causal, ring)
+                           lse[:, :, qs], causal, ring, None if part is None else part.transpose(2, 3))
             dq[:, :, qs] += g[0]
-        if i == 0:
-            acc = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # (2, B, nh, T, hs): dk, dv
-        else:
-            _wait(acc_pending)
-            acc = acc_next
-        if plan is not None:
-            acc[0, :, :, ks] += g[1]
-            acc[1, :, :, ks] += g[2]
-        acc_next, acc_pending = _send_recv(acc, ring)  # on to the next holder; the last send brings it home
+            if part is None:
+                dkv[0][:, :, ks] += g[1]
+                dkv[1][:, :, ks] += g[2]
+            else:
+                ops.append(dist.P2POp(dist.isend, part, _global(ring, s), ring.group))
+        if back is not None:
+            _add_home(dkv, back)
+            back = None
+        src = (r + i) % n  # the rank holding this rank's block now: its part comes home
+        home = _plan(src, r, n, ring.causal, ring.layout, T) if i > 0 else None
+        if home is not None:
+            ks_home = home[1]
+            rows = len(range(*ks_home.indices(T)))
+            buf = torch.empty(2, B, rows, nh, hs, dtype=q.dtype, device=q.device)
+            ops.append(dist.P2POp(dist.irecv, buf, _global(ring, src), ring.group))
+        if ops:
+            work = dist.batch_isend_irecv(ops)
+            if home is not None:  # waited for (once) by the next step's add
+                back = (buf, ks_home, (work, part))
+            else:  # a send alone: waited for at the end, its buffer referenced until then
+                sent.append((work, part))
         if i < n - 1:
             _wait(pending)
             kv = nxt
-    _wait(acc_pending)
-    return dq, acc_next[0], acc_next[1]
+    if back is not None:
+        _add_home(dkv, back)
+    for pending in sent:
+        _wait(pending)
+    return dq, dkv[0], dkv[1]
+
+
+def _global(ring: Ring, cp_rank: int) -> int:
+    """Global rank of a cp rank of this ring's group."""
+    return dist.get_global_rank(ring.group, cp_rank)
+
+
+def _add_home(dkv, back) -> None:
+    buf, ks, pending = back
+    _wait(pending)
+    dkv[:, :, :, ks] += buf.transpose(2, 3)
 
 
 class RingAttention(torch.autograd.Function):

@@ -128,6 +128,31 @@ def test_lse_merge_causal_diagonal_plus_earlier_block():
     torch.testing.assert_close(lse, lse_ref[:, :, T1:], **F32)
 
 
+@pytest.mark.parametrize("D", [64, 48])  # 48: a head dim that is not a power of two (masked columns)
+def test_merge_kernel_in_place_on_views(D):
+    """attention_merge_ (the ring's one-pass merge) on strided views of a longer sequence equals the formula,
+    leaves the rows outside the view alone, and keeps a row whose two blocks are both empty at lse -inf, out 0."""
+    from kernels.attention import attention_merge_
+    g = torch.Generator().manual_seed(5)
+    B, H, T = 2, 3, 41
+    out = torch.randn(B, T, H, D, generator=g).transpose(1, 2)  # (B, H, T, D) view of (B, T, H, D) memory
+    lse = torch.randn(B, H, T, generator=g)
+    rows, n = slice(7, 36), 29
+    o = torch.randn(B, n, H, D, generator=g).transpose(1, 2).to(torch.float16)
+    l = torch.randn(B, H, n, generator=g) * 3
+    lse[0, 1, 10], l[0, 1, 10 - 7] = float("-inf"), float("-inf")  # both empty at one row
+    want_o, want_l = _merge(out[:, :, rows].clone(), lse[:, :, rows].clone(), o.float(), l)
+    want_o[0, 1, 3], want_l[0, 1, 3] = 0.0, float("-inf")
+    before = out.clone()
+    attention_merge_(out[:, :, rows], lse[:, :, rows], o, l)
+    torch.testing.assert_close(out[:, :, rows], want_o, **F32)
+    torch.testing.assert_close(lse[:, :, rows], want_l, **F32)
+    torch.testing.assert_close(out[:, :, :7], before[:, :, :7], rtol=0, atol=0)
+    torch.testing.assert_close(out[:, :, 36:], before[:, :, 36:], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="fp32"):
+        attention_merge_(out[:, :, rows].half(), lse[:, :, rows], o, l)
+
+
 def test_block_bwd_uses_given_merged_lse():
     # Ring attention's backward: each block's backward gets the merged (global) out and lse; the sums of the
     # block grads must equal the grads of full causal attention (upstream grad only on the second chunk's rows).
