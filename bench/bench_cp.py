@@ -17,7 +17,7 @@ kernels. Sections (rank 0 prints; DIR/cp.json holds all numbers with the GPU nam
 2. exposed  the cp=N step with ring attention's send/recv replaced by a no-op (same kernels and shapes, wrong
             values): (t_cpN - t_nocomm) / n_layer = communication not hidden behind compute, per layer, fwd + bwd;
             beside it the time of the messages themselves (one K/V ping between the GPUs, x the messages a layer
-            sends: cp-1 K/V forward, cp-1 K/V + cp fp32 dK/dV backward).
+            sends: cp-1 K/V forward, cp-1 K/V + cp-1 dK/dV parts (at most a K/V block each) backward).
    ulysses  the cp=N step with parallel.cp_impl=ulysses (all-to-all heads <-> sequence): time, CP efficiency.
 3. balance  one layer's ring attention fwd + bwd at (1, 16, T/N, 128) bf16 per rank, zigzag vs contiguous split:
             compute per rank (no communication; CUDA events), max/min over ranks, and the ring's wall time.
@@ -161,11 +161,12 @@ def time_config(args, mesh, run_mesh, cp_degree, T, ac, warmup=2, trace="", impl
 class NoComm:
     """Context: ring attention's send/recv replaced by 'the block in hand stays here' (same work, no messages)."""
 
-    def __enter__(self):
-        self.saved, cp._send_recv = cp._send_recv, lambda t, ring: (t, ([], t))
+    def __enter__(self):  # K/V blocks stay put; the dK/dV parts going home are not sent (their buffers not written)
+        self.saved = cp._send_recv, cp._post
+        cp._send_recv, cp._post = (lambda t, ring: (t, ([], t))), (lambda ops: [])
 
     def __exit__(self, *exc):
-        cp._send_recv = self.saved
+        cp._send_recv, cp._post = self.saved
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -268,14 +269,14 @@ def main():
             quiet = time_config(args, mesh, mesh, n, T, ac)
         hd = args.n_embd // args.n_head
         kv = ping_s(mesh, (2, 1, args.n_head, T // n, hd), torch.bfloat16 if dev.type == "cuda" else torch.float32)
-        dkv = ping_s(mesh, (2, 1, args.n_head, T // n, hd), torch.float32)
-        msgs = 2 * (n - 1) * kv + n * dkv  # one layer's messages, fwd + bwd, if none were overlapped
+        dkv = kv  # a dK/dV part going home: at most a K/V block's size, in the same dtype
+        msgs = 3 * (n - 1) * kv  # one layer's messages, fwd + bwd, if none were overlapped (parts counted whole)
         exposed = (two["step_s"] - quiet["step_s"]) / args.n_layer if quiet.get("step_s") else None
         res["exposed"] = {"step_s_nocomm": quiet.get("step_s"), "exposed_per_layer_s": exposed,
                           "kv_message_s": kv, "dkv_message_s": dkv, "messages_per_layer_s": msgs}
         if exposed is not None:
             log(f"exposed communication: {exposed * 1e3:.2f} ms per layer (fwd+bwd) of {msgs * 1e3:.2f} ms of "
-                f"messages (K/V {kv * 1e3:.2f} ms, fp32 dK/dV {dkv * 1e3:.2f} ms each); step without messages "
+                f"messages (K/V or dK/dV part {kv * 1e3:.2f} ms each); step without messages "
                 f"{quiet['step_s'] * 1e3:.1f} ms")
         save()
 

@@ -137,11 +137,16 @@ def _block_bwd(do, q, k, v, out, lse, causal, ring: Ring, dkdv=None):
 # ----------------------------------------------------------------------------------------------------------------
 # ring communication: send to the next rank, receive from the previous one
 
+def _post(ops: list) -> list:
+    """Post point-to-point ops as one group (NCCL's own stream); returns the works to wait for."""
+    return dist.batch_isend_irecv(ops)
+
+
 def _send_recv(t: torch.Tensor, ring: Ring):
     """Post isend(t) to ring.next and irecv of a tensor like t from ring.prev; returns (buffer, pending)."""
     buf = torch.empty_like(t)
     ops = [dist.P2POp(dist.isend, t, ring.next, ring.group), dist.P2POp(dist.irecv, buf, ring.prev, ring.group)]
-    return buf, (dist.batch_isend_irecv(ops), t)  # t stays referenced until the send is waited for
+    return buf, (_post(ops), t)  # t stays referenced until the send is waited for
 
 
 def _wait(pending) -> None:
@@ -226,7 +231,7 @@ def ring_bwd(do, q, k, v, out, lse, ring: Ring):
             buf = torch.empty(2, B, rows, nh, hs, dtype=q.dtype, device=q.device)
             ops.append(dist.P2POp(dist.irecv, buf, _global(ring, src), ring.group))
         if ops:
-            work = dist.batch_isend_irecv(ops)
+            work = _post(ops)
             if home is not None:  # waited for (once) by the next step's add
                 back = (buf, ks_home, (work, part))
             else:  # a send alone: waited for at the end, its buffer referenced until then
