@@ -19,11 +19,12 @@ Zigzag blocks (q chunks r, 2cp-1-r; kv chunks s, 2cp-1-s), all without a masked-
     s <  r   all 2c queries against chunk s only (both q chunks come after it; chunk 2cp-1-s after both)
     s >  r   query chunk 2cp-1-r only against both kv chunks (chunk r comes before both)
 each block but the first is c x 2c, the same on every rank. The partial results merge in natural-log LSE
-(online softmax): lse = logaddexp(lse, lse_i), out = exp(lse_old - lse) out + exp(lse_i - lse) out_i, in fp32.
+(online softmax): lse = logaddexp(lse, lse_i), out = exp(lse_old - lse) out + exp(lse_i - lse) out_i, in fp32
+(one pass: kernels/attention.py attention_merge_).
 Backward (FlashAttention-2's, per block, from the merged out and lse): the same ring; dq accumulates here, and the
-dk/dv of the block in hand (fp32) travel with it: rank r adds its part to the accumulator that arrives from r-1
-(sent at the end of r-1's previous step, under this step's compute), then sends it on; after cp steps each
-block's dk/dv is home. Comm per layer: (cp-1) K/V messages forward; (cp-1) K/V + cp dK/dV messages backward.
+dk/dv a rank computes for the block in hand (rank s's, in the activation dtype, only the keys the block saw) is
+sent straight home to s, which adds the parts in fp32 in ring order while its next block computes.
+Comm per layer: (cp-1) K/V messages forward; (cp-1) K/V messages and (cp-1) dK/dV parts backward.
 
 Blocks run kernels/attention.py's attention_block_fwd / attention_block_bwd (Triton, out + lse, backward from a
 given lse) on CUDA tensors, or under TRITON_INTERPRET=1 with `model.kernels=triton`; elsewhere a PyTorch
