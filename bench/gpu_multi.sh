@@ -170,10 +170,12 @@ for s in "$@"; do
              lay cp${N}_16k_acc4_zero1 $N $t16k --parallel.cp=$N --train.tokens_per_step=65536 --parallel.zero=1
              lay cp2_16k_acc4_zero1 2 $t16k --parallel.cp=2 --train.tokens_per_step=65536 --parallel.zero=1
              # one sequence of CP_LONG (131072) tokens: about the longest cp4 fits without recompute (bench_cp --memory)
+             # (expandable segments: the ring at 128k on cp4 ran out of memory with 10.4 GB reserved but unallocated)
              tl="--train.seq_len=${CP_LONG:-131072} --model.block_size=${CP_LONG:-131072} --train.micro_batch=1"
-             lay cp${N}_long $N $tl --train.tokens_per_step=${CP_LONG:-131072} --parallel.cp=$N
-             lay cp${N}_long_ulysses $N $tl --train.tokens_per_step=${CP_LONG:-131072} --parallel.cp=$N \
-               --parallel.cp_impl=ulysses
+             ( export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+               lay cp${N}_long $N $tl --train.tokens_per_step=${CP_LONG:-131072} --parallel.cp=$N
+               lay cp${N}_long_ulysses $N $tl --train.tokens_per_step=${CP_LONG:-131072} --parallel.cp=$N \
+                 --parallel.cp_impl=ulysses )
            } 2>&1 | grep -v -e Warning -e OMP_NUM -e '^\*\*\*' -e '^ *_warn' -e '^$' | tee -a "$OUT/layouts_$P.txt" ;;
     layouts3d) # issue #29 (8 GPUs): 3D layouts of PRESET (gpt_1b; gpt2_1558m) against 1 GPU and dpN at G (64)
            # sequences of 1024 a step, and tp2 x cp2 x dp at 16k; the stages balanced for the head (bench_pp.py's rule)

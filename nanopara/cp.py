@@ -275,11 +275,42 @@ class RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
+class RingAttentionQKV(torch.autograd.Function):
+    """The same from the packed (B, T, 3*nh*hs) projection: backward writes dq, dk, dv, cast, into one packed
+    gradient (the three views' gradients would otherwise be cast one by one, then stacked by autograd)."""
+
+    @staticmethod
+    def forward(ctx, qkv, n_head, ring):
+        out, lse = ring_fwd(*split_qkv(qkv, n_head), ring)
+        ctx.save_for_backward(qkv, out, lse)
+        ctx.n_head, ctx.ring = n_head, ring
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        qkv, out, lse = ctx.saved_tensors
+        grads = ring_bwd(do, *split_qkv(qkv, ctx.n_head), out, lse, ctx.ring)
+        dqkv = torch.empty_like(qkv)
+        for view, g in zip(split_qkv(dqkv, ctx.n_head), grads):
+            view.copy_(g)
+        return dqkv, None, None
+
+
+def _check_local_len(T: int, ring: Ring) -> None:
+    if ring.causal and ring.layout == "zigzag" and T % 2:
+        raise ValueError(f"ring attention (zigzag): the local sequence of {T} tokens is not two chunks")
+
+
 def ring_attention(q, k, v, ring: Ring):
     """Attention of this rank's q (B, nh, T, hs) over the keys of the whole cp group (see the module docstring)."""
-    if ring.causal and ring.layout == "zigzag" and q.shape[2] % 2:
-        raise ValueError(f"ring attention (zigzag): the local sequence of {q.shape[2]} tokens is not two chunks")
+    _check_local_len(q.shape[2], ring)
     return RingAttention.apply(q, k, v, ring)
+
+
+def ring_attention_qkv(qkv, n_head: int, ring: Ring):
+    """ring_attention of the packed projection (B, T, 3*nh*hs): the model's path (one packed gradient)."""
+    _check_local_len(qkv.shape[1], ring)
+    return RingAttentionQKV.apply(qkv, n_head, ring)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -353,7 +384,7 @@ class _CPOps:
     """A block's op table with attention_qkv replaced by ring (or Ulysses) attention; everything else is `ops`."""
 
     def __init__(self, ops, ring: Ring, impl: str):
-        self._ops, self._ring, self._fn = ops, ring, {"ring": ring_attention, "ulysses": ulysses_attention}[impl]
+        self._ops, self._ring, self._impl = ops, ring, impl
 
     def __getattr__(self, name):
         return getattr(self._ops, name)
@@ -362,7 +393,9 @@ class _CPOps:
         ring = self._ring  # Triton blocks on CUDA (whatever model.kernels: SDPA returns no lse), or in the interpreter
         if not ring.triton and (qkv.is_cuda or getattr(self._ops, "_interpret", False)):
             ring = dataclasses.replace(ring, triton=True)
-        return self._fn(*split_qkv(qkv, n_head), ring)
+        if self._impl == "ring":
+            return ring_attention_qkv(qkv, n_head, ring)
+        return ulysses_attention(*split_qkv(qkv, n_head), ring)
 
 
 def _attention_forward(self, x, ops, kv_cache=None):

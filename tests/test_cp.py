@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import train
-from kernels.attention import attention_ref
+from kernels.attention import attention_ref, split_qkv
 from nanopara.config import ConfigError, parse_args
 from nanopara.cp import Ring, ring_attention, ring_fwd, ulysses_attention, zigzag_positions
 from nanopara.mesh import Mesh
@@ -49,6 +49,24 @@ def _check_ring(mesh, ring, q, k, v, do, rows, causal):
         torch.testing.assert_close(got.grad, ref.grad[:, :, rows], **TOL)
 
 
+def _packed_equals_views(mesh, prev, nxt, world):
+    """ring_attention_qkv (the model's path: one packed gradient) gives ring_attention's output and, packed, its
+    q, k, v gradients, bit for bit."""
+    from nanopara.cp import ring_attention_qkv
+    ring = Ring(mesh.cp_group, mesh.cp_rank, world, prev, nxt)
+    g = torch.Generator().manual_seed(7)
+    B, T, nh, hs = 2, 6 * world, 3, 8
+    qkv = torch.randn(B, T, 3 * nh * hs, generator=g)
+    do = torch.randn(B, nh, T, hs, generator=g)
+    a = qkv.clone().requires_grad_()
+    out_a = ring_attention_qkv(a, nh, ring)
+    out_a.backward(do)
+    b = qkv.clone().requires_grad_()
+    out_b = ring_attention(*split_qkv(b, nh), ring)
+    out_b.backward(do)
+    assert torch.equal(out_a, out_b) and torch.equal(a.grad, b.grad)
+
+
 def _ring_worker(rank, world):
     mesh = Mesh.build(dp=1, cp=world, device="cpu")
     prev, nxt = mesh.neighbours("cp")
@@ -69,6 +87,7 @@ def _ring_worker(rank, world):
     torch.testing.assert_close(out, attention_ref(q, k, v)[0][:, :, rows], **TOL)
     for got, ref in zip(mine, ref_in):
         torch.testing.assert_close(got.grad, ref.grad[:, :, rows], **TOL)
+    _packed_equals_views(mesh, prev, nxt, world)
     if world == 2:  # the Triton block kernels (interpreter): head dim 16, local blocks of 8 and 16 rows
         q, k, v, do = _inputs(1, 2, 32, 16, seed=1)
         ring = Ring(mesh.cp_group, rank, world, prev, nxt, causal=True, triton=True)
