@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels.cross_entropy import ce_shard_grad_ref, ce_shard_grad_triton, ce_shard_stats_ref, ce_shard_stats_triton
 from nanopara.comm import all_gather_along, all_reduce_sum, f, g
 from nanopara.fp8 import FP8LinearFunction
 from nanopara.model import GPT, matmul_weight
@@ -198,64 +199,22 @@ class SeqShardedPositions(nn.Module):
 # vocab-parallel cross-entropy: loss_i = log(sum_v exp(z_iv)) - z_i,target, with z split by columns over tp
 
 class _VocabParallelCE(torch.autograd.Function):
-    """Mean CE over rows with target != -1 from vocab-sharded logits; columns >= n_vocab never count (fp32)."""
+    """Mean CE over rows with target != -1 from vocab-sharded logits; columns >= n_vocab never count (fp32 math).
+    Each shard's statistics (row max, sum-exp, target logit) and gradient come from kernels/cross_entropy.py: the
+    Triton shard kernels (one read of the logits for the statistics, one read + write for the gradient; the torch
+    ops they replaced made ~10 passes over an fp32 copy, ~5 ms a step at gpt_1b's 8192 x 25152 shard) or their
+    PyTorch references. The statistics go out in two collectives: the max, then sum-exp and target logit."""
 
     @staticmethod
-    def forward(ctx, logits, targets, start, n_vocab, group):  # logits (N, Vl) = columns start.., targets (N,)
-        z = _masked_fp32(logits, start, n_vocab)
-        m = z.max(dim=1).values  # (N,) per-shard max, then the global max: exp never overflows
-        if group is not None:
-            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        local = targets - start
-        inside = (local >= 0) & (local < z.shape[1])  # ignored targets (-1) are never inside
-        picked = z.gather(1, local.clamp(0, z.shape[1] - 1).unsqueeze(1)).squeeze(1)
-        stats = torch.stack([(z - m.unsqueeze(1)).exp().sum(1), torch.where(inside, picked, 0.0)])  # (2, N)
-        all_reduce_sum(stats, group)  # one collective: global sum-exp and target logit
-        sumexp, target_logit = stats
-        valid = targets != -1
-        count = valid.sum().float()  # 0 valid rows -> nan, as F.cross_entropy
-        loss = torch.where(valid, sumexp.log() + m - target_logit, 0.0).sum() / count
-        ctx.save_for_backward(logits, targets, m, sumexp, valid, count)
-        ctx.start, ctx.n_vocab = start, n_vocab
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):  # dloss/dz_iv = (softmax_iv - [v == target_i]) / count on valid rows
-        logits, targets, m, sumexp, valid, count = ctx.saved_tensors
-        z = _masked_fp32(logits, ctx.start, ctx.n_vocab)
-        grad = (z - m.unsqueeze(1)).exp_().div_(sumexp.unsqueeze(1))  # this shard's softmax columns
-        local = targets - ctx.start
-        hit = valid & (local >= 0) & (local < z.shape[1])  # this shard holds the target: -1 there (no host sync)
-        grad.scatter_add_(1, local.clamp(0, z.shape[1] - 1).unsqueeze(1), -hit.to(grad.dtype).unsqueeze(1))
-        grad.mul_((valid.float() * (grad_loss / count)).unsqueeze(1))
-        return grad.to(logits.dtype), None, None, None, None
-
-
-def _masked_fp32(logits, start, n_vocab):
-    """fp32 copy of the logits with the padding columns (global id >= n_vocab) at -inf."""
-    z = logits.float()
-    real = max(0, min(n_vocab - start, z.shape[1]))
-    if real < z.shape[1]:
-        z = z.clone() if z is logits else z  # .float() of fp32 logits is the same tensor: never write into it
-        z[:, real:] = float("-inf")
-    return z
-
-
-class _VocabParallelCETriton(torch.autograd.Function):
-    """The same loss from kernels/cross_entropy.py's shard kernels: one read of the logits for the statistics, one
-    read + write for the gradient (the op-by-op version above makes ~10 passes over an fp32 copy: ~5 ms a step at
-    gpt_1b's 8192 x 25152 shard). The three statistics go out in two collectives, as above."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, start, n_vocab, group):
-        from kernels.cross_entropy import ce_shard_stats_triton
+    def forward(ctx, logits, targets, start, n_vocab, group, triton):
         real = max(0, min(n_vocab - start, logits.shape[1]))  # this shard's real (non-padding) columns
         if real > 0:
-            row_max, sumexp, zt = ce_shard_stats_triton(logits, targets, start, real)
+            stats_fn = ce_shard_stats_triton if triton else ce_shard_stats_ref
+            row_max, sumexp, zt = stats_fn(logits, targets, start, real)
         else:  # a shard of padding only: contributes nothing
             row_max = torch.full(targets.shape, float("-inf"), device=logits.device)
             sumexp, zt = torch.zeros_like(row_max), torch.zeros_like(row_max)
-        m = row_max.clone()
+        m = row_max.clone()  # the global max: exp never overflows
         if group is not None:
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
         stats = torch.stack([sumexp * (row_max - m).exp(), zt])  # sum-exp rescaled to the global max
@@ -265,23 +224,23 @@ class _VocabParallelCETriton(torch.autograd.Function):
         count = valid.sum().float()  # 0 valid rows -> nan, as F.cross_entropy
         loss = torch.where(valid, lse - stats[1], 0.0).sum() / count
         ctx.save_for_backward(logits, targets, lse, count)
-        ctx.start, ctx.real = start, real
+        ctx.start, ctx.real, ctx.triton = start, real, triton
         return loss
 
     @staticmethod
-    def backward(ctx, grad_loss):
-        from kernels.cross_entropy import ce_shard_grad_triton
+    def backward(ctx, grad_loss):  # dloss/dz_iv = (softmax_iv - [v == target_i]) / count on valid rows
         logits, targets, lse, count = ctx.saved_tensors
         if ctx.real == 0:
-            return torch.zeros_like(logits), None, None, None, None
-        return ce_shard_grad_triton(logits, targets, ctx.start, ctx.real, lse, grad_loss / count), None, None, None, None
+            return torch.zeros_like(logits), None, None, None, None, None
+        grad = (ce_shard_grad_triton if ctx.triton else ce_shard_grad_ref)(logits, targets, ctx.start, ctx.real, lse,
+                                                                            grad_loss / count)
+        return grad, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits, targets, start: int, n_vocab: int, group, kernels: str = "torch"):
     """logits (N, Vl): this rank's vocab columns start..start+Vl-1; targets (N,) global ids, -1 ignored.
-    kernels="triton": the shard kernels of kernels/cross_entropy.py (CUDA, or the interpreter on CPU)."""
-    fn = _VocabParallelCETriton if kernels == "triton" else _VocabParallelCE
-    return fn.apply(logits, targets, start, n_vocab, group)
+    kernels="triton": the shard kernels (CUDA, or the interpreter on CPU); else their PyTorch references."""
+    return _VocabParallelCE.apply(logits, targets, start, n_vocab, group, kernels == "triton")
 
 
 def _tp_loss_fn(self, logits, targets):  # replaces GPT.loss_fn on a TP model
