@@ -105,11 +105,12 @@ class Mesh:
             dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=world,
                                     timeout=datetime.timedelta(seconds=timeout_s),
                                     device_id=dev if dev.type == "cuda" else None)
-        mesh._make_groups()
+        mesh._make_groups(datetime.timedelta(seconds=timeout_s))
         return mesh
 
-    def _make_groups(self):
-        """One group per line of the grid along each axis, created in the same order on every rank."""
+    def _make_groups(self, timeout: datetime.timedelta = datetime.timedelta(seconds=600)):
+        """One group per line of the grid along each axis, created in the same order on every rank. Each group gets
+        the run's collective timeout (new_group's own default is 30 minutes, whatever init_process_group was given)."""
         grid = [range(self.sizes[ax]) for ax in AXES]
         lines = {ax: [] for ax in AXES}
         for ax_i, ax in enumerate(AXES):
@@ -130,7 +131,7 @@ class Mesh:
             for members in all_lines:
                 group = None
                 if self.world > 1 and len(members) > 1:
-                    group = dist.new_group(members)  # collective call: every rank makes every group
+                    group = dist.new_group(members, timeout=timeout)  # collective call: every rank makes every group
                 if self.rank in members:
                     self.groups[name], self.ranks[name] = group, members
 

@@ -1,5 +1,7 @@
 """Run a function in N gloo processes on this machine (the CPU stand-in for torchrun + NCCL)."""
+import faulthandler
 import os
+import signal
 import socket
 import sys
 
@@ -15,6 +17,8 @@ def free_port() -> int:
 def _entry(rank, fn, world, port, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
+    # when one rank fails, mp.spawn terminates the others: each prints where it was (a hang's other half)
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     fn(rank, world, *args)  # an exception propagates to the parent through mp.spawn as usual
     # Success: leave without the interpreter's teardown. Destroying gloo's threads at exit occasionally aborted a
     # worker (SIGABRT, ~1 run in 10 on the loaded 2-core machine) after all its work was done and checked.

@@ -8,6 +8,7 @@ Sizes 1, 7 and 1001 do not divide by 2, 3 or 4 (uneven chunks, and empty chunks 
 import os
 import socket
 import sys
+import time
 import warnings
 
 import pytest
@@ -16,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanopara.comm import all_gather_flat, ring_all_gather, ring_all_reduce, ring_reduce_scatter, zero_gathered
+from tests.distributed import spawn
 
 SIZES = (1, 7, 1001)
 
@@ -122,3 +124,26 @@ def test_group_none_is_a_no_op():
     assert ring_all_reduce(x, None) is x and torch.equal(x, torch.arange(5.0))
     out = torch.empty(5)
     assert torch.equal(ring_all_gather(out, x, None), x) and torch.equal(ring_reduce_scatter(out, x, None), x)
+
+
+def _stuck_worker(rank, world, out):
+    from nanopara.mesh import Mesh
+    mesh = Mesh.build(pp=2, device="cpu", timeout_s=3)
+    if rank == 0:  # rank 1 never joins: the pp group's collective must fail within the run's timeout
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="[Tt]imed out"):
+            dist.all_reduce(torch.zeros(1), group=mesh.groups["pp"])
+        with open(out, "w") as f:
+            f.write(f"{time.monotonic() - t0:.1f}")
+    else:
+        while not os.path.exists(out):
+            time.sleep(0.05)
+    mesh.destroy()
+
+
+def test_mesh_groups_take_the_runs_timeout(tmp_path):
+    """parallel.timeout_s reaches every group of the mesh, not only the world's: new_group's own default is 30
+    minutes, which turned a hang in a pp group into half an hour of nothing (seen in CI)."""
+    out = str(tmp_path / "waited")
+    spawn(_stuck_worker, 2, out)
+    assert float(open(out).read()) < 30

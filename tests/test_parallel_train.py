@@ -46,7 +46,7 @@ def argv(shards, out_dir, micro_batch, *extra):
             "--model.vocab_size=250", "--model.kernels=torch", f"--train.micro_batch={micro_batch}",
             "--train.seq_len=16", f"--train.steps={STEPS}", "--train.warmup_steps=2", "--train.val_every=0",
             "--train.sample_tokens=4", "--train.lr=1e-2", "--train.tokens_per_step=256", "--ckpt.final=false",
-            *extra]
+            "--parallel.timeout_s=300", *extra]  # a hang fails in minutes (each run takes seconds)
 
 
 def _worker(rank, world, args, out_file):
