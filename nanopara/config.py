@@ -110,6 +110,8 @@ class TrainConfig:
     activation_checkpointing: str = "none"  # none | full (recompute each block in backward) | selective
     fp8: str = "none"            # none | tensor | row | block: Linears' GEMMs in FP8 (nanopara/fp8.py; lm_head stays)
     fp8_filter: str = ""         # comma-separated globs of Linear names to put in FP8 ("" = every one but lm_head)
+    fp8_delayed: bool = False    # tensor mode: X and dY scales from a 16-step amax history (one pass per cast)
+    fp8_grad: str = "e5m2"       # dY's FP8 format: e5m2 (range) | e4m3 (precision, with its own scale)
     eval_every: int = 0          # steps between downstream evals (nanopara/evals.py) and at the last step; 0 = never
     eval_tasks: str = "hellaswag"  # comma-separated tasks run every eval_every steps: hellaswag
     eval_limit: int = 0          # the first N items of each task (0 = all; HellaSwag val has 10042)
@@ -167,6 +169,7 @@ class Config:
                                     ("train.activation_checkpointing", t.activation_checkpointing,
                                      ("none", "full", "selective")),
                                     ("train.fp8", t.fp8, ("none", "tensor", "row", "block")),
+                                    ("train.fp8_grad", t.fp8_grad, ("e5m2", "e4m3")),
                                     ("data.loss_mask", self.data.loss_mask, ("auto", "on", "off"))):
             if value not in choices:
                 raise ConfigError(f"{key} must be {'|'.join(choices)}, got {value!r}")
@@ -239,9 +242,14 @@ class Config:
         tp/sp (the column/row-parallel linears run FP8 on their shards, tp.py)."""
         t, p = self.train, self.parallel
         if t.fp8 == "none":
-            if t.fp8_filter.strip():
-                raise ConfigError("train.fp8_filter applies to FP8 training only: set train.fp8=tensor|row|block")
+            for key, set_ in (("fp8_filter", t.fp8_filter.strip()), ("fp8_delayed", t.fp8_delayed),
+                              ("fp8_grad", t.fp8_grad != "e5m2")):
+                if set_:
+                    raise ConfigError(f"train.{key} applies to FP8 training only: set train.fp8=tensor|row|block")
             return
+        if t.fp8_delayed and t.fp8 != "tensor":
+            raise ConfigError(f"train.fp8_delayed=true needs one scale per tensor (train.fp8=tensor), not "
+                              f"train.fp8={t.fp8}: row and block scales follow each row or block as it comes")
 
     def _check_evals(self) -> None:
         """train.eval_every runs evals.py's tasks on the whole model each dp rank holds (train.run_evals)."""

@@ -96,11 +96,14 @@ class AmaxHistory:
         return None if self.buf is None else self.buf.amax().view(1, 1)
 
     def push(self, amax: torch.Tensor) -> None:
+        """Newest first. After the first push the buffer is written in place: a CUDA graph replay (graph.py) re-runs
+        these copies into the captured addresses, so the history advances with each replay."""
         a = amax.detach().float().reshape(1)
         if self.buf is None:
             self.buf = a.repeat(self.length)
         else:
-            self.buf = torch.cat([a, self.buf[:-1]])
+            self.buf[1:] = self.buf[:-1].clone()
+            self.buf[:1] = a
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ the pipeline launch communication from Python hooks, which a replay would not ru
 micro-batch is micro_batch x seq_len, as the loader makes them); no fp16 dynamic loss scaling (its scale changes
 between steps); no dropout under sequence parallel (tp._PerRankDropoutRng swaps RNG states from Python hooks).
 FP8 (train.fp8): the weight casts are captured and run on every replay (once per micro-step instead of once per
-step: the same values); the activation scales are computed on the device, nothing syncs.
+step: the same values); the activation scales are computed on the device, nothing syncs (delayed scaling's amax
+histories are updated in place on the device, so each replay advances them).
 
 Tested by tests/test_graph.py (GPU: graphed and eager training give the same losses and weights; CPU: the layout
 errors) and tests/test_capture_safety.py (CPU, tp2 +- sp: the captured region, warm-up then `_before_capture` then
@@ -62,9 +63,8 @@ class GraphedMicroStep:
                              "Python hooks, which a capture cannot record")
         fp8 = getattr(self.model, "fp8", None)
         if fp8 is not None:  # FP8 (fp8.py): a stale weight cache now makes the capture record each layer's weight
-            if fp8.recipe.delayed:  # cast, so every replay casts the weights it reads (no Python check on replay)
-                raise ValueError("cuda_graph with FP8 delayed scaling: the amax histories advance in Python")
-            fp8.step()
+            fp8.step()  # cast, so every replay casts the weights it reads (no Python check on replay); delayed
+            # scaling's amax histories were made by the warm-up and are updated in place, so replays advance them
 
     def _capture(self, x, y):
         self.x, self.y = x.clone(), y.clone()  # static inputs: each replay reads these addresses

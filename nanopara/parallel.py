@@ -34,7 +34,7 @@ from nanopara.cp import apply_cp, ring_of, shard_stage_inputs
 from nanopara.dp import DDP, SingleDevice
 from nanopara.engine import compute_dtype, weak_method
 from nanopara.ep import apply_ep
-from nanopara.fp8 import apply_fp8
+from nanopara.fp8 import FP8Recipe, apply_fp8
 from nanopara.mesh import Mesh, check_degrees
 from nanopara.pp import Pipeline, Stage, build_schedule, embedding_group, split_layers, split_model, sync_tied_grads
 from nanopara.recompute import apply_activation_checkpointing
@@ -137,7 +137,8 @@ def _apply_fp8(model: nn.Module, cfg: Config):
     t = cfg.train
     if t.fp8 == "none":
         return None
-    apply_fp8(model, t.fp8, filter=t.fp8_filter if t.fp8_filter.strip() else None)
+    apply_fp8(model, t.fp8, filter=t.fp8_filter if t.fp8_filter.strip() else None,
+              recipe=FP8Recipe(mode=t.fp8, grad_dtype=t.fp8_grad, delayed=t.fp8_delayed))
     if not any(getattr(m, "fp8_state", None) is not None for m in model.modules()) and cfg.parallel.pp == 1:
         raise ConfigError(f"train.fp8_filter={t.fp8_filter!r} selects no Linear (names look like "
                           f"transformer.h.0.mlp.c_fc)")

@@ -370,11 +370,15 @@ def test_delayed_scaling_uses_history():
     m = apply_fp8(_Net(), "tensor", recipe=FP8Recipe(delayed=True, history=4))
     x = torch.randn(8, 160)
     m(x).sum().backward()
-    first = m.fc.hist_x.buf.clone()
+    first, where = m.fc.hist_x.buf.clone(), m.fc.hist_x.buf.data_ptr()
     assert torch.equal(first, x.abs().max().repeat(4))  # filled by the first (current-scaled) call
     m(x * 3).sum().backward()  # scaled with the old amax: saturates, still records the new one
     assert m.fc.hist_x.buf[0] == (3 * x).abs().max() and m.fc.hist_x.buf[1] == first[0]
     assert m.fc.hist_dy.buf is not None
+    for k in (5, 7, 9):  # written in place (a CUDA graph replay advances it), newest first, oldest dropped
+        m(x * k).sum().backward()
+    assert m.fc.hist_x.buf.data_ptr() == where
+    torch.testing.assert_close(m.fc.hist_x.buf, x.abs().max() * torch.tensor([9.0, 7, 5, 3]), rtol=0, atol=0)
 
 
 def test_fp8_linear_autocast_dtype():

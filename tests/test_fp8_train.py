@@ -58,6 +58,18 @@ def test_each_mode_trains_close_to_fp32(shards, tmp_path, fp32_losses, mode):
     assert max(abs(a - b) for a, b in zip(losses, fp32_losses)) < TOL
 
 
+@pytest.mark.parametrize("extra, recipe", [
+    (["--train.fp8_delayed=true"], dict(delayed=True, grad_dtype="e5m2")),
+    (["--train.fp8_grad=e4m3"], dict(delayed=False, grad_dtype="e4m3")),
+])
+def test_recipe_options_reach_the_linears_and_train(shards, tmp_path, fp32_losses, extra, recipe):
+    cfg = parse_args(argv(shards, tmp_path / "cfg", "--train.fp8=tensor", *extra))
+    model = parallelize(GPT(cfg.model), Mesh.build(device="cpu"), cfg).model
+    assert {k: getattr(model.fp8.recipe, k) for k in recipe} == recipe
+    losses = train.main(argv(shards, tmp_path / "run", "--train.fp8=tensor", *extra))["losses"]
+    assert losses[-1] < losses[0] - 0.5 and max(abs(a - b) for a, b in zip(losses, fp32_losses)) < TOL
+
+
 def test_filter_selects_linears(shards, tmp_path, fp32_losses):
     mlp = train.main(argv(shards, tmp_path / "a", "--train.fp8=row", "--train.fp8_filter=*.mlp.*"))["losses"]
     assert mlp != fp32_losses and max(abs(a - b) for a, b in zip(mlp, fp32_losses)) < TOL
@@ -85,7 +97,11 @@ def test_engine_step_recasts_the_weights():
 
 @pytest.mark.parametrize("extra, match", [
     (["--train.fp8=half"], "train.fp8 must be none|tensor|row|block"),
-    (["--train.fp8_filter=*.mlp.*"], "applies to FP8 training only"),
+    (["--train.fp8_filter=*.mlp.*"], "fp8_filter applies to FP8 training only"),
+    (["--train.fp8_delayed=true"], "fp8_delayed applies to FP8 training only"),
+    (["--train.fp8_grad=e4m3"], "fp8_grad applies to FP8 training only"),
+    (["--train.fp8=tensor", "--train.fp8_grad=e3m4"], "train.fp8_grad must be e5m2|e4m3"),
+    (["--train.fp8=row", "--train.fp8_delayed=true"], "needs one scale per tensor"),
 ])
 def test_config_errors(extra, match):
     with pytest.raises(ConfigError, match=match):
