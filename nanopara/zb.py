@@ -11,8 +11,8 @@ gradient needs instead:
     deferred.run(mb)                        # W: dW = dy^T x per stored Linear, into .grad as autograd would
 
 B accumulates every parameter that is not a deferred weight (LayerNorms, biases, embeddings, experts, TP and FP8
-layers) through `inputs=`, so the graph is walked once. W replays nothing: one GEMM per Linear, through a tiny
-autograd node (_WeightGrad) so the gradient lands as autograd's would: AccumulateGrad, the engines' hooks and
+layers) through `inputs=`, so the graph is walked once. W replays nothing: one GEMM per Linear, through one small
+autograd node per W (_WeightGrads) so the gradients land as autograd's would: AccumulateGrad, the engines' hooks and
 gradient destinations (model.matmul_weight) all apply. Outside `recording`, _Linear computes dW at once, like
 F.linear. The arithmetic mirrors F.linear's own backward (addmm on the rows folded to 2-D), so the gradients
 equal the unsplit backward's bit for bit on the same device (tests/test_pp.py).
@@ -63,19 +63,19 @@ def weight_grad(x: torch.Tensor, dy2: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).t().mm(dy2).t()
 
 
-class _WeightGrad(torch.autograd.Function):
-    """A node whose backward hands w the stored dW: W's way into AccumulateGrad and the engines' hooks."""
+class _WeightGrads(torch.autograd.Function):
+    """One node whose backward hands each weight its stored dW: W's way into AccumulateGrad and the engines' hooks,
+    one node per W rather than one per Linear (each node and its autograd bookkeeping is host time)."""
 
     @staticmethod
-    def forward(ctx, w, x, dy2):
-        ctx.save_for_backward(x, dy2)
-        ctx.dtype = w.dtype
-        return w.new_zeros(())
+    def forward(ctx, pairs, *weights):
+        ctx.pairs, ctx.dtypes = pairs, [w.dtype for w in weights]  # pairs: [(x, dy2)] in the weights' order
+        return weights[0].new_zeros(())
 
     @staticmethod
     def backward(ctx, grad):
-        x, dy2 = ctx.saved_tensors
-        return weight_grad(x, dy2).to(ctx.dtype), None, None
+        pairs, ctx.pairs = ctx.pairs, None  # freed as soon as their products exist
+        return (None, *[weight_grad(x, dy2).to(dt) for (x, dy2), dt in zip(pairs, ctx.dtypes)])
 
 
 class DeferredWeightGrads:
@@ -127,5 +127,5 @@ class DeferredWeightGrads:
         """W: the weight gradients stored under `key`, accumulated into the weights as autograd would."""
         work = self.stored.pop(key, [])
         if work:
-            outs = [_WeightGrad.apply(matmul_weight(lin.weight), x, dy2) for lin, x, dy2 in work]
-            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+            weights = [matmul_weight(lin.weight) for lin, _, _ in work]
+            torch.autograd.backward(_WeightGrads.apply([(x, dy2) for _, x, dy2 in work], *weights))

@@ -208,3 +208,11 @@ def test_bench_fp8_e2e_compare(tmp_path):
     far.write_text("".join(json.dumps({"step": s, "loss": 4.05 - 0.001 * s}) + "\n" for s in range(100)))
     r = bench_fp8_e2e.compare_runs(str(tmp_path / "a"), str(far), tail=10)
     assert r["within_1pct"] is False and "val_gap" not in r and r["tokens_per_s_b"] is None
+
+
+def test_host_zb_times_each_phase_of_both_paths():
+    """bench/host_zb.py: the one-pass backward has no W; ZB's split has all three phases."""
+    import host_zb
+    one, split = host_zb.time_phases(2, False, 2), host_zb.time_phases(2, True, 2)
+    assert one["W"] == 0 and one["F"] > 0 and one["B"] > 0
+    assert all(split[k] > 0 for k in ("F", "B", "W"))

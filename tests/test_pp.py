@@ -15,11 +15,14 @@ means instead of one mean over both ranks' rows: the same rounding-level differe
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanopara import pp
 from nanopara.config import ConfigError, ModelConfig, parse_args
@@ -257,32 +260,53 @@ def test_pp1_pipeline_is_the_single_process_step():
         assert torch.equal(p.grad, q.grad), name
 
 
-def test_zb_split_backward_walks_the_graph_once(monkeypatch):
-    """zb.py: B accumulates everything but the Linears' weights in one walk of the graph and stores their dW
-    inputs; W adds exactly the unsplit backward's weight gradients (bit for bit) with one GEMM per Linear and no
-    second walk: each Linear's backward runs once per micro-batch, B's biases are final before W."""
+class _CountGemms(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("amp", [False, True])
+def test_zb_split_backward_walks_the_graph_once(monkeypatch, amp):
+    """zb.py: B accumulates everything but the Linears' weights in one walk of the graph, skips their dW GEMMs and
+    stores their inputs (each Linear's backward runs once per micro-batch); W adds exactly the unsplit backward's weight gradients (bit for bit, also under bf16
+    autocast) with one GEMM per Linear and no second walk; B's biases are final before W."""
     from nanopara import zb
     torch.manual_seed(0)
     ref = GPT(_cfg(2))
     torch.manual_seed(0)
     (chunk,) = pp.split_model(GPT(_cfg(2)), 1, 0)
     d = zb.DeferredWeightGrads(chunk)
-    assert len(d.linears) == 2 * 4 and all(w.dim() == 2 for w in d.weights)  # 4 per block; lm_head is wte here
+    n = len(d.linears)
+    assert n == 2 * 4 and all(w.dim() == 2 for w in d.weights)  # 4 per block; lm_head is wte here
     calls = []
     orig = zb._Linear.backward
     monkeypatch.setattr(zb._Linear, "backward", staticmethod(lambda ctx, dy: calls.append(1) or orig(ctx, dy)))
+    amp_ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if amp else contextlib.nullcontext
     xs, ys = _batches(0, 2, B)
     for mb, (x, y) in enumerate(zip(xs, ys)):
-        with d.recording(mb):
-            torch.autograd.backward(chunk(x, y) / 2, inputs=d.eager_params)
+        with amp_ctx():
+            loss = chunk(x, y) / 2
+        with d.recording(mb), _CountGemms() as split:
+            torch.autograd.backward(loss, inputs=d.eager_params)
         assert all(w.grad is None for w in d.weights) if mb == 0 else True
-        (ref(x, y)[1] / 2).backward()
-    assert len(calls) == 2 * len(d.linears)  # once per Linear per micro-batch
+        with amp_ctx():
+            ref_loss = ref(x, y)[1] / 2
+        with _CountGemms() as whole:
+            ref_loss.backward()
+        assert split.n == whole.n - n  # the deferred weights' GEMMs are skipped, nothing else
+    assert len(calls) == 2 * n  # once per Linear per micro-batch
     bias = chunk.transformer["h"]["0"].mlp.c_fc.bias
     assert torch.equal(bias.grad, ref.transformer.h[0].mlp.c_fc.bias.grad)  # B's parameters are done
     for mb in range(2):
-        d.run(mb)
-    assert len(calls) == 2 * len(d.linears) and not d.stored  # W ran no Linear backward, kept nothing
+        with _CountGemms() as w:
+            d.run(mb)
+        assert w.n == n  # W: one GEMM per Linear, no second walk
+    assert len(calls) == 2 * n and not d.stored  # W ran no Linear backward, kept nothing
     for (name, p), (_, q) in zip(chunk.named_parameters(), ref.named_parameters()):
         assert torch.equal(p.grad, q.grad), name
 
