@@ -42,6 +42,7 @@ class Mesh:
     coords: dict                          # axis -> this rank's index on the axis
     groups: dict = field(default_factory=dict)  # axis (or "dp_cp") -> ProcessGroup or None
     ranks: dict = field(default_factory=dict)   # axis (or "dp_cp") -> global ranks of this rank's group
+    timeout: datetime.timedelta = datetime.timedelta(seconds=600)  # of every collective (parallel.timeout_s)
 
     # convenient names: mesh.dp, mesh.dp_rank, mesh.dp_group, ...
     def __getattr__(self, name):
@@ -96,7 +97,8 @@ class Mesh:
         else:
             dev = torch.device("cpu")
 
-        mesh = Mesh(rank, world, local_rank, dev, sizes, grid_coords(rank, sizes))
+        mesh = Mesh(rank, world, local_rank, dev, sizes, grid_coords(rank, sizes),
+                    timeout=datetime.timedelta(seconds=timeout_s))
         if ep > 1:  # not a grid axis: ep groups are runs of the dp x cp group (_make_groups)
             mesh.sizes["ep"], mesh.sizes["edp"] = ep, sizes["dp"] * sizes["cp"] // ep
             i = mesh.coords["dp"] * sizes["cp"] + mesh.coords["cp"]  # index in the dp x cp group
@@ -105,12 +107,17 @@ class Mesh:
             dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=world,
                                     timeout=datetime.timedelta(seconds=timeout_s),
                                     device_id=dev if dev.type == "cuda" else None)
-        mesh._make_groups(datetime.timedelta(seconds=timeout_s))
+        mesh._make_groups()
         return mesh
 
-    def _make_groups(self, timeout: datetime.timedelta = datetime.timedelta(seconds=600)):
-        """One group per line of the grid along each axis, created in the same order on every rank. Each group gets
-        the run's collective timeout (new_group's own default is 30 minutes, whatever init_process_group was given)."""
+    def new_group(self, ranks=None, **kwargs):
+        """dist.new_group with the run's collective timeout: new_group's own default is 30 minutes, whatever
+        init_process_group was given, so a rank mismatch in a subgroup would wait half an hour. Collective: every
+        rank of the world calls it, in the same order."""
+        return dist.new_group(ranks, timeout=self.timeout, **kwargs)
+
+    def _make_groups(self):
+        """One group per line of the grid along each axis, created in the same order on every rank."""
         grid = [range(self.sizes[ax]) for ax in AXES]
         lines = {ax: [] for ax in AXES}
         for ax_i, ax in enumerate(AXES):
@@ -131,7 +138,7 @@ class Mesh:
             for members in all_lines:
                 group = None
                 if self.world > 1 and len(members) > 1:
-                    group = dist.new_group(members, timeout=timeout)  # collective call: every rank makes every group
+                    group = self.new_group(members)  # collective call: every rank makes every group
                 if self.rank in members:
                     self.groups[name], self.ranks[name] = group, members
 

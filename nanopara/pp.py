@@ -178,7 +178,7 @@ def embedding_group(mesh):
     mine = None
     for d, c, t in itertools.product(range(mesh.dp), range(mesh.cp), range(mesh.tp)):
         ranks = [mesh.rank_of(pp=0, dp=d, cp=c, tp=t), mesh.rank_of(pp=mesh.pp - 1, dp=d, cp=c, tp=t)]
-        group = dist.new_group(ranks)
+        group = mesh.new_group(ranks)
         if mesh.rank in ranks:
             mine = group
     return mine

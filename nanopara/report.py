@@ -72,7 +72,7 @@ class StepReporter:
         self.tokens_per_step, self.fpt, self.peak = tokens_per_step, flops_per_token, peak_flops(mesh.device)
         self.log_every, self.last_step, self.max_bad_steps, self.defer = log_every, last_step, max_bad_steps, defer
         self.cuda = mesh.device.type == "cuda"
-        self.host_group = dist.new_group(backend="gloo") if mesh.world > 1 and self.cuda else None
+        self.host_group = mesh.new_group(backend="gloo") if mesh.world > 1 and self.cuda else None
         self.pending, self.losses, self.bad_streak = None, [], 0
         self.prev_end = None  # the previous step's end (CUDA event or host time); None after a pause
 
