@@ -320,15 +320,19 @@ def ptxas_report(quick=False, log=sys.stdout):
                       f"smem {r['smem']:6d} B, wgmma {r['wgmma']}, TMA ops {r['tma_ops']}", file=log, flush=True)
     fmt = dict(FP8_MAX=448.0, MANT=3, BIAS=7, POW2=True, SOFT=False)
     qsig = dict(X="*bf16", Q="*fp8e4nv", QT="*fp8e4nv", S="*fp32", ST="*fp32", AMAX="*fp32", AMAX_OUT="*i32",
-                M="i32", K="i32", stride_xm="i32", stride_qm="i32", stride_qtk="i32", stride_sm="i32",
+                CSUM="*fp32", M="i32", K="i32", stride_xm="i32", stride_qm="i32", stride_qtk="i32", stride_sm="i32",
                 stride_sk="i32", stride_stk="i32", stride_stm="i32")
     bm, bk = fq.TILE
     quants = [("amax per tensor", fq._amax_kernel, dict(PER_COL=False, BLOCK_M=bm, BLOCK_K=bk), {"AMAX": "*i32"},
                fq.WARPS),
-              ("cast tensor +T", fq._cast_kernel, dict(PER_COL=False, WRITE_Q=True, WRITE_QT=True, RECORD=True, **fmt,
-                                                       BLOCK_M=bm, BLOCK_K=bk), {}, fq.WARPS),
+              ("cast tensor +T", fq._cast_kernel, dict(PER_COL=False, WRITE_Q=True, WRITE_QT=True, RECORD=True,
+                                                       COLSUM=False, **fmt, BLOCK_M=bm, BLOCK_K=bk), {}, fq.WARPS),
+              ("cast tensor +T +colsum", fq._cast_kernel, dict(PER_COL=False, WRITE_Q=True, WRITE_QT=True,
+                                                               RECORD=True, COLSUM=True, **fmt, BLOCK_M=bm,
+                                                               BLOCK_K=bk), {}, fq.WARPS),
               ("cast per column (T)", fq._cast_kernel, dict(PER_COL=True, WRITE_Q=False, WRITE_QT=True, RECORD=False,
-                                                            **fmt, BLOCK_M=bm, BLOCK_K=bk), {}, fq.WARPS),
+                                                            COLSUM=False, **fmt, BLOCK_M=bm, BLOCK_K=bk), {},
+               fq.WARPS),
               ("rows 8192", fq._rows_kernel, dict(**fmt, BLOCK_M=1, BLOCK_K=8192), {}, 8),
               ("1x128", fq._blocks_kernel, dict(TILE_SCALE=False, WRITE_QT=False, **fmt, BLOCK_M=64, BLOCK_K=128), {},
                fq.WARPS),

@@ -18,7 +18,8 @@ Kernels (memory bound):
   _amax_kernel    tile amax, folded with atomic_max into one fp32 (per tensor) or one per column, as int32 bits
                   (amax >= 0, so int order is float order)
   _cast_kernel    per-tensor / per-column scales from those amaxes (or a given amax), cast, store q and/or q^T
-                  (the transposed copy is what the weight-gradient GEMM reads: both its operands K-major)
+                  (the transposed copy is what the weight-gradient GEMM reads: both its operands K-major); on
+                  request the column sums of x from the same read (dY's bias gradient: per-tile partials)
   _rows_kernel    per-row amax and cast in one program per BLOCK_M rows (whole rows in registers up to MAX_ROW)
   _blocks_kernel  1x128 (with q^T's 1x128 blocks along the rows from the same 128x128 tile) or 128x128 (q and
                   q^T from one tile: a 128x128 block is a block of the transpose too; DeepSeek-V3's weights)
@@ -58,6 +59,7 @@ class FP8Tensors(NamedTuple):
     qt: Optional[torch.Tensor] = None
     st: Optional[torch.Tensor] = None
     amax: Optional[torch.Tensor] = None
+    colsum: Optional[torch.Tensor] = None  # (C,) fp32 column sums of x, where asked (a bias gradient, fp8.py)
 
 
 def scales_from_amax_ref(amax, dtype, pow2=False):
@@ -73,8 +75,11 @@ def fp8_quantize_ref(x, dtype=E4M3, block=None, pow2=False, amax=None):
     """Quantize a 2-D x in blocks of block = (br, bc) elements (None: the whole tensor) -> (q, s, group amax).
     amax (delayed scaling): a scale grid's worth of amaxes to take the scales from instead of x's own."""
     R, C = x.shape
-    br, bc = (R, C) if block is None else (min(block[0], max(R, 1)), min(block[1], max(C, 1)))
-    gr, gc = _cdiv(R, br), _cdiv(C, bc)
+    if block is None:  # one group, also for an empty x (the kernels' (1, 1) scale)
+        (br, bc), (gr, gc) = (max(R, 1), max(C, 1)), (1, 1)
+    else:
+        br, bc = min(block[0], max(R, 1)), min(block[1], max(C, 1))
+        gr, gc = _cdiv(R, br), _cdiv(C, bc)
     xf = x.float()
     pad = torch.zeros(gr * br, gc * bc, dtype=torch.float32, device=x.device)
     pad[:R, :C] = xf
@@ -180,13 +185,14 @@ def _amax_kernel(X, AMAX, M, K, stride_xm, PER_COL: tl.constexpr, BLOCK_M: tl.co
 
 
 @triton.jit
-def _cast_kernel(X, Q, QT, S, AMAX, AMAX_OUT, M, K, stride_xm, stride_qm, stride_qtk,
+def _cast_kernel(X, Q, QT, S, AMAX, AMAX_OUT, CSUM, M, K, stride_xm, stride_qm, stride_qtk,
                  PER_COL: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr, RECORD: tl.constexpr,
-                 FP8_MAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, POW2: tl.constexpr,
-                 SOFT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                 COLSUM: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
+                 POW2: tl.constexpr, SOFT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """Cast one tile with the scale(s) of AMAX (fp32: one, or one per column), store it as q (M, K) and/or as
     q^T (K, M). Programs of the first row of tiles write the scales S. RECORD: fold the tile's amax into AMAX_OUT
-    (delayed scaling: the scale came from history, the amax of this x goes into it)."""
+    (delayed scaling: the scale came from history, the amax of this x goes into it). COLSUM: the tile's column
+    sums of x into row pid_m of CSUM (cdiv(M, BLOCK_M), K), summed by the launcher: no atomics, deterministic."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -205,6 +211,8 @@ def _cast_kernel(X, Q, QT, S, AMAX, AMAX_OUT, M, K, stride_xm, stride_qm, stride
             tl.store(S, s)
     if RECORD:
         tl.atomic_max(AMAX_OUT, _amax(x, None).to(tl.int32, bitcast=True), sem="relaxed")
+    if COLSUM:
+        tl.store(CSUM + pid_m * K + cols, tl.sum(x, 0), mask=cmask)
     if WRITE_Q:
         tl.store(Q + rows[:, None] * stride_qm + cols[None, :], y, mask=mask)
     if WRITE_QT:
@@ -332,10 +340,10 @@ def _rows_tile(K):
     return block_m, block_k, 4 if block_k <= 1024 else 8
 
 
-def quantize_tensor(x, dtype=E4M3, pow2=False, amax=None, write_q=True, transpose=False):
+def quantize_tensor(x, dtype=E4M3, pow2=False, amax=None, write_q=True, transpose=False, colsum=False):
     """Per-tensor scale. amax=None: x's own (an amax pass, then the cast); else the given fp32 amax (delayed
     scaling), and x's amax is recorded for the history in one pass. Returns FP8Tensors(q or None, s (1, 1),
-    qt (K, M) or None, st = s, amax (1, 1) of x)."""
+    qt (K, M) or None, st = s, amax (1, 1) of x, colsum: x's column sums (K,) fp32 if asked, from the cast pass)."""
     _check_dtype(x, dtype)
     x = _as_rows(x)
     M, K = x.shape
@@ -349,13 +357,14 @@ def quantize_tensor(x, dtype=E4M3, pow2=False, amax=None, write_q=True, transpos
         _amax_k[grid](x, bits, M, K, x.stride(0), PER_COL=False, BLOCK_M=bm, BLOCK_K=bk, num_warps=WARPS)
     own = bits.view(torch.float32)  # (1, 1)
     given = own if amax is None else amax.float().reshape(1).contiguous()
+    parts = torch.zeros(max(grid[0], 1), K, dtype=torch.float32, device=x.device) if colsum else None
     if M * K:
-        _cast_k[grid](x, q if write_q else qt, qt, s, given, bits, M, K, x.stride(0), K, M, PER_COL=False,
-                      WRITE_Q=write_q, WRITE_QT=transpose, RECORD=amax is not None, **_fmt(dtype, pow2),
-                      BLOCK_M=bm, BLOCK_K=bk, num_warps=WARPS)
+        _cast_k[grid](x, q if write_q else qt, qt, s, given, bits, parts, M, K, x.stride(0), K, M,
+                      PER_COL=False, WRITE_Q=write_q, WRITE_QT=transpose, RECORD=amax is not None, COLSUM=colsum,
+                      **_fmt(dtype, pow2), BLOCK_M=bm, BLOCK_K=bk, num_warps=WARPS)
     else:
         s.copy_(scales_from_amax_ref(given.view(1, 1), dtype, pow2)[1])
-    return FP8Tensors(q, s, qt, s if transpose else None, own)
+    return FP8Tensors(q, s, qt, s if transpose else None, own, parts.sum(0) if colsum else None)
 
 
 def quantize_cols_t(x, dtype=E4M3, pow2=False):
@@ -372,9 +381,9 @@ def quantize_cols_t(x, dtype=E4M3, pow2=False):
     grid = (_cdiv(M, bm), _cdiv(K, bk))
     if M * K:
         _amax_k[grid](x, bits, M, K, x.stride(0), PER_COL=True, BLOCK_M=bm, BLOCK_K=bk, num_warps=WARPS)
-        _cast_k[grid](x, qt, qt, st, own, bits, M, K, x.stride(0), K, M, PER_COL=True,
-                      WRITE_Q=False, WRITE_QT=True, RECORD=False, **_fmt(dtype, pow2), BLOCK_M=bm, BLOCK_K=bk,
-                      num_warps=WARPS)
+        _cast_k[grid](x, qt, qt, st, own, bits, None, M, K, x.stride(0), K, M, PER_COL=True,
+                      WRITE_Q=False, WRITE_QT=True, RECORD=False, COLSUM=False, **_fmt(dtype, pow2), BLOCK_M=bm,
+                      BLOCK_K=bk, num_warps=WARPS)
     else:
         st.copy_(scales_from_amax_ref(torch.zeros(K, 1, device=x.device), dtype, pow2)[1])
     return FP8Tensors(None, None, qt, st, own)
@@ -445,12 +454,13 @@ def quantize_128x128(x, dtype=E4M3, pow2=False, transpose=False):
 GRANULARITIES = ("tensor", "row", "col", "1x128", "128x128")
 
 
-def _ref(x, dtype, granularity, pow2, transpose, amax):
+def _ref(x, dtype, granularity, pow2, transpose, amax, colsum=False):
     """The reference behind fp8_quantize, returning what the matching launcher returns."""
     M, K = x.shape
     if granularity == "tensor":
         q, s, own = fp8_quantize_ref(x, dtype, None, pow2, amax)
-        return FP8Tensors(q, s, q.t().contiguous() if transpose else None, s if transpose else None, own)
+        return FP8Tensors(q, s, q.t().contiguous() if transpose else None, s if transpose else None, own,
+                          x.sum(0, dtype=torch.float32) if colsum else None)
     if granularity == "row":
         q, s, _ = fp8_quantize_ref(x, dtype, (1, K), pow2)
         return FP8Tensors(q, s)
@@ -467,21 +477,25 @@ def _ref(x, dtype, granularity, pow2, transpose, amax):
     return FP8Tensors(q, s, q.t().contiguous() if transpose else None, s.t() if transpose else None)
 
 
-def fp8_quantize(x, dtype=E4M3, granularity="tensor", pow2=False, transpose=False, amax=None, triton_path=None):
+def fp8_quantize(x, dtype=E4M3, granularity="tensor", pow2=False, transpose=False, amax=None, triton_path=None,
+                 colsum=False):
     """Quantize a 2-D x. granularity: tensor | row | col (per column, returned transposed as qt) | 1x128 | 128x128;
-    transpose: also q^T (tensor, 1x128, 128x128); amax: delayed scaling (tensor only). triton_path: None = Triton
-    on CUDA, the reference elsewhere; True forces the kernels (CPU: TRITON_INTERPRET=1)."""
+    transpose: also q^T (tensor, 1x128, 128x128); amax: delayed scaling (tensor only); colsum: x's column sums
+    (fp32) from the same pass (tensor only: dY's bias gradient). triton_path: None = Triton on CUDA, the reference
+    elsewhere; True forces the kernels (CPU: TRITON_INTERPRET=1)."""
     if granularity not in GRANULARITIES:
         raise ValueError(f"fp8_quantize: granularity must be one of {GRANULARITIES}, got {granularity!r}")
     if amax is not None and granularity != "tensor":
         raise ValueError("fp8_quantize: delayed scaling (amax=) is per tensor only")
+    if colsum and granularity != "tensor":
+        raise ValueError("fp8_quantize: colsum is per tensor only")
     if transpose and granularity in ("row", "col"):
         raise ValueError("fp8_quantize: per-row scales of x are per-column scales of x^T: use granularity='col'")
     if not (x.is_cuda if triton_path is None else triton_path):
         _check_dtype(x, dtype)
-        return _ref(x, dtype, granularity, pow2, transpose, amax)
+        return _ref(x, dtype, granularity, pow2, transpose, amax, colsum)
     if granularity == "tensor":
-        return quantize_tensor(x, dtype, pow2, amax, transpose=transpose)
+        return quantize_tensor(x, dtype, pow2, amax, transpose=transpose, colsum=colsum)
     if granularity == "row":
         return quantize_rows(x, dtype, pow2)
     if granularity == "col":

@@ -109,12 +109,13 @@ class AmaxHistory:
 # ----------------------------------------------------------------------------------------------------------------
 # quantization of each operand per mode: FP8Tensors(q, s, qt, st); q / qt None where not needed
 
-def _quantize_act(x2, dtype, recipe, triton, want_q=True, want_qt=True, history=None):
+def _quantize_act(x2, dtype, recipe, triton, want_q=True, want_qt=True, history=None, colsum=False):
     """X or dY (M, C): q (M, C) scaled along C for the GEMM that contracts C, qt (C, M) scaled along the tokens
-    for the weight-gradient GEMM."""
+    for the weight-gradient GEMM. colsum (tensor mode): also x2's column sums from the cast's pass (dY: db)."""
     if recipe.mode == "tensor":
         amax = history.amax() if history is not None else None
-        out = fp8_quantize(x2, dtype, "tensor", recipe.pow2, transpose=want_qt, amax=amax, triton_path=triton)
+        out = fp8_quantize(x2, dtype, "tensor", recipe.pow2, transpose=want_qt, amax=amax, triton_path=triton,
+                           colsum=colsum)
         if history is not None:
             history.push(out.amax)
         return out
@@ -185,8 +186,9 @@ class FP8LinearFunction(torch.autograd.Function):
         # the backward runs outside autocast (engine.py, graph.py): then there is nothing to turn off, and the
         # context's Python cost (~2.5 us) is host time on every FP8 linear
         with torch.autocast(dev, enabled=False) if torch.is_autocast_enabled(dev) else contextlib.nullcontext():
+            need_db = ctx.has_bias and ctx.needs_input_grad[2]
             g8 = _quantize_act(dy2, gdt, recipe, triton, want_q=need_dx, want_qt=need_dw,
-                               history=layer.hist_dy if recipe.delayed else None)
+                               history=layer.hist_dy if recipe.delayed else None, colsum=need_db)
             dx = dw = db = None
             if need_dx:  # (M, N) x (K, N)^T -> (M, K)
                 dx = _gemm(g8.q, wqt, g8.s, wst, None, ctx.x_dtype, recipe.fast_accum_bwd, triton)
@@ -198,8 +200,8 @@ class FP8LinearFunction(torch.autograd.Function):
                            out=dest if direct else None)
                 if dest is not None and not direct:
                     dw = dest.copy_(dw)
-            if ctx.has_bias and ctx.needs_input_grad[2]:
-                db = dy2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+            if need_db:  # tensor mode: summed by dY's cast as it reads dY; else one more pass
+                db = (g8.colsum if g8.colsum is not None else dy2.sum(0, dtype=torch.float32)).to(ctx.bias_dtype)
         return dx, dw, db, None
 
 

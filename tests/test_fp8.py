@@ -112,6 +112,26 @@ def test_quantize_reference_meaning():
             assert ((top >= lo) & (top <= FP8_MAX[E4M3] * (1 + 1e-6))).all()
 
 
+@pytest.mark.parametrize("shape", [(37, 300), (130, 257), (5, 7), (0, 9)])
+@pytest.mark.parametrize("delayed", [False, True])
+def test_tensor_cast_sums_the_columns(shape, delayed):
+    """colsum=True (dY's bias gradient, fp8.py): the per-tensor cast's pass also returns x's column sums in fp32,
+    from per-tile partials (no atomics): equal to torch's fp32 sum up to summation order; the FP8 bytes are those
+    of a cast without it."""
+    x = _data(*shape, torch.bfloat16)
+    amax = torch.tensor([2.0]) if delayed else None
+    got = fp8_quantize(x, E5M2, "tensor", True, transpose=True, amax=amax, triton_path=True, colsum=True)
+    plain = fp8_quantize(x, E5M2, "tensor", True, transpose=True, amax=amax, triton_path=True)
+    want = x.sum(0, dtype=torch.float32)
+    assert got.colsum.shape == (shape[1],) and got.colsum.dtype == torch.float32
+    top = x.float().abs().max().item() if x.numel() else 0.0
+    torch.testing.assert_close(got.colsum, want, rtol=1e-5, atol=1e-6 * max(1.0, top))
+    assert torch.equal(got.q.view(torch.uint8), plain.q.view(torch.uint8)) and plain.colsum is None
+    assert torch.equal(fp8_quantize(x, E5M2, "tensor", True, amax=amax, colsum=True).colsum, want)  # reference
+    with pytest.raises(ValueError, match="colsum is per tensor only"):
+        fp8_quantize(x, E5M2, "row", colsum=True)
+
+
 def test_quantize_zero_nan_inf_and_delayed():
     # all-zero input: finite scale (AMAX_EPS), zero codes; NaN: ignored by the amax, stays NaN in q
     z = torch.zeros(17, 33)
@@ -443,7 +463,7 @@ def test_kernels_compile_for_hopper_with_wgmma_and_tma():
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(proc.stdout)
     gemms = [r for r in rows if r["kernel"].startswith("gemm")]
-    assert len(gemms) == 4 and len(rows) == 11
+    assert len(gemms) == 4 and len(rows) == 12  # + 8 quantization kernels
     for r in rows:
         assert r["spill_bytes"] == 0 and r["smem"] <= 232448, r
     for r in gemms:
@@ -456,14 +476,17 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels import fp8_quant as fq
 fmt = dict(FP8_MAX=57344.0, MANT=2, BIAS=15, POW2=True, SOFT=False)
-sig = dict(X="*fp32", Q="*fp8e4nv", QT="*fp8e4nv", S="*fp32", ST="*fp32", AMAX="*fp32", AMAX_OUT="*i32", M="i32",
+sig = dict(X="*fp32", Q="*fp8e4nv", QT="*fp8e4nv", S="*fp32", ST="*fp32", AMAX="*fp32", AMAX_OUT="*i32", CSUM="*fp32",
+           M="i32",
            K="i32", stride_xm="i32", stride_qm="i32", stride_qtk="i32", stride_sm="i32", stride_sk="i32",
            stride_stk="i32", stride_stm="i32")
 kernels = {
     "128x128 +T": (fq._blocks_kernel, dict(TILE_SCALE=True, WRITE_QT=True, BLOCK_M=128, BLOCK_K=128), 16),
     "1x128 +T": (fq._blocks_kernel, dict(TILE_SCALE=False, WRITE_QT=True, BLOCK_M=128, BLOCK_K=128), 16),
     "cast tensor +T": (fq._cast_kernel, dict(PER_COL=False, WRITE_Q=True, WRITE_QT=True, RECORD=True,
-                                             BLOCK_M=32, BLOCK_K=128), 8),
+                                             COLSUM=False, BLOCK_M=32, BLOCK_K=128), 8),
+    "cast tensor +T +colsum": (fq._cast_kernel, dict(PER_COL=False, WRITE_Q=True, WRITE_QT=True, RECORD=True,
+                                                     COLSUM=True, BLOCK_M=32, BLOCK_K=128), 8),
 }
 out = {}
 for name, (fn, consts, warps) in kernels.items():
@@ -551,7 +574,7 @@ def test_gpu_fp8_linear_at_training_shapes(mode, K, N):
     w8 = fast.fc._w8  # the weight's transposed copy (dgrad's operand) must be the weight's bytes, transposed
     if w8.qt is not None:
         assert torch.equal(w8.qt.view(torch.uint8), w8.q.t().contiguous().view(torch.uint8)), f"{mode} W^T"
-    for name, g, w, e in zip(("y", "dx", "dw"), got, want, exact):  # the forward accumulates fast (no promotion):
+    for name, g, w, e in zip(("y", "dx", "dw", "db"), got, want, exact):  # the forward accumulates fast (no promotion):
         # max error 2.3e-3 of max |ref| at 8192 x 2048 x 2048 in results/fp8_h100.txt; a wrong scale or layout: O(1)
         assert _rel(g, w) < 5e-3, f"{mode} {name}: Triton vs reference {_rel(g, w):.2e}"
         assert _rel(g, e) < FP8_TOL["e5m2"], f"{mode} {name}: vs fp32 {_rel(g, e):.2e}"
