@@ -334,12 +334,15 @@ def ptxas_report(quick=False, log=sys.stdout):
                                                             COLSUM=False, **fmt, BLOCK_M=bm, BLOCK_K=bk), {},
                fq.WARPS),
               ("rows 8192", fq._rows_kernel, dict(**fmt, BLOCK_M=1, BLOCK_K=8192), {}, 8),
-              ("1x128", fq._blocks_kernel, dict(TILE_SCALE=False, WRITE_QT=False, **fmt, BLOCK_M=64, BLOCK_K=128), {},
-               fq.WARPS),
-              ("1x128 +T", fq._blocks_kernel, dict(TILE_SCALE=False, WRITE_QT=True, **fmt, BLOCK_M=128, BLOCK_K=128),
-               {}, fq.BLOCK_WARPS),
-              ("128x128 +T fp32 in", fq._blocks_kernel, dict(TILE_SCALE=True, WRITE_QT=True, **fmt, BLOCK_M=128,
-                                                              BLOCK_K=128), {"X": "*fp32"}, fq.BLOCK_WARPS)]
+              ("1x128", fq._blocks_kernel, dict(TILE_SCALE=False, WRITE_QT=False, COLSUM=False, **fmt, BLOCK_M=64,
+                                                 BLOCK_K=128), {}, fq.WARPS),
+              ("1x128 +T", fq._blocks_kernel, dict(TILE_SCALE=False, WRITE_QT=True, COLSUM=False, **fmt, BLOCK_M=128,
+                                                    BLOCK_K=128), {}, fq.BLOCK_WARPS),
+              ("1x128 +T +colsum", fq._blocks_kernel, dict(TILE_SCALE=False, WRITE_QT=True, COLSUM=True, **fmt,
+                                                            BLOCK_M=128, BLOCK_K=128), {}, fq.BLOCK_WARPS),
+              ("128x128 +T fp32 in", fq._blocks_kernel, dict(TILE_SCALE=True, WRITE_QT=True, COLSUM=False, **fmt,
+                                                              BLOCK_M=128, BLOCK_K=128), {"X": "*fp32"},
+               fq.BLOCK_WARPS)]
     for name, fn, consts, over, warps in quants:
         s = {n: {**qsig, **over}[n] for n in fn.arg_names if n not in consts}
         r = build(fn, s, consts, warps, 3, list(s))  # model shapes: every size and stride a multiple of 16

@@ -250,8 +250,8 @@ def _rows_kernel(X, Q, S, M, K, stride_xm, stride_qm,
 
 
 @triton.jit
-def _blocks_kernel(X, Q, S, QT, ST, M, K, stride_xm, stride_qm, stride_qtk, stride_sm, stride_sk, stride_stk,
-                   stride_stm, TILE_SCALE: tl.constexpr, WRITE_QT: tl.constexpr,
+def _blocks_kernel(X, Q, S, QT, ST, CSUM, M, K, stride_xm, stride_qm, stride_qtk, stride_sm, stride_sk, stride_stk,
+                   stride_stm, TILE_SCALE: tl.constexpr, WRITE_QT: tl.constexpr, COLSUM: tl.constexpr,
                    FP8_MAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, POW2: tl.constexpr,
                    SOFT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """One (BLOCK_M, BLOCK_K = 128) tile. TILE_SCALE (128x128, BLOCK_M = 128): one scale, S[pid_m, pid_k]; q and
@@ -267,6 +267,8 @@ def _blocks_kernel(X, Q, S, QT, ST, M, K, stride_xm, stride_qm, stride_qtk, stri
     rmask, cmask = rows < M, cols < K
     mask = rmask[:, None] & cmask[None, :]
     x = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if COLSUM:  # as _cast_kernel's
+        tl.store(CSUM + pid_m * K + cols, tl.sum(x, 0), mask=cmask)
     if TILE_SCALE:
         qs, s = _scales(_amax(x, None), FP8_MAX, POW2)
         y = _to_fp8(x * qs, Q.dtype.element_ty, FP8_MAX, MANT, BIAS, SOFT)
@@ -340,6 +342,11 @@ def _rows_tile(K):
     return block_m, block_k, 4 if block_k <= 1024 else 8
 
 
+def _parts(colsum, tiles_m, K, device):
+    """The (tiles_m, K) fp32 column-sum partials a cast kernel writes with COLSUM (None: not asked)."""
+    return torch.zeros(max(tiles_m, 1), K, dtype=torch.float32, device=device) if colsum else None
+
+
 def quantize_tensor(x, dtype=E4M3, pow2=False, amax=None, write_q=True, transpose=False, colsum=False):
     """Per-tensor scale. amax=None: x's own (an amax pass, then the cast); else the given fp32 amax (delayed
     scaling), and x's amax is recorded for the history in one pass. Returns FP8Tensors(q or None, s (1, 1),
@@ -357,7 +364,7 @@ def quantize_tensor(x, dtype=E4M3, pow2=False, amax=None, write_q=True, transpos
         _amax_k[grid](x, bits, M, K, x.stride(0), PER_COL=False, BLOCK_M=bm, BLOCK_K=bk, num_warps=WARPS)
     own = bits.view(torch.float32)  # (1, 1)
     given = own if amax is None else amax.float().reshape(1).contiguous()
-    parts = torch.zeros(max(grid[0], 1), K, dtype=torch.float32, device=x.device) if colsum else None
+    parts = _parts(colsum, grid[0], K, x.device)
     if M * K:
         _cast_k[grid](x, q if write_q else qt, qt, s, given, bits, parts, M, K, x.stride(0), K, M,
                       PER_COL=False, WRITE_Q=write_q, WRITE_QT=transpose, RECORD=amax is not None, COLSUM=colsum,
@@ -367,9 +374,9 @@ def quantize_tensor(x, dtype=E4M3, pow2=False, amax=None, write_q=True, transpos
     return FP8Tensors(q, s, qt, s if transpose else None, own, parts.sum(0) if colsum else None)
 
 
-def quantize_cols_t(x, dtype=E4M3, pow2=False):
+def quantize_cols_t(x, dtype=E4M3, pow2=False, colsum=False):
     """Per-column scales, written transposed: FP8Tensors(None, None, qt (K, M), st (K, 1)) (rows of qt = columns of
-    x). Two passes: the column amaxes need every row first."""
+    x). Two passes: the column amaxes need every row first. colsum: x's column sums from the cast pass."""
     _check_dtype(x, dtype)
     x = _as_rows(x)
     M, K = x.shape
@@ -379,14 +386,15 @@ def quantize_cols_t(x, dtype=E4M3, pow2=False):
     own = bits.view(torch.float32)  # (1, K)
     bm, bk = TILE
     grid = (_cdiv(M, bm), _cdiv(K, bk))
+    parts = _parts(colsum, grid[0], K, x.device)
     if M * K:
         _amax_k[grid](x, bits, M, K, x.stride(0), PER_COL=True, BLOCK_M=bm, BLOCK_K=bk, num_warps=WARPS)
-        _cast_k[grid](x, qt, qt, st, own, bits, None, M, K, x.stride(0), K, M, PER_COL=True,
-                      WRITE_Q=False, WRITE_QT=True, RECORD=False, COLSUM=False, **_fmt(dtype, pow2), BLOCK_M=bm,
+        _cast_k[grid](x, qt, qt, st, own, bits, parts, M, K, x.stride(0), K, M, PER_COL=True,
+                      WRITE_Q=False, WRITE_QT=True, RECORD=False, COLSUM=colsum, **_fmt(dtype, pow2), BLOCK_M=bm,
                       BLOCK_K=bk, num_warps=WARPS)
     else:
         st.copy_(scales_from_amax_ref(torch.zeros(K, 1, device=x.device), dtype, pow2)[1])
-    return FP8Tensors(None, None, qt, st, own)
+    return FP8Tensors(None, None, qt, st, own, parts.sum(0) if colsum else None)
 
 
 def quantize_rows(x, dtype=E4M3, pow2=False):
@@ -410,9 +418,10 @@ def _scale_grid_kmajor(R, nb, device):
     return torch.empty(nb, R, dtype=torch.float32, device=device).t()
 
 
-def quantize_1x128(x, dtype=E4M3, pow2=False, transpose=False):
+def quantize_1x128(x, dtype=E4M3, pow2=False, transpose=False, colsum=False):
     """1x128 blocks along the rows: FP8Tensors(q (M, K), s (M, ceil(K/128))); with transpose also q^T (K, M) in
-    1x128 blocks along ITS rows (128 consecutive rows of x), st (K, ceil(M/128)). One pass over 128x128 tiles."""
+    1x128 blocks along ITS rows (128 consecutive rows of x), st (K, ceil(M/128)). One pass over 128x128 tiles.
+    colsum: x's column sums from the same pass."""
     _check_dtype(x, dtype)
     x = _as_rows(x)
     M, K = x.shape
@@ -422,13 +431,14 @@ def quantize_1x128(x, dtype=E4M3, pow2=False, transpose=False):
     qt = torch.empty(K, M, dtype=dtype, device=x.device) if transpose else None
     st = _scale_grid_kmajor(K, mb, x.device) if transpose else None
     block_m = BLOCK if transpose else (32 if _INTERPRET else 64)
+    parts = _parts(colsum, _cdiv(M, block_m), K, x.device)
     if M * K:
         _blocks_k[(_cdiv(M, block_m), kb)](
-            x, q, s, qt, st, M, K, x.stride(0), q.stride(0), M, s.stride(0), s.stride(1),
+            x, q, s, qt, st, parts, M, K, x.stride(0), q.stride(0), M, s.stride(0), s.stride(1),
             0 if st is None else st.stride(0), 0 if st is None else st.stride(1), TILE_SCALE=False,
-            WRITE_QT=transpose, **_fmt(dtype, pow2), BLOCK_M=block_m, BLOCK_K=BLOCK,
+            WRITE_QT=transpose, COLSUM=colsum, **_fmt(dtype, pow2), BLOCK_M=block_m, BLOCK_K=BLOCK,
             num_warps=BLOCK_WARPS if transpose else WARPS)
-    return FP8Tensors(q, s, qt, st)
+    return FP8Tensors(q, s, qt, st, None, parts.sum(0) if colsum else None)
 
 
 def quantize_128x128(x, dtype=E4M3, pow2=False, transpose=False):
@@ -442,9 +452,9 @@ def quantize_128x128(x, dtype=E4M3, pow2=False, transpose=False):
     s = torch.empty(mb, kb, dtype=torch.float32, device=x.device)
     qt = torch.empty(K, M, dtype=dtype, device=x.device) if transpose else None
     if M * K:
-        _blocks_k[(mb, kb)](x, q, s, qt, None, M, K, x.stride(0), q.stride(0), M, s.stride(0), s.stride(1), 0, 0,
-                            TILE_SCALE=True, WRITE_QT=transpose, **_fmt(dtype, pow2), BLOCK_M=BLOCK, BLOCK_K=BLOCK,
-                            num_warps=BLOCK_WARPS)
+        _blocks_k[(mb, kb)](x, q, s, qt, None, None, M, K, x.stride(0), q.stride(0), M, s.stride(0), s.stride(1),
+                            0, 0, TILE_SCALE=True, WRITE_QT=transpose, COLSUM=False, **_fmt(dtype, pow2),
+                            BLOCK_M=BLOCK, BLOCK_K=BLOCK, num_warps=BLOCK_WARPS)
     return FP8Tensors(q, s, qt, s.t() if transpose else None)
 
 
@@ -464,15 +474,16 @@ def _ref(x, dtype, granularity, pow2, transpose, amax, colsum=False):
     if granularity == "row":
         q, s, _ = fp8_quantize_ref(x, dtype, (1, K), pow2)
         return FP8Tensors(q, s)
+    cs = x.sum(0, dtype=torch.float32) if colsum else None
     if granularity == "col":
         qt, st, own = fp8_quantize_ref(x.t(), dtype, (1, M), pow2)
-        return FP8Tensors(None, None, qt, st, own.t())
+        return FP8Tensors(None, None, qt, st, own.t(), cs)
     if granularity == "1x128":
         q, s, _ = fp8_quantize_ref(x, dtype, (1, BLOCK), pow2)
         if not transpose:
-            return FP8Tensors(q, s)
+            return FP8Tensors(q, s, None, None, None, cs)
         qt, st, _ = fp8_quantize_ref(x.t(), dtype, (1, BLOCK), pow2)
-        return FP8Tensors(q, s, qt, st)
+        return FP8Tensors(q, s, qt, st, None, cs)
     q, s, _ = fp8_quantize_ref(x, dtype, (BLOCK, BLOCK), pow2)
     return FP8Tensors(q, s, q.t().contiguous() if transpose else None, s.t() if transpose else None)
 
@@ -481,14 +492,14 @@ def fp8_quantize(x, dtype=E4M3, granularity="tensor", pow2=False, transpose=Fals
                  colsum=False):
     """Quantize a 2-D x. granularity: tensor | row | col (per column, returned transposed as qt) | 1x128 | 128x128;
     transpose: also q^T (tensor, 1x128, 128x128); amax: delayed scaling (tensor only); colsum: x's column sums
-    (fp32) from the same pass (tensor only: dY's bias gradient). triton_path: None = Triton on CUDA, the reference
-    elsewhere; True forces the kernels (CPU: TRITON_INTERPRET=1)."""
+    (fp32) from the same pass (tensor, col, 1x128: dY's bias gradient). triton_path: None = Triton on CUDA, the
+    reference elsewhere; True forces the kernels (CPU: TRITON_INTERPRET=1)."""
     if granularity not in GRANULARITIES:
         raise ValueError(f"fp8_quantize: granularity must be one of {GRANULARITIES}, got {granularity!r}")
     if amax is not None and granularity != "tensor":
         raise ValueError("fp8_quantize: delayed scaling (amax=) is per tensor only")
-    if colsum and granularity != "tensor":
-        raise ValueError("fp8_quantize: colsum is per tensor only")
+    if colsum and granularity not in ("tensor", "col", "1x128"):
+        raise ValueError("fp8_quantize: colsum is for the granularities dY takes: tensor, col, 1x128")
     if transpose and granularity in ("row", "col"):
         raise ValueError("fp8_quantize: per-row scales of x are per-column scales of x^T: use granularity='col'")
     if not (x.is_cuda if triton_path is None else triton_path):
@@ -499,9 +510,9 @@ def fp8_quantize(x, dtype=E4M3, granularity="tensor", pow2=False, transpose=Fals
     if granularity == "row":
         return quantize_rows(x, dtype, pow2)
     if granularity == "col":
-        return quantize_cols_t(x, dtype, pow2)
+        return quantize_cols_t(x, dtype, pow2, colsum)
     if granularity == "1x128":
-        return quantize_1x128(x, dtype, pow2, transpose)
+        return quantize_1x128(x, dtype, pow2, transpose, colsum)
     return quantize_128x128(x, dtype, pow2, transpose)
 
 

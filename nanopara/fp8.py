@@ -111,7 +111,7 @@ class AmaxHistory:
 
 def _quantize_act(x2, dtype, recipe, triton, want_q=True, want_qt=True, history=None, colsum=False):
     """X or dY (M, C): q (M, C) scaled along C for the GEMM that contracts C, qt (C, M) scaled along the tokens
-    for the weight-gradient GEMM. colsum (tensor mode): also x2's column sums from the cast's pass (dY: db)."""
+    for the weight-gradient GEMM. colsum: also x2's column sums from a cast's pass (dY: db; row mode: from qt's)."""
     if recipe.mode == "tensor":
         amax = history.amax() if history is not None else None
         out = fp8_quantize(x2, dtype, "tensor", recipe.pow2, transpose=want_qt, amax=amax, triton_path=triton,
@@ -121,9 +121,10 @@ def _quantize_act(x2, dtype, recipe, triton, want_q=True, want_qt=True, history=
         return out
     if recipe.mode == "row":
         q = fp8_quantize(x2, dtype, "row", recipe.pow2, triton_path=triton) if want_q else FP8Tensors(None, None)
-        t = fp8_quantize(x2, dtype, "col", recipe.pow2, triton_path=triton) if want_qt else FP8Tensors(None, None)
-        return FP8Tensors(q.q, q.s, t.qt, t.st)
-    return fp8_quantize(x2, dtype, "1x128", recipe.pow2, transpose=want_qt, triton_path=triton)
+        t = fp8_quantize(x2, dtype, "col", recipe.pow2, triton_path=triton, colsum=colsum) if want_qt else \
+            FP8Tensors(None, None)
+        return FP8Tensors(q.q, q.s, t.qt, t.st, None, t.colsum)
+    return fp8_quantize(x2, dtype, "1x128", recipe.pow2, transpose=want_qt, triton_path=triton, colsum=colsum)
 
 
 def _quantize_weight(w, recipe, triton):
@@ -200,7 +201,7 @@ class FP8LinearFunction(torch.autograd.Function):
                            out=dest if direct else None)
                 if dest is not None and not direct:
                     dw = dest.copy_(dw)
-            if need_db:  # tensor mode: summed by dY's cast as it reads dY; else one more pass
+            if need_db:  # summed by a cast of dY as it reads dY (row mode without dW: one more pass)
                 db = (g8.colsum if g8.colsum is not None else dy2.sum(0, dtype=torch.float32)).to(ctx.bias_dtype)
         return dx, dw, db, None
 

@@ -113,22 +113,27 @@ def test_quantize_reference_meaning():
 
 
 @pytest.mark.parametrize("shape", [(37, 300), (130, 257), (5, 7), (0, 9)])
-@pytest.mark.parametrize("delayed", [False, True])
-def test_tensor_cast_sums_the_columns(shape, delayed):
-    """colsum=True (dY's bias gradient, fp8.py): the per-tensor cast's pass also returns x's column sums in fp32,
-    from per-tile partials (no atomics): equal to torch's fp32 sum up to summation order; the FP8 bytes are those
-    of a cast without it."""
+@pytest.mark.parametrize("granularity, delayed", [("tensor", False), ("tensor", True), ("col", False),
+                                                  ("1x128", False)])
+def test_cast_sums_the_columns(shape, granularity, delayed):
+    """colsum=True (dY's bias gradient, fp8.py): the cast pass of the granularities dY takes (tensor, col for row
+    mode's dY^T, 1x128) also returns x's column sums in fp32, from per-tile partials (no atomics): equal to
+    torch's fp32 sum up to summation order; the FP8 bytes are those of a cast without it."""
     x = _data(*shape, torch.bfloat16)
     amax = torch.tensor([2.0]) if delayed else None
-    got = fp8_quantize(x, E5M2, "tensor", True, transpose=True, amax=amax, triton_path=True, colsum=True)
-    plain = fp8_quantize(x, E5M2, "tensor", True, transpose=True, amax=amax, triton_path=True)
+    kw = dict(amax=amax, transpose=granularity != "col")
+    got = fp8_quantize(x, E5M2, granularity, True, triton_path=True, colsum=True, **kw)
+    plain = fp8_quantize(x, E5M2, granularity, True, triton_path=True, **kw)
     want = x.sum(0, dtype=torch.float32)
     assert got.colsum.shape == (shape[1],) and got.colsum.dtype == torch.float32
     top = x.float().abs().max().item() if x.numel() else 0.0
     torch.testing.assert_close(got.colsum, want, rtol=1e-5, atol=1e-6 * max(1.0, top))
-    assert torch.equal(got.q.view(torch.uint8), plain.q.view(torch.uint8)) and plain.colsum is None
-    assert torch.equal(fp8_quantize(x, E5M2, "tensor", True, amax=amax, colsum=True).colsum, want)  # reference
-    with pytest.raises(ValueError, match="colsum is per tensor only"):
+    for a, b in ((got.q, plain.q), (got.qt, plain.qt)):
+        assert (a is None and b is None) or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert plain.colsum is None
+    if shape[0]:  # the reference
+        assert torch.equal(fp8_quantize(x, E5M2, granularity, True, colsum=True, **kw).colsum, want)
+    with pytest.raises(ValueError, match="colsum is for the granularities dY takes"):
         fp8_quantize(x, E5M2, "row", colsum=True)
 
 
@@ -463,7 +468,7 @@ def test_kernels_compile_for_hopper_with_wgmma_and_tma():
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(proc.stdout)
     gemms = [r for r in rows if r["kernel"].startswith("gemm")]
-    assert len(gemms) == 4 and len(rows) == 12  # + 8 quantization kernels
+    assert len(gemms) == 4 and len(rows) == 13  # + 9 quantization kernels
     for r in rows:
         assert r["spill_bytes"] == 0 and r["smem"] <= 232448, r
     for r in gemms:
@@ -481,8 +486,11 @@ sig = dict(X="*fp32", Q="*fp8e4nv", QT="*fp8e4nv", S="*fp32", ST="*fp32", AMAX="
            K="i32", stride_xm="i32", stride_qm="i32", stride_qtk="i32", stride_sm="i32", stride_sk="i32",
            stride_stk="i32", stride_stm="i32")
 kernels = {
-    "128x128 +T": (fq._blocks_kernel, dict(TILE_SCALE=True, WRITE_QT=True, BLOCK_M=128, BLOCK_K=128), 16),
-    "1x128 +T": (fq._blocks_kernel, dict(TILE_SCALE=False, WRITE_QT=True, BLOCK_M=128, BLOCK_K=128), 16),
+    "128x128 +T": (fq._blocks_kernel, dict(TILE_SCALE=True, WRITE_QT=True, COLSUM=False, BLOCK_M=128, BLOCK_K=128),
+                   16),
+    "1x128 +T": (fq._blocks_kernel, dict(TILE_SCALE=False, WRITE_QT=True, COLSUM=False, BLOCK_M=128, BLOCK_K=128), 16),
+    "1x128 +T +colsum": (fq._blocks_kernel, dict(TILE_SCALE=False, WRITE_QT=True, COLSUM=True, BLOCK_M=128,
+                                                 BLOCK_K=128), 16),
     "cast tensor +T": (fq._cast_kernel, dict(PER_COL=False, WRITE_Q=True, WRITE_QT=True, RECORD=True,
                                              COLSUM=False, BLOCK_M=32, BLOCK_K=128), 8),
     "cast tensor +T +colsum": (fq._cast_kernel, dict(PER_COL=False, WRITE_Q=True, WRITE_QT=True, RECORD=True,
