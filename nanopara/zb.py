@@ -11,15 +11,15 @@ gradient needs instead:
     deferred.run(mb)                        # W: dW = dy^T x per stored Linear, into .grad as autograd would
 
 B accumulates every parameter that is not a deferred weight (LayerNorms, biases, embeddings, experts, TP and FP8
-layers) through `inputs=`, so the graph is walked once. W replays nothing: one GEMM per Linear, through one small
-autograd node per W (_WeightGrads) so the gradients land as autograd's would: AccumulateGrad, the engines' hooks and
-gradient destinations (model.matmul_weight) all apply. Outside `recording`, _Linear computes dW at once, like
-F.linear. The arithmetic mirrors F.linear's own backward (addmm on the rows folded to 2-D), so the gradients
-equal the unsplit backward's bit for bit on the same device (tests/test_pp.py).
+layers) through `inputs=`, so the graph is walked once. W replays nothing: one GEMM per Linear, through small
+autograd nodes (_WeightGrads, one per W_GROUP = 4 Linears) so the gradients land as autograd's would: AccumulateGrad,
+the engines' hooks and gradient destinations (model.matmul_weight) all apply. Outside `recording`, _Linear
+computes dW at once, like F.linear. The arithmetic mirrors F.linear's own backward (addmm on the rows folded to
+2-D), so the gradients equal the unsplit backward's bit for bit on the same device (tests/test_pp.py).
 
 Memory: each deferred Linear holds its input and output gradient from B until W; ZB-H1 keeps at most p micro-
-batches in flight, as 1F1B does, and W frees them. Under autocast the bf16 weight cast is made once per step
-(`new_step`), as autocast's own cache does for F.linear.
+batches in flight, as 1F1B does, and W frees them, holding at most W_GROUP new weight gradients at a time. Under
+autocast the bf16 weight cast is made once per step (`new_step`), as autocast's own cache does for F.linear.
 """
 from __future__ import annotations
 
@@ -63,9 +63,13 @@ def weight_grad(x: torch.Tensor, dy2: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).t().mm(dy2).t()
 
 
+W_GROUP = 4  # Linears per W node: a block's; its backward makes their dW at once (the transient memory of W)
+
+
 class _WeightGrads(torch.autograd.Function):
-    """One node whose backward hands each weight its stored dW: W's way into AccumulateGrad and the engines' hooks,
-    one node per W rather than one per Linear (each node and its autograd bookkeeping is host time)."""
+    """One node whose backward hands each of a few weights its stored dW: W's way into AccumulateGrad and the
+    engines' hooks, with a node per W_GROUP Linears rather than one per Linear (each node is host time). The
+    engine adds a node's gradients before it runs the next, so W holds at most W_GROUP weight gradients unadded."""
 
     @staticmethod
     def forward(ctx, pairs, *weights):
@@ -126,6 +130,8 @@ class DeferredWeightGrads:
     def run(self, key) -> None:
         """W: the weight gradients stored under `key`, accumulated into the weights as autograd would."""
         work = self.stored.pop(key, [])
-        if work:
-            weights = [matmul_weight(lin.weight) for lin, _, _ in work]
-            torch.autograd.backward(_WeightGrads.apply([(x, dy2) for _, x, dy2 in work], *weights))
+        if work:  # a node per W_GROUP Linears: fewer nodes, while at most W_GROUP weight gradients exist unadded
+            outs = [_WeightGrads.apply([(x, dy2) for _, x, dy2 in group], *[matmul_weight(lin.weight)
+                                                                              for lin, _, _ in group])
+                    for group in (work[i:i + W_GROUP] for i in range(0, len(work), W_GROUP))]
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])

@@ -273,8 +273,9 @@ class _CountGemms(TorchDispatchMode):
 @pytest.mark.parametrize("amp", [False, True])
 def test_zb_split_backward_walks_the_graph_once(monkeypatch, amp):
     """zb.py: B accumulates everything but the Linears' weights in one walk of the graph, skips their dW GEMMs and
-    stores their inputs (each Linear's backward runs once per micro-batch); W adds exactly the unsplit backward's weight gradients (bit for bit, also under bf16
-    autocast) with one GEMM per Linear and no second walk; B's biases are final before W."""
+    stores their inputs (each Linear's backward runs once per micro-batch); W adds exactly the unsplit backward's
+    weight gradients (bit for bit, also under bf16 autocast) with one GEMM per Linear and no second walk, a node
+    per W_GROUP Linears whose gradients are added before the next node runs; B's biases are final before W."""
     from nanopara import zb
     torch.manual_seed(0)
     ref = GPT(_cfg(2))
@@ -302,10 +303,19 @@ def test_zb_split_backward_walks_the_graph_once(monkeypatch, amp):
     assert len(calls) == 2 * n  # once per Linear per micro-batch
     bias = chunk.transformer["h"]["0"].mlp.c_fc.bias
     assert torch.equal(bias.grad, ref.transformer.h[0].mlp.c_fc.bias.grad)  # B's parameters are done
+    nodes, added = [0], []  # W's memory: a node's gradients are added before the next node makes its own
+    orig_w = zb._WeightGrads.backward
+    monkeypatch.setattr(zb._WeightGrads, "backward", staticmethod(lambda ctx, g: nodes.__setitem__(0, nodes[0] + 1)
+                                                                  or orig_w(ctx, g)))
+    hooks = [w.register_post_accumulate_grad_hook(lambda p: added.append(nodes[0])) for w in d.weights]
     for mb in range(2):
+        nodes[0], added[:] = 0, []
         with _CountGemms() as w:
             d.run(mb)
         assert w.n == n  # W: one GEMM per Linear, no second walk
+        assert added == [1 + i // zb.W_GROUP for i in range(n)]
+    for h in hooks:
+        h.remove()
     assert len(calls) == 2 * n and not d.stored  # W ran no Linear backward, kept nothing
     for (name, p), (_, q) in zip(chunk.named_parameters(), ref.named_parameters()):
         assert torch.equal(p.grad, q.grad), name
