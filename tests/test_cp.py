@@ -49,13 +49,13 @@ def _check_ring(mesh, ring, q, k, v, do, rows, causal):
         torch.testing.assert_close(got.grad, ref.grad[:, :, rows], **TOL)
 
 
-def _packed_equals_views(mesh, prev, nxt, world):
+def _packed_equals_views(mesh, prev, nxt, world, triton=False):
     """ring_attention_qkv (the model's path: one packed gradient) gives ring_attention's output and, packed, its
-    q, k, v gradients, bit for bit."""
+    q, k, v gradients, bit for bit (triton: on the Triton block kernels, interpreter, as on a GPU)."""
     from nanopara.cp import ring_attention_qkv
-    ring = Ring(mesh.cp_group, mesh.cp_rank, world, prev, nxt)
+    ring = Ring(mesh.cp_group, mesh.cp_rank, world, prev, nxt, triton=triton)
     g = torch.Generator().manual_seed(7)
-    B, T, nh, hs = 2, 6 * world, 3, 8
+    B, T, nh, hs = (1, 16 * world, 2, 16) if triton else (2, 6 * world, 3, 8)
     qkv = torch.randn(B, T, 3 * nh * hs, generator=g)
     do = torch.randn(B, nh, T, hs, generator=g)
     a = qkv.clone().requires_grad_()
@@ -92,6 +92,7 @@ def _ring_worker(rank, world):
         q, k, v, do = _inputs(1, 2, 32, 16, seed=1)
         ring = Ring(mesh.cp_group, rank, world, prev, nxt, causal=True, triton=True)
         _check_ring(mesh, ring, q, k, v, do, zigzag_positions(32, 2, rank), True)
+        _packed_equals_views(mesh, prev, nxt, world, triton=True)
     mesh.destroy()
 
 
