@@ -27,7 +27,7 @@ from nanopara.mesh import Mesh, MeshError
 from nanopara.moe import MoEConfig, MoEMLP
 from nanopara.parallel import check_layout
 from nanopara.report import read_metrics
-from tests.distributed import free_port, spawn
+from tests.distributed import free_ports, spawn
 
 STEPS = 12
 
@@ -185,7 +185,7 @@ def _train_worker(rank, world, runs, ports, out_file):
 def run_layouts(tmp_path, world, runs):
     out = tmp_path / f"w{world}.json"
     runs = [(name, argv(*args)) for name, args in runs]
-    spawn(_train_worker, world, runs, [free_port() for _ in runs], str(out))
+    spawn(_train_worker, world, runs, free_ports(len(runs)), str(out))
     return json.loads(out.read_text())
 
 

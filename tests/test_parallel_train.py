@@ -23,7 +23,7 @@ from nanopara.data import write_shard
 from nanopara.mesh import MeshError
 from nanopara.parallel import check_layout
 from nanopara.report import read_metrics
-from tests.distributed import free_port, spawn
+from tests.distributed import free_ports, spawn
 
 STEPS = 20
 ATOL = 1e-4
@@ -271,7 +271,7 @@ def test_pp_train_matches_single_process(shards, pp_reference, tmp_path, world):
     ref_steps, ref_vals, ref_weights = pp_reference
     dirs = {"resumed": "1f1b", "zero1_resumed": "pp2_dp2_zero1", "wrong_split": "interleaved"}
     runs = [(name, pp_argv(shards, tmp_path / dirs.get(name, name), mb, *extra)) for name, mb, extra in PP_RUNS[world]]
-    spawn(_pp_worker, world, runs, [free_port() for _ in runs], str(tmp_path / "res.json"))
+    spawn(_pp_worker, world, runs, free_ports(len(runs)), str(tmp_path / "res.json"))
     res = json.loads((tmp_path / "res.json").read_text())
     for name, args in runs:
         if name.endswith("resumed"):
