@@ -40,6 +40,7 @@ def _entry(rank, fn, world, port, args):
     os._exit(0)
 
 
-def spawn(fn, world: int, *args) -> None:
-    """fn(rank, world, *args) in `world` processes with torchrun's environment; raises if any process fails."""
-    mp.spawn(_entry, args=(fn, world, free_port(), args), nprocs=world, join=True)
+def spawn(fn, world: int, *args, port: int | None = None) -> None:
+    """fn(rank, world, *args) in `world` processes with torchrun's environment (MASTER_PORT: `port`, or a free one);
+    raises if any process fails."""
+    mp.spawn(_entry, args=(fn, world, port or free_port(), args), nprocs=world, join=True)

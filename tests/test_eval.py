@@ -24,7 +24,7 @@ from nanopara.config import ModelConfig
 from nanopara.data import write_shard
 from nanopara.evals import EvalError, HellaSwagItem
 from nanopara.model import GPT, to_hf_state_dict
-from tests.distributed import spawn
+from tests.distributed import free_ports, spawn
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -312,13 +312,16 @@ def _numbers(record):
     return {k: v for k, v in record.items() if not k.endswith("_time_s") and k != "world"}
 
 
-def _eval_rank(rank, world, argv, scores_file):
+def _eval_rank(rank, world, argv, scores_file, port):
     import torch.distributed as dist
     dist.init_process_group("gloo", rank=rank, world_size=world)  # the library on its own first, then the script
     got = evals.hellaswag_scores(tiny(), ByteTok(), SIX, batch=1, rank=rank, world=world)
     if rank == 0:
         torch.save(got, scores_file)
     dist.destroy_process_group()
+    # a fresh store for the script's process group: on the same port a rank could reach the old store, still closing
+    # ("Failed to recv, got 0 bytes", seen in CI)
+    os.environ["MASTER_PORT"] = str(port)
     assert eval_cli.main(argv) == 0
 
 
@@ -328,7 +331,8 @@ SIX = [HellaSwagItem(f"{it.ctx} {k}", (it.label + k) % 4, it.endings) for k in r
 def test_two_gloo_ranks_equal_one_process(files, tmp_path):
     one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
     assert eval_cli.main(cli_argv(files, f"--out={one}")) == 0
-    spawn(_eval_rank, 2, cli_argv(files, f"--out={two}"), str(tmp_path / "scores.pt"))
+    first, second = free_ports(2)
+    spawn(_eval_rank, 2, cli_argv(files, f"--out={two}"), str(tmp_path / "scores.pt"), second, port=first)
     sums, ntok = torch.load(tmp_path / "scores.pt")  # 6 batches of one item: 3 on each rank
     want = evals.hellaswag_scores(tiny(), ByteTok(), SIX, batch=1)
     assert torch.equal(sums, want[0]) and torch.equal(ntok, want[1])
