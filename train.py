@@ -12,7 +12,6 @@ checkpointing -> DP/ZeRO). Checkpoints and resume: nanopara/checkpoint.py; the p
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import subprocess
@@ -26,20 +25,11 @@ import torch.distributed as dist
 from nanopara import checkpoint, evals, sft
 from nanopara.config import Config, ConfigError, describe, help_text, parse_args
 from nanopara.data import TokenLoader, default_mirror, find_shards, get_tokenizer
-from nanopara.graph import GraphedMicroStep
 from nanopara.mesh import Mesh, MeshError
 from nanopara.model import GPT
-from nanopara.moe import TrainHook
-from nanopara.optim import LossScaler, lr_at
-from nanopara.parallel import check_layout, parallelize, pipeline_eval, pipeline_step
+from nanopara.optim import lr_at
+from nanopara.parallel import check_layout, parallelize
 from nanopara.report import Metrics, StepReporter, TrainingError, flops_per_token
-
-
-def autocast(cfg: Config, device: torch.device):
-    """(a callable returning the autocast context, the compute dtype or None for fp32)."""
-    d = {"auto": "bf16" if device.type == "cuda" else "fp32"}.get(cfg.train.dtype, cfg.train.dtype)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[d]
-    return (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else contextlib.nullcontext, dtype
 
 
 def git_rev() -> str:
@@ -72,6 +62,10 @@ def build_loaders(cfg: Config, mesh: Mesh, log) -> tuple[TokenLoader, TokenLoade
     loader = TokenLoader(find_shards(d.dataset, "train", d.data_dir), t.micro_batch, t.seq_len, **common)
     if loader.masks is not None:
         log("loss mask on: training on response tokens only (SFT shards)")
+        if t.cuda_graph:  # token_weights: a replay has one fixed scale
+            raise ConfigError("train.cuda_graph=true with loss-masked (SFT) shards: each micro-batch's loss is "
+                              "weighted by its trained-token count, which a graph replay's fixed scale cannot do; "
+                              "drop one")
     first = loader.state_dict()
     next(loader)  # opens the first shard now
     loader.load_state_dict(first)
@@ -101,22 +95,35 @@ def build_model(cfg: Config, resuming: bool, log) -> GPT:
     return model
 
 
-@torch.no_grad()
-def evaluate(engine, loader: TokenLoader, steps: int, mesh: Mesh, amp) -> float:
-    engine.model.eval()
-    loader.reset()
-    steps = min(steps, len(loader))  # never wrap around and count the same tokens twice
-    if engine.pipeline is not None:  # pp > 1: forwards only, through the stages
-        mean = pipeline_eval(engine, [next(loader) for _ in range(steps)])
-    else:
-        total = torch.zeros((), device=mesh.device)
-        for _ in range(steps):
-            x, y = next(loader)
-            with amp():
-                total += engine.model(x.to(mesh.device), y.to(mesh.device))[1].float()
-        mean = total / steps
-    engine.model.train()
-    return mean_over(mean, mesh).item()
+def find_resume(cfg: Config, log) -> str | None:
+    """--resume: the checkpoint to continue from (checkpoint.find_resume), checked against this run's model shape
+    and step count before any model work; None for a fresh run."""
+    if not cfg.resume:
+        return None
+    path, why = checkpoint.find_resume(cfg.out_dir)
+    if why:
+        log(f"warning: {why}")
+    saved_step = checkpoint.check_model_matches(path, vars(cfg.model))["step"]
+    if saved_step >= cfg.train.steps:
+        raise ConfigError(f"--resume: {path} is at step {saved_step} and --train.steps={cfg.train.steps}: "
+                          f"nothing left to train; raise --train.steps")
+    return path
+
+
+def start_log(cfg: Config, mesh: Mesh, trainer, metrics: Metrics, n_params: int, resume_path, start: int) -> None:
+    """config.json and run_info.txt into the run directory, and a one-line summary of the run on screen."""
+    if mesh.is_main:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        write_run_info(cfg, mesh)
+    if resume_path:
+        metrics.log({"step": start, "resumed_from": resume_path}, f"resumed from {resume_path} at step {start}")
+    t, axes = cfg.train, " ".join(f"{k}{v}" for k, v in mesh.sizes.items() if v > 1) or "one process"
+    tokens = trainer.accum * t.micro_batch * t.seq_len * mesh.dp
+    if mesh.is_main:
+        print(f"{cfg.preset or 'custom'} | {n_params / 1e6:.1f}M params | {axes} on {mesh.device} | "
+              f"{trainer.dtype or torch.float32} | {tokens:,} tokens/step = {trainer.accum} micro-steps x "
+              f"{t.micro_batch} x {t.seq_len}{' x dp' + str(mesh.dp) if mesh.dp > 1 else ''} | {t.steps} steps | "
+              f"config: {os.path.join(cfg.out_dir, 'config.json')}", flush=True)
 
 
 def load_evals(cfg: Config) -> dict:
@@ -179,14 +186,6 @@ def token_weights(batches: list, loader, mesh: Mesh) -> list[float] | None:
     return (n * mesh.dp * len(batches) / max(total.item(), 1.0)).tolist()
 
 
-def mean_over(x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-    """Mean over the ranks that hold different data (dp x cp)."""
-    if mesh.groups.get("dp_cp") is not None:
-        dist.all_reduce(x, group=mesh.groups["dp_cp"])
-        x /= dist.get_world_size(mesh.groups["dp_cp"])
-    return x
-
-
 # ----------------------------------------------------------------------------------------------------------------
 def train(cfg: Config) -> dict:
     t = cfg.train
@@ -196,107 +195,67 @@ def train(cfg: Config) -> dict:
     accum = check_layout(cfg, mesh.world, mesh.device.type)  # micro-steps per optimizer step
     checkpoint.prepare_run_dir(cfg.out_dir, cfg.resume, cfg.overwrite, mesh.is_main)
     loader, val_loader = build_loaders(cfg, mesh, log)
-    if t.cuda_graph and getattr(loader, "masks", None) is not None:  # token_weights: a replay has one fixed scale
-        raise ConfigError("train.cuda_graph=true with loss-masked (SFT) shards: each micro-batch's loss is weighted "
-                          "by its trained-token count, which a graph replay's fixed scale cannot do; drop one")
     eval_data = load_evals(cfg)  # train.eval_every: HellaSwag items (nanopara/evals.py)
-    resume_path = None
-    if cfg.resume:
-        resume_path, why = checkpoint.find_resume(cfg.out_dir)
-        if why:
-            log(f"warning: {why}")
-        saved_step = checkpoint.check_model_matches(resume_path, vars(cfg.model))["step"]
-        if saved_step >= t.steps:
-            raise ConfigError(f"--resume: {resume_path} is at step {saved_step} and --train.steps={t.steps}: "
-                              f"nothing left to train; raise --train.steps")
-
+    resume_path = find_resume(cfg, log)
     model = build_model(cfg, resume_path is not None, log)
     n_params = model.num_params()
-    engine = parallelize(model, mesh, cfg)
-    if engine.pipeline is not None:
-        model = None  # each rank keeps its stage (engine.model): the rest of the GPT goes
-    amp, dtype = autocast(cfg, mesh.device)
-    scaler = LossScaler(enabled=dtype == torch.float16)
-    start = checkpoint.restore_training(resume_path, mesh, engine, loader, scaler) if resume_path else 0
-    if t.compile:
-        engine.model = torch.compile(engine.model)
-    graphed = GraphedMicroStep(engine.model, amp, scaler.scale / accum, engine) if t.cuda_graph else None
-
-    moe = TrainHook(engine, mesh.groups.get("dp_cp"), mesh.groups.get("tp") if cfg.parallel.sp else None) \
-        if cfg.model.moe_experts else None  # nanopara/moe.py
+    trainer = parallelize(model, mesh, cfg)  # nanopara/parallel.py: the one step object, whatever the layout
+    if trainer.pipeline is not None:
+        model = None  # each rank keeps its stage (trainer.model): the rest of the GPT goes
+    start = checkpoint.restore_training(resume_path, mesh, trainer, loader) if resume_path else 0
     metrics = Metrics(cfg.out_dir, mesh.is_main)
-    if mesh.is_main:
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        write_run_info(cfg, mesh)
-    if resume_path:
-        metrics.log({"step": start, "resumed_from": resume_path}, f"resumed from {resume_path} at step {start}")
-    tokens_per_step = accum * t.micro_batch * t.seq_len * mesh.dp
-    log(describe(cfg))
-    log(f"mesh {mesh} | world {mesh.world} | device {mesh.device} | dtype {dtype or torch.float32} | "
-        f"params {n_params / 1e6:.1f}M | tokens/step {tokens_per_step} = {accum} micro-steps")
-    reporter = StepReporter(metrics, mesh, scaler, tokens_per_step=tokens_per_step, log_every=t.log_every,
-                            flops_per_token=flops_per_token(cfg.model, n_params, t.seq_len), last_step=t.steps - 1,
-                            max_bad_steps=t.max_bad_steps, defer=not scaler.enabled)
+    start_log(cfg, mesh, trainer, metrics, n_params, resume_path, start)
+    reporter = StepReporter(metrics, mesh, trainer.scaler, tokens_per_step=accum * t.micro_batch * t.seq_len * mesh.dp,
+                            log_every=t.log_every, flops_per_token=flops_per_token(cfg.model, n_params, t.seq_len),
+                            last_step=t.steps - 1, max_bad_steps=t.max_bad_steps, defer=not trainer.scaler.enabled)
 
     for step in range(start, t.steps):
         reporter.begin_step()
         lr = lr_at(step, t)
-        if moe is not None:  # the aux loss's gradient gets the factor the LM loss gets below
-            moe.begin_step(scaler.scale / accum)
         batches = [next(loader) for _ in range(accum)]
-        weights = token_weights(batches, loader, mesh)  # None unless SFT masks make micro-batches unequal
-        if engine.pipeline is not None:  # pp > 1: the schedule runs the step's micro-batches (parallel.py)
-            step_loss = pipeline_step(engine, batches, scaler.scale, weights)
-        else:
-            loss_sum = torch.zeros((), device=mesh.device)
-            for micro, batch in enumerate(batches):
-                x, y = (b.to(mesh.device, non_blocking=True) for b in batch)
-                w = 1.0 if weights is None else weights[micro]
-                if graphed is not None:  # one GPU: no communication to skip or launch
-                    loss = graphed(x, y)
-                else:
-                    with engine.no_sync(micro < accum - 1):
-                        with amp():
-                            _, loss = engine.model(x, y)
-                        engine.backward(loss.float() * (scaler.scale * w / accum))
-                loss_sum += loss.detach().float() * w
-            step_loss = loss_sum / accum
-        norm = engine.step(lr, grad_scale=scaler.scale, sync=not reporter.defer)  # NaN loss -> NaN norm: skipped
-        last = step == t.steps - 1
-        do_val = val_loader is not None and ((step + 1) % t.val_every == 0 or last)
-        do_sample = t.sample_every > 0 and (step + 1) % t.sample_every == 0 and not last and model is not None
-        do_save = (cfg.ckpt.every > 0 and (step + 1) % cfg.ckpt.every == 0) or (last and cfg.ckpt.final)
-        do_eval = bool(eval_data) and ((step + 1) % t.eval_every == 0 or last)
-        moe_stats = moe.end_step() if moe is not None else None  # expert-bias update; stats for metrics.jsonl
-        reporter.end_step(step, lr, mean_over(step_loss, mesh), norm, must_report=last, extra=moe_stats)
-        if do_val or do_sample or do_save or do_eval:
-            reporter.pause()
-        if do_eval:
-            run_evals(model, eval_data, cfg, mesh, amp, metrics, step)
-        if do_val:
-            vl = evaluate(engine, val_loader, t.val_steps, mesh, amp)
-            metrics.log({"step": step, "val_loss": vl}, f"step {step:5d} | val_loss {vl:.4f}")
-        if do_sample:
-            log(f"sample: {sample(model, mesh.device, t.sample_tokens, cfg.seed, amp)!r}")
-        if do_save:
-            try:
-                path = checkpoint.save_training(cfg.out_dir, step + 1, mesh, engine, loader, scaler,
-                                                {"config": cfg.to_dict(), "git": git_rev()}, cfg.ckpt.keep)
-                log(f"saved checkpoint {path}")
-            except checkpoint.CheckpointError as e:  # the run goes on: the next save may succeed
-                if last:
-                    raise
-                log(f"warning: {e}; training goes on and the next save tries again")
+        loss = trainer.forward_backward(batches, token_weights(batches, loader, mesh))  # SFT masks: else None
+        norm = trainer.step(lr, sync=not reporter.defer)  # a NaN loss gives a NaN norm: the update is skipped
+        reporter.end_step(step, lr, loss, norm, must_report=step == t.steps - 1, extra=trainer.moe_stats)
+        between_steps(step, cfg, mesh, trainer, model, loader, val_loader, eval_data, metrics, reporter, log)
 
+    text = ""
     if t.sample_tokens > 0 and model is None:  # pp > 1: no rank holds the whole model
         log(f"sample: skipped under pipeline parallel; python sample.py --out_dir={cfg.out_dir} reads the checkpoint")
-    text = sample(model, mesh.device, t.sample_tokens, cfg.seed, amp) if t.sample_tokens and model is not None else ""
-    if text:
-        log(f"sample: {text!r}")
-    if graphed is not None:
-        graphed.close()  # before the process group goes: a captured NCCL kernel blocks its destruction
+    elif t.sample_tokens > 0:
+        text = sample(model, mesh.device, t.sample_tokens, cfg.seed, trainer.amp)
+        log(f"sample:\n{text}")
+    trainer.close()  # before the process group goes: a captured NCCL kernel blocks its destruction
     mesh.destroy()
     return {"losses": reporter.losses, "steps": t.steps, "start": start, "sample": text}
+
+
+def between_steps(step, cfg, mesh, trainer, model, loader, val_loader, eval_data, metrics, reporter, log) -> None:
+    """What runs after optimizer step `step` at its interval: validation, HellaSwag, a sample, a checkpoint."""
+    t, last = cfg.train, step == cfg.train.steps - 1
+    do_val = val_loader is not None and ((step + 1) % t.val_every == 0 or last)
+    do_sample = t.sample_every > 0 and (step + 1) % t.sample_every == 0 and not last and model is not None
+    do_save = (cfg.ckpt.every > 0 and (step + 1) % cfg.ckpt.every == 0) or (last and cfg.ckpt.final)
+    do_eval = bool(eval_data) and ((step + 1) % t.eval_every == 0 or last)
+    if not (do_val or do_sample or do_save or do_eval):
+        return
+    reporter.pause()
+    if do_eval:
+        run_evals(model, eval_data, cfg, mesh, trainer.amp, metrics, step)
+    if do_val:
+        val_loader.reset()
+        vl = trainer.evaluate([next(val_loader) for _ in range(min(t.val_steps, len(val_loader)))])  # no wrap-around
+        metrics.log({"step": step, "val_loss": vl}, f"step {step:5d} | val_loss {vl:.4f}")
+    if do_sample:
+        log(f"sample at step {step}:\n{sample(model, mesh.device, t.sample_tokens, cfg.seed, trainer.amp)}")
+    if do_save:
+        try:
+            path = checkpoint.save_training(cfg.out_dir, step + 1, mesh, trainer, loader,
+                                            {"config": cfg.to_dict(), "git": git_rev()}, cfg.ckpt.keep)
+            log(f"saved checkpoint {path}")
+        except checkpoint.CheckpointError as e:  # the run goes on: the next save may succeed
+            if last:
+                raise
+            log(f"warning: {e}; training goes on and the next save tries again")
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -268,21 +268,13 @@ def set_rng_state(s: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(s["cuda"], device)
 
 
-def model_buffers(model) -> dict:
-    """The persistent buffers of the model (state_dict entries that are not parameters: MoE's expert_bias)."""
-    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    return {k: v.detach().clone() for k, v in model.state_dict().items() if k not in params}
-
-
-def save_training(out_dir: str, step: int, mesh: Mesh, engine, loader, scaler, meta: dict, keep: int) -> str:
-    state = {"model": engine.model_state_dict(), "engine": engine.state_dict(), "loader": loader.state_dict(),
-             "scaler": scaler.state_dict(), "rng": rng_state(mesh.device), "mesh": dict(mesh.coords),
-             "tp_shards": getattr(engine, "tp_shards", {}),  # which global slice of each tp-sharded tensor it holds
-             "ep_shards": getattr(engine, "ep_shards", {}),  # the same for ep-sharded experts (ep.apply_ep)
-             "buffers": model_buffers(engine.model)}  # MoE's expert_bias: replicated, not in the engine's state
-    if getattr(engine, "pp_layers", None) is not None:  # pp > 1: every chunk's global blocks; this rank's chunks
-        meta = {**meta, "pp_layers": engine.pp_layers}
-        state["pp_chunks"] = {c: engine.pp_layers[c] for c in sorted(engine.pipeline.chunks)}
+def save_training(out_dir: str, step: int, mesh: Mesh, trainer, loader, meta: dict, keep: int) -> str:
+    """Every rank's trainer state (trainer.Trainer.state_dict: global names + slice metadata), loader position and
+    RNG streams as one checkpoint of `step`; collective."""
+    state = {**trainer.state_dict(), "loader": loader.state_dict(), "rng": rng_state(mesh.device),
+             "mesh": dict(mesh.coords)}
+    if trainer.pp_layers is not None:  # pp > 1: every chunk's global blocks
+        meta = {**meta, "pp_layers": trainer.pp_layers}
     try:
         return save(out_dir, step, mesh, state, meta, keep=keep)
     except OSError as e:
@@ -304,22 +296,17 @@ def check_model_matches(path: str, model_cfg: dict) -> dict:
     return meta
 
 
-def restore_training(path: str, mesh: Mesh, engine, loader, scaler) -> int:
-    """Load this rank's shard into the engine, loader, scaler and RNGs; returns the step to continue from."""
+def restore_training(path: str, mesh: Mesh, trainer, loader) -> int:
+    """Load this rank's shard into the trainer, loader and RNGs; returns the step to continue from."""
     state, meta = load(path, mesh)
-    if meta.get("pp_layers") != getattr(engine, "pp_layers", None):
+    if meta.get("pp_layers") != trainer.pp_layers:
         raise CheckpointError(f"checkpoint {path} holds pipeline chunks of blocks {meta.get('pp_layers')}, this run "
-                              f"splits {getattr(engine, 'pp_layers', None)}: resume with the saved run's "
+                              f"splits {trainer.pp_layers}: resume with the saved run's "
                               f"parallel.pp_virtual and parallel.pp_layers")
     try:
-        engine.load_model_state_dict(state["model"])
-        engine.load_state_dict(state["engine"])
+        trainer.load_state_dict(state)
     except (RuntimeError, ValueError, KeyError) as e:
         raise CheckpointError(f"checkpoint {path} does not fit this run: {e}") from None
-    with torch.no_grad():
-        for name, buf in state.get("buffers", {}).items():
-            engine.model.get_buffer(name).copy_(buf)
     loader.load_state_dict(state["loader"])
-    scaler.load_state_dict(state["scaler"])
     set_rng_state(state["rng"], mesh.device)
     return meta["step"]

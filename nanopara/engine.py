@@ -1,6 +1,6 @@
 """What every data-parallel engine shares: the Engine base (the step), flat buffers, gradient buckets, clipping.
 
-An engine owns a model's optimizer and gradient synchronisation; train.py talks only to it:
+An engine owns a model's optimizer and gradient synchronisation; the Trainer (trainer.py) drives it:
 
     engine = parallelize(model, mesh, cfg)        # parallel.py: SingleDevice, DDP (dp.py), ZeRO (zero.py, zero3.py)
     for micro in range(accum):
@@ -171,10 +171,7 @@ class Engine:
         self.pp_group = mesh.groups.get("pp") if mesh.pp > 1 else None
         # expert parallel (ep.py): experts' grads reduce over edp (their replicas), their norms sum over ep
         self.ep_group, self.edp_group = mesh.groups.get("ep"), mesh.groups.get("edp")
-        self.pipeline = None  # pp.Pipeline of this rank's stage (parallel.parallelize sets it for pp > 1)
-        self.pp_layers = None  # pp > 1: every chunk's global block indices (checkpoint metadata)
         self._live = set()  # ids of parameters whose next gradient is the step's last (sync_from_now)
-        self.tp_shards = {}  # name -> this rank's global slices of tp-sharded tensors (parallelize sets it)
         self.async_step = self.device.type == "cuda"  # step(): needs the fused AdamW that engines build on GPU
         self._sync = True
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]  # tied weight once
@@ -182,7 +179,6 @@ class Engine:
         self.params = [p for _, p in named]
         self.optimizer = None
         self._handles = []  # hook handles, removed by close()
-        self.step_hooks = []  # callables run after each optimizer update (parallel.py: the FP8 weight cache's step)
         self._dest_params, self._given = [], set()  # parameters with a gradient destination; ids given one this round
         self.copied = 0  # gradient elements copied into communication buffers (what the destinations avoid)
 
@@ -259,8 +255,6 @@ class Engine:
                 self.optimizer.found_inf = (~torch.isfinite(norm)).float()                          # divides
                 self._update(lr)
             self._after_step()
-            for hook in self.step_hooks:
-                hook()
             self._zero_grads()  # stream-ordered after the update; the host work is done before the one sync
             return norm.item() if sync else norm
         norm = math.sqrt(sq.item()) / grad_scale
@@ -271,8 +265,6 @@ class Engine:
             if self.optimizer is not None:
                 self._update(lr)
             self._after_step()
-            for hook in self.step_hooks:
-                hook()
         self._zero_grads()
         return norm
 

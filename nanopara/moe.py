@@ -391,28 +391,3 @@ def step_stats(model) -> dict:
     v = torch.stack([torch.stack([s[k].float() for k in ("aux", "z", "drop", "load_min", "load_max")]) for s in stats])
     return dict(moe_aux=v[:, 0].mean(), moe_z=v[:, 1].mean(), moe_drop=v[:, 2].mean(), moe_load_min=v[:, 3].min(),
                 moe_load_max=v[:, 4].max())
-
-
-class TrainHook:
-    """train.py's MoE calls in one place. begin_step(f) before a step's forwards, f = the factor train.py puts on
-    the loss (loss scale / micro-steps; engine.backward divides by dp*cp as well, so the aux gradient does too);
-    end_step() after the optimizer step: the aux-loss-free bias update (loads summed over `group`, the dp group, so
-    replicas agree; under sequence parallel also over the tp group, whose ranks saw different tokens) and this rank's
-    last micro-batch's stats for the log line."""
-
-    def __init__(self, engine, group=None, sp_group=None):
-        import torch.distributed as dist
-        self.engine = engine  # engine.model is read each time: torch.compile may wrap it later
-        groups = [g for g in (group, sp_group) if g is not None]  # sp_group: the tp ranks' sequence shards
-
-        def all_reduce(t):
-            for g in groups:
-                dist.all_reduce(t, group=g)
-        self.all_reduce = all_reduce if groups else None
-
-    def begin_step(self, loss_factor: float) -> None:
-        set_aux_grad_scale(self.engine.model, loss_factor / self.engine.n)
-
-    def end_step(self) -> dict:
-        update_expert_bias(self.engine.model, self.all_reduce)
-        return step_stats(self.engine.model)

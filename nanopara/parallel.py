@@ -1,30 +1,26 @@
-"""parallelize(model, mesh, cfg) -> engine: the one place where parallelism is applied to the single-device GPT.
+"""parallelize(model, mesh, cfg) -> Trainer: the one place where parallelism is applied to the single-device GPT.
 
-DESIGN.md section 4's order, one call per step:
+The order (one call each):
 
     1. TP (+SP)                  tp.apply_tp: column/row-parallel Linears, vocab-parallel embedding + loss
     2. CP                        cp.apply_cp: ring attention (zigzag chunks), positions, count-weighted loss
     2b. EP                       ep.apply_ep: this rank's E/ep experts of every MoE layer (their grads reduce over edp)
     3. PP split                  pp.split_model: this rank's chunks as one pp.Stage, and their pp.Pipeline
     4. activation checkpointing  recompute.apply_activation_checkpointing on this rank's blocks (none|full|selective)
-    4b. FP8 (train.fp8)          fp8.apply_fp8 on this rank's Linears; the engine bumps the weight cast after each step
+    4b. FP8 (train.fp8)          fp8.apply_fp8 on this rank's Linears (the Trainer re-casts weights after each step)
     5. DP / ZeRO                 build_engine: SingleDevice, DDP (dp.py), ZeRO-1/2 (zero.py), ZeRO-3 (zero3.py)
 
 The model comes built on the host with identical weights on every rank (same seed); TP slices it and PP keeps this
 rank's stage before it moves to mesh.device, so no GPU ever holds more than its shard. The engine owns the optimizer
-and the gradient reduction over dp x cp (engine.py's interface); `engine.tp_shards` says which global slice of each
-tp-sharded tensor this rank holds (checkpoint metadata; {} without TP). Under pp > 1 the engine wraps the stage
-and `engine.pipeline` runs the step's micro-batches: `pipeline_step` (training) and `pipeline_eval` (validation).
+and the gradient reduction over dp x cp (engine.py); the Trainer (trainer.py) wraps it with everything else a step
+needs: micro-steps, autocast, the CUDA graph, the pipeline schedule, the FP8 and MoE hooks, checkpoint metadata.
 
 check_layout(cfg, world, device_type) -> micro-steps per optimizer step: the checks that need the world size or the
 device (degrees, batch arithmetic, the pipeline's micro-batches, CUDA graphs), cheap and run before any process
 group exists (train.py, and `make train` before it launches N processes). Config.check has run before it.
-
-Callers: train.py, bench/bench_pp.py; tests/test_parallel_train.py and tests/test_pp.py run every layout end to end.
+Callers: train.py, bench/; tests/test_parallel_train.py and tests/test_pp.py run every layout end to end.
 """
 from __future__ import annotations
-
-import contextlib
 
 import torch
 import torch.nn as nn
@@ -32,13 +28,14 @@ import torch.nn as nn
 from nanopara.config import Config, ConfigError, pp_layers_list
 from nanopara.cp import apply_cp, ring_of, shard_stage_inputs
 from nanopara.dp import DDP, SingleDevice
-from nanopara.engine import compute_dtype, weak_method
+from nanopara.engine import weak_method
 from nanopara.ep import apply_ep
 from nanopara.fp8 import FP8Recipe, apply_fp8
 from nanopara.mesh import Mesh, check_degrees
-from nanopara.pp import Pipeline, Stage, build_schedule, embedding_group, split_layers, split_model, sync_tied_grads
+from nanopara.pp import Pipeline, Stage, build_schedule, embedding_group, split_layers, split_model
 from nanopara.recompute import apply_activation_checkpointing
 from nanopara.tp import apply_tp, shard_metadata
+from nanopara.trainer import Trainer, autocast
 from nanopara.zero import Zero
 from nanopara.zero3 import Zero3
 
@@ -86,8 +83,8 @@ def build_engine(model: nn.Module, mesh: Mesh, cfg: Config):
     return Zero(model, mesh, cfg, stage=cfg.parallel.zero)
 
 
-def parallelize(model: nn.Module, mesh: Mesh, cfg: Config):
-    """Apply the mesh's parallelism to a single-device model, in DESIGN's order; returns its engine."""
+def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> Trainer:
+    """Apply the mesh's parallelism to a single-device model, in the order above; returns its Trainer."""
     p = cfg.parallel
     # 1. tensor parallel (+ sequence parallel): each rank keeps its slices of the full weights
     if mesh.tp > 1:
@@ -121,15 +118,13 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config):
     ep_shards = {k: v for k, v in ep_shards.items() if k in dict(model.named_parameters())}  # pp: the stage's own
     # 5. data parallel / ZeRO over dp x cp: the engine owns the optimizer and the gradient reduction
     engine = build_engine(model, mesh, cfg)
-    engine.tp_shards = tp_shards
-    engine.ep_shards = ep_shards
-    if fp8 is not None:  # the fused AdamW bumps no version counter: re-cast the FP8 weights after every update
-        engine.step_hooks.append(fp8.step)
+    pipe = pp_layers = None
     if chunks is not None:
-        engine.pipeline = build_pipeline(engine, chunks, mesh, cfg)
-        engine.pp_layers = [list(r) for r in split_layers(cfg.model.n_layer, mesh.pp, p.pp_virtual,
-                                                          pp_layers_list(p.pp_layers))]
-    return engine
+        pipe = build_pipeline(engine, chunks, mesh, cfg)
+        pp_layers = [list(r) for r in split_layers(cfg.model.n_layer, mesh.pp, p.pp_virtual,
+                                                   pp_layers_list(p.pp_layers))]
+    return Trainer(engine, mesh, cfg, check_layout(cfg, mesh.world, mesh.device.type), pipeline=pipe,
+                   pp_layers=pp_layers, tp_shards=tp_shards, ep_shards=ep_shards, fp8=fp8)
 
 
 def _apply_fp8(model: nn.Module, cfg: Config):
@@ -151,8 +146,7 @@ def _apply_fp8(model: nn.Module, cfg: Config):
 def build_pipeline(engine, chunks: list, mesh: Mesh, cfg: Config) -> Pipeline:
     """The Pipeline of this rank's chunks, with the engine's gradient reduction hooked to each chunk's last backward
     and the embedding group of the tied weight (collective: every rank of the mesh calls it)."""
-    t, dtype = cfg.train, compute_dtype(cfg, mesh.device)
-    amp = (lambda: torch.autocast(mesh.device.type, dtype=dtype)) if dtype != torch.float32 else contextlib.nullcontext
+    t, amp = cfg.train, autocast(cfg, mesh.device)[0]
     # every message: the residual stream of one micro-batch, fp32 under autocast, sharded along T under SP
     T = t.seq_len // mesh.cp  # this cp rank's zigzag chunks
     act = (t.micro_batch, T // mesh.tp if cfg.parallel.sp else T, cfg.model.n_embd)
@@ -161,30 +155,3 @@ def build_pipeline(engine, chunks: list, mesh: Mesh, cfg: Config) -> Pipeline:
                     torch.float32, on_last_backward=lambda chunk, params: sync(params), amp=amp)
     pipe.tied_group = embedding_group(mesh)
     return pipe
-
-
-def stage_data(pipe: Pipeline, batches: list, device) -> tuple[list | None, list | None]:
-    """The first stage reads the token ids, the last the targets; every pp rank of a dp index reads the same batches
-    (the loader is per dp rank), so the loader states in its checkpoints agree."""
-    xs = [x.to(device, non_blocking=True) for x, _ in batches] if pipe.first else None
-    ys = [y.to(device, non_blocking=True) for _, y in batches] if pipe.last else None
-    return xs, ys
-
-
-def pipeline_step(engine, batches: list, scale: float = 1.0, weights=None) -> torch.Tensor:
-    """One optimizer step's forwards and backwards, batches = [(x, y)] of its micro-batches (weights: per
-    micro-batch loss factors, train.token_weights, or None); the gradients are left for engine.step(). Returns the
-    mean loss (0-dim) on every pp rank."""
-    pipe = engine.pipeline
-    xs, ys = stage_data(pipe, batches, engine.device)
-    with engine.no_sync():  # the reduction starts per chunk at its last backward (on_last_backward)
-        loss = pipe.step(xs, ys, scale / engine.n, weights)  # engine.backward's 1/(dp*cp) averaging, here
-    sync_tied_grads(pipe.chunks.values(), pipe.tied_group)  # before step() reduces the tied weight's bucket
-    return loss
-
-
-@torch.no_grad()
-def pipeline_eval(engine, batches: list) -> torch.Tensor:
-    """The mean loss of batches = [(x, y)], forwards only; on every pp rank."""
-    xs, ys = stage_data(engine.pipeline, batches, engine.device)
-    return engine.pipeline.evaluate(xs, ys, len(batches))

@@ -306,7 +306,6 @@ def _old_sp_positions(self, pos):
 
 def _run_layout(label, mesh, warmup=2):
     from nanopara.config import Config, ModelConfig
-    from nanopara.engine import compute_dtype
     from nanopara.graph import GraphedMicroStep
     from nanopara.model import GPT
     from nanopara.parallel import parallelize
@@ -321,14 +320,13 @@ def _run_layout(label, mesh, warmup=2):
     for k, v in train.items():
         setattr(cfg.train, k, v)
     torch.manual_seed(0)
-    engine = parallelize(GPT(cfg.model), mesh, cfg)
+    trainer = parallelize(GPT(cfg.model), mesh, cfg)
+    engine = trainer.engine
     if label == "old_sp_positions":
         import types
         wpe = engine.model.transformer.wpe
         wpe.forward = types.MethodType(_old_sp_positions, wpe)
-    dtype = compute_dtype(cfg, mesh.device)
-    amp = (lambda: torch.autocast("cpu", dtype=dtype)) if dtype != torch.float32 else contextlib.nullcontext
-    micro = GraphedMicroStep(engine.model, amp, 0.5, engine, warmup=warmup)
+    micro = GraphedMicroStep(engine.model, trainer.amp, 0.5, engine, warmup=warmup)
     gen = torch.Generator().manual_seed(1)
     x = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=gen)
     y = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=gen)

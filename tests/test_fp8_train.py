@@ -77,19 +77,20 @@ def test_filter_selects_linears(shards, tmp_path, fp32_losses):
         train.main(argv(shards, tmp_path / "b", "--train.fp8=row", "--train.fp8_filter=*.nothing"))
 
 
-def test_engine_step_recasts_the_weights():
-    """The fused AdamW (GPU) bumps no version counter: the engine's step hook must advance the FP8 generation."""
+def test_trainer_step_recasts_the_weights():
+    """The fused AdamW (GPU) bumps no version counter: the Trainer's step must advance the FP8 generation."""
     cfg = parse_args(["--preset=tiny", "--device=cpu", "--model.n_layer=1", "--model.n_embd=32",
                       "--model.n_head=2", "--model.block_size=16", "--model.vocab_size=256", "--train.seq_len=16",
                       "--train.sample_tokens=0", "--train.fp8=tensor"])
-    engine = parallelize(GPT(cfg.model), Mesh.build(device="cpu"), cfg)
+    trainer = parallelize(GPT(cfg.model), Mesh.build(device="cpu"), cfg)
+    engine = trainer.engine
     fp8 = engine.model.fp8
     x = np.random.default_rng(0).integers(0, 256, (2, 16))
     import torch
     x = torch.from_numpy(x)
     for step in range(2):
-        engine.backward(engine.model(x, x)[1])
-        engine.step(1e-3)
+        trainer.forward_backward([(x, x)])
+        trainer.step(1e-3)
         assert fp8.generation == step + 1
     assert fp8.casts == 2 * 4  # 4 FP8 Linears (lm_head excluded), one cast each per step
     assert "lm_head.weight" in dict(engine.model.named_parameters(remove_duplicate=False))

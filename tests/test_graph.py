@@ -45,8 +45,6 @@ def _train(graphed: bool, steps: int, accum: int, fp8: str = "none", delayed: bo
     torch.manual_seed(0)
     model = apply_fp8(GPT(cfg.model), fp8, recipe=FP8Recipe(delayed=delayed) if delayed else None).cuda()
     engine = build_engine(model, mesh, cfg)
-    if fp8 != "none":  # as parallelize does: the fused AdamW bumps no version counter
-        engine.step_hooks.append(model.fp8.step)
     amp = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
     micro = GraphedMicroStep(engine.model, amp, 1 / accum, engine) if graphed else None
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -63,6 +61,8 @@ def _train(graphed: bool, steps: int, accum: int, fp8: str = "none", delayed: bo
                 engine.backward(loss.float() / accum)
             losses.append(loss.item())
         engine.step(1e-3)
+        if fp8 != "none":  # as the Trainer does: the fused AdamW bumps no version counter
+            model.fp8.step()
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

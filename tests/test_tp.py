@@ -403,17 +403,18 @@ def _worker_4():
 
 def _parallelize(mesh):
     """parallel.parallelize on dp 2 x tp 2 + SP: the engine wraps the tp-sharded model (TP before DP: its buffers
-    hold shards), and engine.tp_shards is the checkpoint metadata of those shards."""
+    hold shards), and the Trainer's tp_shards is the checkpoint metadata of those shards."""
     cfg = Config(device="cpu", seed=0)
     cfg.model = _cfg()
     cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.sp = 2, 2, True
     torch.manual_seed(0)
     full = sum(p.numel() for p in GPT(cfg.model).parameters())
     torch.manual_seed(0)
-    engine = parallelize(GPT(cfg.model), mesh, cfg)
+    trainer = parallelize(GPT(cfg.model), mesh, cfg)
+    engine = trainer.engine
     assert isinstance(engine, DDP) and engine.n == 2
     assert isinstance(engine.model.transformer.h[0].mlp.c_fc, tpmod.ColumnParallelLinear)
-    assert engine.tp_shards == tpmod.shard_metadata(engine.model, mesh) and "lm_head.weight" in engine.tp_shards
+    assert trainer.tp_shards == tpmod.shard_metadata(engine.model, mesh) and "lm_head.weight" in trainer.tp_shards
     assert sum(b.numel() for b in engine.bufs) == sum(p.numel() for p in engine.params) < full
     assert all(getattr(p, "sp_partial", False) != hasattr(p, "tp_dim") for p in engine.params)
     engine.close()
@@ -489,16 +490,14 @@ def _fp8(mesh, sp: bool):
         cfg.model.n_embd, cfg.model.n_head = 128, 4  # FP8 GEMMs want K a multiple of 16
         cfg.parallel.tp, cfg.parallel.sp, cfg.train.fp8 = 2, sp, mode
         torch.manual_seed(0)
-        engine = parallelize(GPT(cfg.model), mesh, cfg)
+        trainer = parallelize(GPT(cfg.model), mesh, cfg)
+        engine = trainer.engine
         gen = torch.Generator().manual_seed(1)
         x, y = (t.to(mesh.device) for t in _batch(gen, 4, 32, cfg.model.vocab_size))
         losses = []
-        for _ in range(6):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = engine.model(x, y)[1]
-            engine.backward(loss.float())
-            losses.append(loss.item())
-            engine.step(3e-3)  # 1e-2 spiked the bf16 loss at step 3 (2 x H100), which FP8 then tracked to 0.18
+        for _ in range(6):  # the Trainer: bf16 autocast on CUDA, the FP8 weight casts renewed after each step
+            losses.append(trainer.forward_backward([(x, y)]).item())
+            trainer.step(3e-3)  # 1e-2 spiked the bf16 loss at step 3 (2 x H100), which FP8 then tracked to 0.18
         if mode != "none":
             tp_layers = [m for m in engine.model.modules() if getattr(m, "fp8_state", None) is not None
                          and isinstance(m, (tpmod.ColumnParallelLinear, tpmod.RowParallelLinear))]
