@@ -24,7 +24,6 @@ exit code 2; --help prints this text.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import glob
@@ -44,6 +43,7 @@ from nanopara.data import EOT, default_mirror, find_shards, get_tokenizer, read_
 from nanopara.evals import EvalError
 from nanopara.mesh import Mesh, MeshError
 from nanopara.model import GPT
+from nanopara.trainer import autocast
 
 TASKS = ("hellaswag", "loss", "gsm8k")
 
@@ -237,8 +237,7 @@ def run(args: Args, mesh: Mesh) -> dict:
                         f"{cfg.block_size} (use --max_new<={cfg.block_size - 1})")
     dev = mesh.device
     model.to(dev)
-    half = args.dtype == "bf16" or (args.dtype == "auto" and dev.type == "cuda")
-    amp = (lambda: torch.autocast(dev.type, dtype=torch.bfloat16)) if half else contextlib.nullcontext
+    amp, half = autocast(args.dtype, dev)  # nanopara/trainer.py: the one autocast rule
     kw = dict(rank=mesh.dp_rank, world=mesh.dp, group=mesh.dp_group, amp=amp)
     results = {}
     for task in tasks:

@@ -31,7 +31,6 @@ Every user error is one line on stderr and exit code 2, before any work; --help 
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import json
@@ -51,6 +50,7 @@ from nanopara.data import get_tokenizer
 from nanopara.evals import EvalError
 from nanopara.mesh import Mesh, MeshError
 from nanopara.model import GPT
+from nanopara.trainer import autocast
 from nanopara.optim import param_groups
 from nanopara.report import Metrics
 from nanopara.sft import EOT, prompt_ids
@@ -157,8 +157,7 @@ def run(a: Args) -> dict:
         raise RLError(f"--prompts={a.prompts} must be a multiple of the {world} data-parallel ranks")
     if a.dtype == "bf16" and dev.type != "cuda":
         raise RLError("--dtype=bf16 needs --device=cuda here (CPU runs fp32)")
-    amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if dev.type == "cuda" and a.dtype != "fp32" \
-        else contextlib.nullcontext
+    amp = autocast(a.dtype, dev)[0]  # nanopara/trainer.py: the one autocast rule (auto: bf16 on CUDA)
     prepare_run_dir(a.out_dir, resume=False, overwrite=bool(a.overwrite), is_main=mesh.is_main)
     enc = get_tokenizer()
     task = tasks.get_task(a.task)

@@ -63,9 +63,9 @@ def param_kind(p: torch.Tensor) -> int:
 
 
 def compute_dtype(cfg: Config, device: torch.device) -> torch.dtype:
-    """The autocast dtype: bf16 on GPU and fp32 on CPU for train.dtype=auto."""
-    d = cfg.train.dtype if cfg.train.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[d]
+    """The autocast dtype (trainer.autocast's choice): bf16 on GPU and fp32 on CPU for train.dtype=auto."""
+    from nanopara.trainer import autocast  # (trainer.py builds on the engines: imported when first needed)
+    return autocast(cfg, device)[1] or torch.float32
 
 
 def storage_bytes(tensors) -> int:

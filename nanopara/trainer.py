@@ -23,19 +23,23 @@ import torch
 import torch.distributed as dist
 
 from nanopara.config import Config
-from nanopara.engine import compute_dtype
 from nanopara.mesh import Mesh
 from nanopara.moe import set_aux_grad_scale, step_stats, update_expert_bias
 from nanopara.optim import LossScaler
 
 
-def autocast(cfg: Config, device: torch.device):
-    """(a callable returning the autocast context, the compute dtype or None for fp32): engine.compute_dtype's
-    choice, the one place train.dtype is read (the pipeline and ZeRO-3's bf16 copies take it from there too)."""
-    dtype = compute_dtype(cfg, device)
-    if dtype == torch.float32:
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def autocast(dtype: str | Config, device: torch.device):
+    """(a callable returning the autocast context, the compute dtype or None for fp32) for train.dtype (or a
+    script's --dtype): auto = bf16 on GPU, fp32 elsewhere. The one place that choice is made: the pipeline,
+    ZeRO-3's bf16 copies (engine.compute_dtype), eval.py, rl.py and bench/ take it from here."""
+    name = dtype.train.dtype if isinstance(dtype, Config) else dtype
+    d = DTYPES[("bf16" if device.type == "cuda" else "fp32") if name == "auto" else name]
+    if d == torch.float32:
         return contextlib.nullcontext, None
-    return (lambda: torch.autocast(device.type, dtype=dtype)), dtype
+    return (lambda: torch.autocast(device.type, dtype=d)), d
 
 
 def mean_over(x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
