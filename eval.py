@@ -37,7 +37,7 @@ import torch
 
 from nanopara import evals
 from nanopara.checkpoint import CheckpointError
-from nanopara.config import parse_flags
+from nanopara.cli import parse_flags
 from nanopara.consolidate import full_model_state, resolve
 from nanopara.data import EOT, default_mirror, find_shards, get_tokenizer, read_shard
 from nanopara.evals import EvalError

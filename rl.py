@@ -44,7 +44,8 @@ import torch.distributed as dist
 
 from nanopara import rl, tasks
 from nanopara.checkpoint import CheckpointError, prepare_run_dir, save
-from nanopara.config import ConfigError, parse_flags
+from nanopara.cli import parse_flags
+from nanopara.config import ConfigError
 from nanopara.consolidate import full_model_state, resolve
 from nanopara.data import get_tokenizer
 from nanopara.evals import EvalError

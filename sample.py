@@ -25,7 +25,8 @@ import sys
 import torch
 
 from nanopara.checkpoint import CheckpointError
-from nanopara.config import ModelConfig, parse_flags
+from nanopara.cli import parse_flags
+from nanopara.config import ModelConfig
 from nanopara.consolidate import full_model_state, resolve
 from nanopara.data import get_tokenizer
 from nanopara.model import GPT, from_hf_state_dict

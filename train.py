@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from nanopara import checkpoint, evals, sft
-from nanopara.config import Config, ConfigError, describe, help_text, parse_args
+from nanopara.cli import describe, help_text, parse_args
+from nanopara.config import Config, ConfigError
 from nanopara.data import TokenLoader, default_mirror, find_shards, get_tokenizer
 from nanopara.mesh import Mesh, MeshError
 from nanopara.model import GPT

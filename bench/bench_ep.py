@@ -39,7 +39,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanopara import ep as ep_mod  # noqa: E402
-from nanopara.config import PRESETS  # noqa: E402
+from nanopara.presets import PRESETS  # noqa: E402
 from nanopara.mesh import Mesh, grid_coords  # noqa: E402
 from nanopara.model import GPT  # noqa: E402
 from nanopara.parallel import parallelize  # noqa: E402

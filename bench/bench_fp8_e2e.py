@@ -66,7 +66,7 @@ if os.path.isdir(os.path.join(ROOT, ".carry", "torchao")):  # the GPU machine ca
 
 from bench_recompute import free, tokens  # noqa: E402
 from kernels.tuning import STATS as TUNING  # noqa: E402
-from nanopara.config import PRESETS  # noqa: E402
+from nanopara.presets import PRESETS  # noqa: E402
 from nanopara.mesh import Mesh  # noqa: E402
 from nanopara.model import GPT  # noqa: E402
 from nanopara.parallel import parallelize  # noqa: E402

@@ -38,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from nanopara import decode, rl  # noqa: E402
-from nanopara.config import PRESETS  # noqa: E402
+from nanopara.presets import PRESETS  # noqa: E402
 from nanopara.model import GPT, to_hf_state_dict  # noqa: E402
 
 

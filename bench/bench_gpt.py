@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nanopara.config import PRESETS  # noqa: E402
+from nanopara.presets import PRESETS  # noqa: E402
 from nanopara.parallel import build_engine  # noqa: E402
 from nanopara.graph import GraphedMicroStep  # noqa: E402
 from nanopara.mesh import Mesh  # noqa: E402

@@ -93,7 +93,7 @@ def main():
     sys.path.insert(0, root)
     import torch
     import torch.distributed as dist
-    from nanopara import config as C
+    from nanopara import cli as C
     from nanopara.mesh import Mesh
     from nanopara.model import GPT
     from nanopara import parallel as P

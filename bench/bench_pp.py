@@ -40,7 +40,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nanopara import pp  # noqa: E402
-from nanopara.config import PRESETS, ConfigError  # noqa: E402
+from nanopara.config import ConfigError  # noqa: E402
+from nanopara.presets import PRESETS  # noqa: E402
 from nanopara.mesh import Mesh  # noqa: E402
 from nanopara.model import GPT  # noqa: E402
 from nanopara.parallel import check_layout, parallelize, pipeline_step, stage_data  # noqa: E402

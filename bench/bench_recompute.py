@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_layout's interval union
 
-from nanopara.config import PRESETS  # noqa: E402
+from nanopara.presets import PRESETS  # noqa: E402
 from nanopara.mesh import Mesh  # noqa: E402
 from nanopara.model import GPT  # noqa: E402
 from nanopara.parallel import build_engine  # noqa: E402

@@ -32,7 +32,7 @@ from nanopara.consolidate import full_model_state  # noqa: E402
 from nanopara.data import get_tokenizer  # noqa: E402
 from nanopara.model import GPT  # noqa: E402
 from nanopara.report import read_metrics  # noqa: E402
-from nanopara.config import parse_args  # noqa: E402
+from nanopara.cli import parse_args  # noqa: E402
 from nanopara.sft import EOT, init_from, prompt_ids  # noqa: E402
 
 

@@ -118,7 +118,7 @@ def main(argv=None):
     sys.path.insert(0, ROOT)
     import numpy as np
 
-    from nanopara.config import PRESETS
+    from nanopara.presets import PRESETS
     from nanopara.data import write_shard
     cfg = PRESETS[args.preset]()
     tmp = tempfile.mkdtemp(prefix="cold-start-")

@@ -37,7 +37,8 @@ import sys
 from typing import Callable
 
 from nanopara import evals
-from nanopara.config import ConfigError, parse_flags
+from nanopara.cli import parse_flags
+from nanopara.config import ConfigError
 from nanopara.data import default_mirror
 from nanopara.sft import format_prompt
 

@@ -121,7 +121,7 @@ def test_bench_generate_same_weights_same_greedy_tokens():
     pytest.importorskip("transformers")
     import torch
     from bench_generate import hf_model, parity
-    from nanopara.config import PRESETS
+    from nanopara.presets import PRESETS
     from nanopara.model import GPT
     torch.manual_seed(0)
     model = GPT(PRESETS["tiny"]().model).eval()
@@ -137,7 +137,7 @@ def test_bench_generate_left_padded_batches_match_hugging_face():
     pytest.importorskip("transformers")
     import torch
     from bench_generate import hf_model, parity_mixed
-    from nanopara.config import PRESETS
+    from nanopara.presets import PRESETS
     from nanopara.model import GPT
     torch.manual_seed(0)
     model = GPT(PRESETS["tiny"]().model).eval()

@@ -456,7 +456,8 @@ def test_tp_sp_micro_step_is_capture_safe():
 
 
 def test_check_layout_refuses_sp_dropout_under_a_graph():
-    from nanopara.config import PRESETS, ConfigError
+    from nanopara.config import ConfigError
+    from nanopara.presets import PRESETS
     from nanopara.parallel import check_layout
     cfg = PRESETS["tiny"]()
     cfg.train.cuda_graph, cfg.parallel.tp, cfg.parallel.sp = True, 2, True

@@ -1,7 +1,9 @@
 """Config: presets, typed overrides, and one clear message for every user mistake."""
 import pytest
 
-from nanopara.config import PRESETS, ConfigError, config_from_dict, parse_args
+from nanopara.cli import config_from_dict, parse_args
+from nanopara.config import ConfigError
+from nanopara.presets import PRESETS
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -104,7 +106,8 @@ def test_every_numeric_key_has_a_range():
 
 
 def test_help_lists_every_key_with_its_note():
-    from nanopara.config import _valid_keys, Config, help_text
+    from nanopara.cli import _valid_keys, help_text
+    from nanopara.config import Config
     text = help_text()
     assert all(f"--{k}=" in text for k in _valid_keys(Config()))
     assert "context parallel (cp.py): ring attention, each rank holds 2 of 2*cp seq chunks" in text

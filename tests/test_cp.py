@@ -14,7 +14,8 @@ import torch
 
 import train
 from kernels.attention import attention_ref, split_qkv
-from nanopara.config import ConfigError, parse_args
+from nanopara.cli import parse_args
+from nanopara.config import ConfigError
 from nanopara.cp import Ring, ring_attention, ring_fwd, ulysses_attention, zigzag_positions
 from nanopara.mesh import Mesh
 from tests.distributed import spawn

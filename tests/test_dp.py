@@ -455,7 +455,7 @@ def test_dp_matches_single_process(reference, n, tmp_path):
                                        ("gpt_1b", 1), ("tiny", None)])
 def test_zero3_auto_unit_size_follows_the_block_size(preset, k):
     """parallel.zero3_unit_blocks=0: the fewest blocks with >= UNIT_MIN_PARAMS parameters (a small model: all)."""
-    from nanopara.config import parse_args
+    from nanopara.cli import parse_args
     from nanopara.zero3 import UNIT_MIN_PARAMS, auto_unit_blocks
     cfg = parse_args([f"--preset={preset}"])
     with torch.device("meta"):

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import train
-from nanopara.config import ConfigError, parse_args
+from nanopara.cli import parse_args
+from nanopara.config import ConfigError
 from nanopara.consolidate import full_model_state
 from nanopara.data import write_shard
 from nanopara.ep import AllToAll, apply_ep, gather_experts, source_to_expert_order

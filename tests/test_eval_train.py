@@ -7,7 +7,8 @@ import torch
 
 import train
 from nanopara import evals
-from nanopara.config import ConfigError, parse_args
+from nanopara.cli import parse_args
+from nanopara.config import ConfigError
 from nanopara.consolidate import full_model_state
 from nanopara.data import get_tokenizer
 from nanopara.evals import HellaSwagItem

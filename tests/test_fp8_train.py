@@ -13,7 +13,8 @@ import pytest
 
 import train
 from nanopara import checkpoint
-from nanopara.config import ConfigError, parse_args
+from nanopara.cli import parse_args
+from nanopara.config import ConfigError
 from nanopara.data import write_shard
 from nanopara.mesh import Mesh
 from nanopara.model import GPT

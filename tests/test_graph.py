@@ -3,7 +3,8 @@ import pytest
 import torch
 
 import train
-from nanopara.config import PRESETS, ConfigError
+from nanopara.config import ConfigError
+from nanopara.presets import PRESETS
 from nanopara.fp8 import FP8Recipe, apply_fp8
 from nanopara.graph import GraphedMicroStep
 from nanopara.mesh import Mesh

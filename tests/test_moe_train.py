@@ -9,7 +9,8 @@ import torch
 import sample
 import train
 from nanopara import checkpoint
-from nanopara.config import ConfigError, ModelConfig, parse_args
+from nanopara.cli import parse_args
+from nanopara.config import ConfigError, ModelConfig
 from nanopara.consolidate import full_model_state
 from nanopara.data import write_shard
 from nanopara.model import GPT

@@ -17,7 +17,8 @@ import torch
 
 import train
 from nanopara import checkpoint
-from nanopara.config import ConfigError, parse_args
+from nanopara.cli import parse_args
+from nanopara.config import ConfigError
 from nanopara.consolidate import full_model_state
 from nanopara.data import write_shard
 from nanopara.mesh import MeshError

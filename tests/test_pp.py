@@ -25,7 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanopara import pp
-from nanopara.config import ConfigError, ModelConfig, parse_args
+from nanopara.cli import parse_args
+from nanopara.config import ConfigError, ModelConfig
 from nanopara.mesh import Mesh
 from nanopara.parallel import check_layout
 from nanopara.model import GPT

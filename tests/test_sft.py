@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 import train
 from nanopara import sft
-from nanopara.config import ModelConfig, parse_args
+from nanopara.cli import parse_args
+from nanopara.config import ModelConfig
 from nanopara.consolidate import full_model_state
 from nanopara.data import EOT, TokenLoader, find_shards, get_tokenizer, mask_path, write_mask, write_shard
 from nanopara.model import GPT, TritonOps, to_hf_state_dict

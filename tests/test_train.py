@@ -206,7 +206,7 @@ def test_fp16_autocast_with_dynamic_loss_scaling_trains(shards, tmp_path):
 
 def test_init_from_hugging_face_weights(shards, tmp_path):
     """--ckpt.init_from loads a GPT2LMHeadModel state dict: step 0 then scores the data with those weights."""
-    from nanopara.config import parse_args
+    from nanopara.cli import parse_args
     from nanopara.model import to_hf_state_dict
     cfg = parse_args(argv(shards, tmp_path / "x"))
     torch.manual_seed(123)

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from nanopara.config import parse_args
+from nanopara.cli import parse_args
 from nanopara.mesh import Mesh
 from nanopara.model import GPT
 from nanopara.parallel import build_engine, parallelize
