@@ -1,14 +1,179 @@
-"""The benchmark scripts themselves: a broken benchmark wastes a GPU call (a phases line once indexed past
-Phases.summary()), so what can run on CPU runs here."""
+"""The benchmarks' harness and scripts on CPU: a broken benchmark wastes a GPU machine's time (a phases line once
+indexed past Phases.summary()), so what can run here runs here. Timings are never asserted, only their plumbing."""
 import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+
+def _torchrun(n: int, script: str, *args, timeout=240):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+           os.path.join(ROOT, "bench", script), *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+# ---- harness.py --------------------------------------------------------------------------------------------------
+
+def test_timed_runs_warmup_then_steps_and_times_each():
+    import harness as H
+    calls = []
+
+    def step():
+        calls.append(time.perf_counter())
+        time.sleep(0.01 if len(calls) != 5 else 0.05)  # the 5th call (3rd timed) is the slow one
+        return len(calls)
+    t = H.timed(step, steps=4, warmup=2, device="cpu", each=True)
+    assert len(calls) == 6 and t["last"] == 6 and len(t["times"]) == 4
+    assert t["min_s"] >= 0.01 and t["max_s"] >= 0.05 and t["median_s"] < t["max_s"]
+    assert t["step_s"] >= t["min_s"] and t["peak_gb"] == 0.0  # (CPU: no device memory)
+    t = H.timed(step, steps=3, device="cpu")  # not each: one host interval over all steps
+    assert len(calls) == 9 and t["times"] == [t["step_s"]] == [t["median_s"]]
+
+
+def test_clock_and_bench_ms_on_cpu():
+    import harness as H
+    clock = H.Clock("cpu")
+    a = clock()
+    time.sleep(0.02)
+    assert clock.ms(a, clock()) >= 20
+    n = []
+    assert H.bench_ms(lambda: n.append(1), "cpu", reps=3) >= 0 and len(n) == 3
+
+
+def test_exposed_comm_and_busy_share_of_a_synthetic_step():
+    """Exposed communication: NCCL time during which no compute kernel runs; busy: the compute kernels' union."""
+    import harness as H
+    kernels = [("gemm", 0, 100), ("ncclDevKernel_AllGather", 50, 150), ("gemm", 120, 200),
+               ("ncclDevKernel_ReduceScatter", 210, 260), ("ncclDevKernel_AllReduce", 240, 270)]  # us
+    s = H.kernel_summary(kernels)
+    assert s["comm_ms"] == pytest.approx(0.160)  # 50..150 and 210..270
+    assert s["exposed_comm_ms"] == pytest.approx(0.080)  # 100..120 and 210..270: no compute kernel there
+    assert s["busy_ms"] == pytest.approx(0.180) and s["span_ms"] == pytest.approx(0.270)
+    assert s["gpu_busy_share"] == pytest.approx(180 / 270) and s["kernels"] == 5
+    assert H.kernel_summary([])["exposed_comm_ms"] == 0.0
+
+
+def test_kernel_kinds_of_real_kernel_names():
+    """KINDS sorts GEMMs (cuBLAS, nvjet, Triton FP8), attention, NCCL, AdamW, LayerNorm, FP8 casts, ...; ms summed
+    per kind and per name, costliest first."""
+    import harness as H
+    kernels = [("sm90_xmma_gemm_bf16bf16", 0, 100), ("_attn_fwd_ws_kernel", 100, 130),
+               ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT", 130, 150), ("ncclDevKernel_AllReduce_Sum", 100, 300),
+               ("_adamw_kernel", 300, 340), ("_layernorm_fwd_kernel", 340, 345), ("_amax_kernel", 345, 347),
+               ("_fp8_matmul_kernel", 347, 400), ("_cast_kernel", 400, 401), ("elementwise_kernel", 401, 411),
+               ("triton_poi_fused_add_0", 411, 412), ("_ce_fwd_kernel", 412, 414), ("mystery", 414, 415)]
+    s = H.kernel_summary(kernels, top=3)
+    assert s["kernel_ms_by_kind"] == pytest.approx({
+        "gemm": 0.120, "attention": 0.030, "comm": 0.200, "adamw": 0.040, "layernorm": 0.005, "fp8 cast": 0.003,
+        "fp8 gemm": 0.053, "elementwise": 0.010, "inductor fused": 0.001, "cross entropy": 0.002, "other": 0.001})
+    assert list(s["kernel_ms_by_kind"])[0] == "comm"  # costliest first
+    assert [k[0] for k in s["top_kernels_ms"]] == ["ncclDevKernel_AllReduce_Sum", "sm90_xmma_gemm_bf16bf16",
+                                                    "_fp8_matmul_kernel"]
+    assert H.kernel_kind("c10d::allreduce_") == "comm" and H.kernel_kind("aten::addmm") == "gemm"
+
+
+def test_profile_on_cpu_gives_operators_end_to_end():
+    import torch
+    import harness as H
+    a = torch.randn(64, 64)
+    kernels = H.profile(lambda: (a @ a).sum(), "cpu")
+    names = [k[0] for k in kernels]
+    assert "aten::mm" in names and all(s < e for _, s, e in kernels)
+    assert H.kernel_summary(kernels)["kernel_ms_by_kind"]["gemm"] > 0
+    assert H.profile(lambda: None, "cpu", on=False) == []
+
+
+def test_table_aligns_formats_and_marks_missing_values():
+    import harness as H
+    rows = [{"mode": "torch", "tok": 12345.6, "mfu": 0.4567}, {"mode": "triton+compile", "tok": None}]
+    text = H.table(rows, [("mode", "mode", ""), ("tok", "tok/s", ",.0f"), ("mfu", "MFU", ".1%")], title="t")
+    lines = text.splitlines()
+    assert lines[0] == "t" and lines[1].split() == ["mode", "tok/s", "MFU"]
+    assert lines[2].split() == ["torch", "12,346", "45.7%"] and lines[3].split() == ["triton+compile", "-", "-"]
+    assert len({len(line) for line in lines[1:3]}) == 1  # aligned
+
+
+def test_jsonl_rows_carry_gpu_date_and_revision(tmp_path):
+    import harness as H
+    path = tmp_path / "sub" / "rows.jsonl"
+    H.append_jsonl(str(path), {"mode": "a", "tokens_per_s": 1.0})
+    H.append_jsonl(str(path), [{"mode": "b"}, {"mode": "c", "gpu": "given"}])
+    H.append_jsonl("", {"mode": "nowhere"})  # no --out: nothing written
+    rows = H.read_jsonl(str(path))
+    assert [r["mode"] for r in rows] == ["a", "b", "c"]
+    for r in rows:
+        assert {"gpu", "date", "git", "torch"} <= set(r) and len(r["date"]) == 10
+    assert rows[0]["gpu"] == "cpu" and rows[2]["gpu"] == "given"  # a row's own value wins
+    assert rows[0]["git"] != "" and "git" in H.banner("x")
+
+
+def test_make_cfg_checks_overrides_and_amp_follows_the_trainer():
+    import torch
+    import harness as H
+    from nanopara.config import ConfigError
+    cfg = H.make_cfg("tiny", {"train.micro_batch": 3, "parallel.sp": True, "parallel.tp": 2})
+    assert cfg.train.micro_batch == 3 and cfg.parallel.sp is True and cfg.preset == "tiny"
+    with pytest.raises(ConfigError, match="unknown config key"):
+        H.make_cfg("tiny", {"train.micro_batchh": 3})
+    with H.amp("cpu")():  # fp32 on CPU: no autocast
+        assert not torch.is_autocast_enabled("cpu")
+    with H.amp("cpu", "bf16")():
+        assert torch.is_autocast_enabled("cpu")
+
+
+def test_trainer_step_on_a_solo_mesh():
+    """build_trainer + synthetic_batches + train_step: train.py's step, timed on a world-of-one mesh."""
+    import torch
+    import harness as H
+    cfg = H.make_cfg("tiny", {"train.micro_batch": 2, "train.seq_len": 16, "train.tokens_per_step": 64,
+                              "model.n_layer": 1})
+    mesh = H.solo_mesh(torch.device("cpu"))
+    trainer, n_params = H.build_trainer(cfg, mesh)
+    batches = H.synthetic_batches(cfg, trainer.accum, mesh.device)
+    assert trainer.accum == 2 and len(batches) == 2 and batches[0][0].shape == (2, 16)
+    assert torch.equal(batches[0][1][:, :-1], batches[0][0][:, 1:])  # targets: the next token
+    t = H.timed(lambda: H.train_step(trainer, batches), steps=2, warmup=1, mesh=mesh)
+    assert t["last"].item() > 0 and n_params > 0 and H.mfu(cfg, n_params, 1e3, 1, mesh.device) == 0.0
+
+
+# ---- the benches ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", [["--parallel.pp=2", "--parallel.pp_schedule=1f1b"], ["--parallel.tp=2"],
+                                    ["--parallel.dp=2"]])
+def test_bench_layout_runs_train_layouts_on_cpu(tmp_path, layout):
+    """bench_layout.py through the Trainer on 2 gloo processes: a pipeline, tp, and dp with accumulation each give
+    one row whose tokens/s counts every micro-step of train.tokens_per_step, with its profile's fields; dp also
+    against a one-process baseline row in the same file."""
+    flags = ["--preset=tiny", "--train.micro_batch=1", "--train.seq_len=32", "--train.tokens_per_step=128", *layout]
+    out = tmp_path / "layouts.jsonl"
+    args = ["--steps", "1", "--warmup", "1", "--out", str(out)]
+    dp = 2 if "--parallel.dp=2" in layout else 1
+    if dp == 2:  # the one-process run as train.py without torchrun: the baseline row
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_layout.py"), *args, "--label", "one",
+                            "--", *flags[:-1]], capture_output=True, text=True, timeout=240, cwd=ROOT,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r = _torchrun(2, "bench_layout.py", *args, "--label", "x", "--baseline", "one", "--", *flags)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    rec = rows[-1]
+    assert rec["label"] == "x" and rec["micro_steps"] == 128 // (32 * dp) and rec["n_gpu"] == 2
+    assert rec["tokens_per_s"] == pytest.approx(128 / (rec["step_ms"] / 1e3))
+    assert rec["layout"]["dp"] == dp and {"gpu", "date", "git"} <= set(rec)
+    assert rec["kernel_ms_by_kind"] and rec["profiled_step_span_ms"] > 0 and 0 < rec["gpu_busy_share"] <= 1
+    if dp == 2:
+        one = rows[0]
+        assert one["n_gpu"] == 1 and one["micro_steps"] == 4 and rec["baseline"] == "one"
+        assert rec["per_gpu_vs_baseline"] == pytest.approx(rec["tokens_per_s"] / 2 / one["tokens_per_s"])
+    assert "tok/s" in r.stdout and "x" in r.stdout
 
 
 class _FakeEvent:
@@ -92,29 +257,6 @@ def test_bench_pp_runs_every_schedule_on_cpu(tmp_path):
             assert (row["W_ms"] > 0) == (row["schedule"] == "zb")
 
 
-def test_profile_tp_exposed_comm():
-    """bench/bench_layout.py's exposed communication: NCCL time during which no compute kernel runs."""
-    from bench_layout import exposed_comm
-    kernels = [("gemm", 0, 100), ("ncclDevKernel_AllGather", 50, 150), ("gemm", 120, 200),
-               ("ncclDevKernel_ReduceScatter", 210, 260), ("ncclDevKernel_AllReduce", 240, 270)]  # us
-    comm, exposed, busy, span = exposed_comm(kernels)
-    assert comm == pytest.approx(0.160)  # 50..150 and 210..270
-    assert exposed == pytest.approx(0.080)  # 100..120 and 210..270: no compute kernel there
-    assert busy == pytest.approx(0.180) and span == pytest.approx(0.270)
-
-
-def test_profile_kernel_mix():
-    """bench_layout.py's kernel kinds: names sorted into GEMM / attention / NCCL / AdamW / ..., ms summed."""
-    from bench_layout import kernel_mix
-    kernels = [("sm90_xmma_gemm_bf16bf16", 0, 100), ("_attn_fwd_kernel", 100, 130), ("nvjet_hsh_128x256", 130, 150),
-               ("ncclDevKernel_AllReduce_Sum", 100, 300), ("_adamw_kernel", 300, 340), ("_layernorm_fwd_kernel", 340, 345),
-               ("_amax_kernel", 345, 347), ("_fp8_matmul_kernel", 347, 400), ("elementwise_kernel", 400, 410)]
-    kinds, top = kernel_mix(kernels)
-    assert kinds == pytest.approx({"gemm": 0.173, "attention": 0.030, "nccl": 0.200, "adamw": 0.040,
-                                   "layernorm": 0.005, "fp8 cast": 0.002, "other": 0.010})
-    assert top[0] == ("ncclDevKernel_AllReduce_Sum", pytest.approx(0.2)) and len(top) == 9
-
-
 def test_bench_generate_same_weights_same_greedy_tokens():
     """bench/bench_generate.py's Hugging Face model holds our weights: greedy continuations agree (skipped where
     transformers is not installed: it is a benchmark-only dependency, present on the GPU machines)."""
@@ -145,24 +287,6 @@ def test_bench_generate_left_padded_batches_match_hugging_face():
         for p in model.parameters():
             p.normal_(0, 0.1)
     assert parity_mixed(model, hf_model(model), torch.device("cpu")) == 0
-
-
-@pytest.mark.parametrize("layout", [["--parallel.pp=2", "--parallel.pp_schedule=1f1b"], ["--parallel.tp=2"],
-                                    ["--parallel.dp=2"]])
-def test_bench_layout_runs_train_layouts_on_cpu(tmp_path, layout):
-    """bench_layout.py on 2 gloo processes: a pipeline (its micro-batches through pipeline_step), tp, and dp with
-    accumulation each give one record whose tokens/s counts every micro-step of train.tokens_per_step."""
-    flags = ["--preset=tiny", "--train.micro_batch=1", "--train.seq_len=32", "--train.tokens_per_step=128", *layout]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(ROOT, "bench", "bench_layout.py"), "--steps", "1", "--warmup", "1", "--label", "x",
-           "--out", str(tmp_path), "--", *flags]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    (rec,) = [json.loads(line) for line in (tmp_path / "layout.jsonl").read_text().splitlines()]
-    dp = 2 if "--parallel.dp=2" in layout else 1
-    assert rec["micro_steps"] == 128 // (32 * dp) and rec["n_gpu"] == 2 and rec["dropped_flags"] == []
-    assert rec["tokens_per_s"] == pytest.approx(128 / (rec["step_ms"] / 1e3))
 
 
 def test_bench_fp8_e2e_runs_on_cpu(tmp_path):
