@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nanopara import cp  # noqa: E402
+from nanopara import ring_attention as cp  # noqa: E402
 from nanopara.presets import PRESETS  # noqa: E402
 from nanopara.mesh import Mesh  # noqa: E402
 from nanopara.model import GPT  # noqa: E402

@@ -16,7 +16,8 @@ import train
 from kernels.attention import attention_ref, split_qkv
 from nanopara.cli import parse_args
 from nanopara.config import ConfigError
-from nanopara.cp import Ring, ring_attention, ring_fwd, ulysses_attention, zigzag_positions
+from nanopara.cp import ulysses_attention
+from nanopara.ring_attention import Ring, ring_attention, ring_fwd, zigzag_positions
 from nanopara.mesh import Mesh
 from tests.distributed import spawn
 from tests.test_parallel_train import ATOL, argv, run_parallel, shards  # noqa: F401 (a fixture)
@@ -53,7 +54,7 @@ def _check_ring(mesh, ring, q, k, v, do, rows, causal):
 def _packed_equals_views(mesh, prev, nxt, world, triton=False):
     """ring_attention_qkv (the model's path: one packed gradient) gives ring_attention's output and, packed, its
     q, k, v gradients, bit for bit (triton: on the Triton block kernels, interpreter, as on a GPU)."""
-    from nanopara.cp import ring_attention_qkv
+    from nanopara.ring_attention import ring_attention_qkv
     ring = Ring(mesh.cp_group, mesh.cp_rank, world, prev, nxt, triton=triton)
     g = torch.Generator().manual_seed(7)
     B, T, nh, hs = (1, 16 * world, 2, 16) if triton else (2, 6 * world, 3, 8)
