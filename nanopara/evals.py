@@ -3,17 +3,14 @@
 HellaSwag (Zellers et al. 2019), completion scoring as lm-eval-harness and llm.c do it: each of an item's 4 endings
 is scored by the sum of its tokens' log-probabilities given the context; the ending is encoded as " " + ending,
 apart from the context. acc takes the largest sum; acc_norm divides each sum by the ending's length in characters
-(lm-eval-harness's acc_norm: a unit every tokenizer shares, so models with different vocabularies compare on equal
-terms); acc_norm_tok divides by its length in tokens (what llm.c calls acc_norm). Ties go to the lowest index.
-Input: llama.cpp's 6-lines-per-task text (klosax/hellaswag_text_data); a context that does not fit the model keeps
-its last tokens.
+(lm-eval-harness's acc_norm: a unit every tokenizer shares); acc_norm_tok by its length in tokens (llm.c's
+acc_norm). Ties go to the lowest index. Input: llama.cpp's 6-lines-per-task text (klosax/hellaswag_text_data); a
+context that does not fit the model keeps its last tokens.
 Loss: mean next-token cross-entropy over windows of T+1 tokens taken with stride T from each token stream (a shard,
 or a text file tokenized with an EOT in front): data.py's windows, every token a target once; ppl = exp(loss).
 GSM8K (Cobbe et al. 2021): "Question: q\\nAnswer:" after `shots` worked examples ("<<...>>" calculator notes
-removed); greedy decoding with decode.py's static KV caches, prompts of any lengths left-padded into one batch
-(per-row positions and key masks); a row stops at a blank line, "Question:" or EOT (its later tokens are cut on
-the host; the batch stops once every row has, checked every 16 tokens). Exact match compares extract_number() of
-the completion and of the reference's "#### N" (rule in extract_number).
+removed), greedy decoding with stops (greedy.py); exact match compares extract_number() of the completion and of
+the reference's "#### N".
 
 Batches and ranks: requests are sorted by length, longest first (an out-of-memory batch fails at once), cut into
 batches, and batch k goes to data-parallel rank k % world. Scoring tasks run the same number of forwards on every
@@ -21,7 +18,7 @@ rank (a throwaway one where a rank has no batch left), so engines that gather we
 step; generation does not. Per-item results go into a zero vector that is all-reduced (sum) over `group`: the
 numbers equal one process's with the same batch size, exactly. Every task sets model.eval() and restores the mode.
 
-Callers: eval.py (command line); train.py can call hellaswag() / loss_on_streams() on its model between steps.
+Callers: eval.py (command line), train.py (hellaswag between steps), tasks.py; tested by tests/test_eval.py.
 """
 from __future__ import annotations
 
@@ -39,8 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from nanopara import decode
-from nanopara.model import keep_rows, kv_caches
+from nanopara.greedy import STOPS, device_of, eval_mode, greedy_complete_padded
+from nanopara.greedy import greedy_complete, stop_length  # noqa: F401  (tests/test_eval.py calls them as evals.*)
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/klosax/hellaswag_text_data/main/hellaswag_val_full.txt"
 GSM8K_URL = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/"
@@ -134,20 +131,6 @@ def _all_sum(t: torch.Tensor, world: int, group, device) -> torch.Tensor:
     return t
 
 
-@contextlib.contextmanager
-def _eval_mode(model):
-    was = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was)
-
-
-def _dev(model) -> torch.device:
-    return next(model.parameters()).device
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # completion scoring (HellaSwag; any multiple-choice task)
 
@@ -156,7 +139,7 @@ def completion_logprobs(model, requests: list, batch_rows: int, *, rank=0, world
                         amp=contextlib.nullcontext, progress=None) -> torch.Tensor:
     """(R,) float64: sum of log p(cont | ctx) over each (ctx tokens, cont tokens) pair, the same on every rank.
     A pair longer than the context + 1 keeps its last block_size + 1 tokens (the continuation must fit)."""
-    dev, T, V = _dev(model), model.cfg.block_size, model.cfg.vocab_size
+    dev, T, V = device_of(model), model.cfg.block_size, model.cfg.vocab_size
     for ctx, cont in requests:
         if not 1 <= len(cont) <= T:
             raise EvalError(f"a continuation of {len(cont)} tokens cannot be scored in a context of {T}")
@@ -167,7 +150,7 @@ def completion_logprobs(model, requests: list, batch_rows: int, *, rank=0, world
     out = torch.zeros(len(requests), dtype=torch.float64)
     mine = _my_batches(len(batches), rank, world)
     done, total = 0, sum(len(batches[k]) for k in mine if k is not None)
-    with _eval_mode(model):
+    with eval_mode(model):
         for k in mine:
             if k is None:  # lockstep: a throwaway forward
                 with amp():
@@ -235,7 +218,7 @@ def loss_on_streams(model, streams: list, seq_len: int, batch: int = 16, limit: 
                     group=None, amp=contextlib.nullcontext, progress=None) -> dict:
     """{"loss", "ppl", "loss_tokens"} over the windows of each 1-D token array (a shard memmap, an encoded text);
     limit: the first N windows. Token ids must be < the model's vocab_size."""
-    dev, V = _dev(model), model.cfg.vocab_size
+    dev, V = device_of(model), model.cfg.vocab_size
     if not 1 <= seq_len <= model.cfg.block_size:
         raise EvalError(f"seq_len={seq_len} must be in [1, the model's context {model.cfg.block_size}]")
     windows = [(s, w * seq_len) for s, toks in enumerate(streams) for w in range(max(len(toks) - 1, 0) // seq_len)]
@@ -249,7 +232,7 @@ def loss_on_streams(model, streams: list, seq_len: int, batch: int = 16, limit: 
     nll = torch.zeros(len(batches), dtype=torch.float64)
     mine = _my_batches(len(batches), rank, world)
     done, total = 0, sum(len(batches[k]) for k in mine if k is not None)
-    with _eval_mode(model):
+    with eval_mode(model):
         for k in mine:
             if k is None:  # lockstep: a throwaway forward
                 with amp():
@@ -271,7 +254,7 @@ def loss_on_streams(model, streams: list, seq_len: int, batch: int = 16, limit: 
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# GSM8K: answer extraction, prompts, greedy generation
+# GSM8K: answer extraction, prompts, batches over ranks
 
 # thousands in groups of three ("1,234,567"; "3,4" and "1,2345" are two numbers each), an optional decimal part,
 # ".5" too (not after a digit: "1.2.3" is 1.2 and 3)
@@ -306,8 +289,6 @@ def gsm8k_correct(completion: str, answer: str) -> bool:
     return pred is not None and pred == gsm8k_reference(answer)
 
 
-STOPS = ("\n\n", "Question:")
-
 
 def cut_at_stop(text: str) -> str:
     cut = min([text.find(s) for s in STOPS if s in text], default=len(text))
@@ -327,88 +308,6 @@ def gsm8k_prompt(enc, question: str, shots: list, budget: int) -> tuple[list, in
         if len(ids) <= budget:                                                       # across the joins stay right
             return ids, j
     return ids[-budget:], 0
-
-
-@torch.no_grad()
-def greedy_complete(model, prompts: list, max_new: int, token_bytes, eot: int | None = None,
-                    stops=STOPS, amp=contextlib.nullcontext) -> list:
-    """New token ids of each prompt (all of one length), greedy, with model.py's KV cache; a row stops after
-    max_new tokens, at EOT (kept), or once its generated bytes contain a stop (str or bytes); finished rows leave the
-    batch. token_bytes(id) -> bytes (tiktoken: enc.decode_single_token_bytes). GSM8K's path before left padding,
-    kept as the reference of greedy_complete_padded (tests/test_eval.py)."""
-    dev, V = _dev(model), model.cfg.vocab_size
-    B, L = len(prompts), len(prompts[0])
-    if any(len(p) != L for p in prompts):
-        raise ValueError("greedy_complete: prompts of one batch must have one length")
-    total = min(L + max_new, model.cfg.block_size)
-    stops = [s if isinstance(s, bytes) else s.encode() for s in stops]
-    p = model.transformer.wpe.weight
-    with amp():
-        dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else p.dtype
-    caches = kv_caches(model, B, total, dtype)
-    outs, texts, alive = [[] for _ in range(B)], [b""] * B, list(range(B))
-    with _eval_mode(model):
-        with amp():
-            logits, _ = model(torch.tensor(prompts, device=dev), kv_caches=caches)  # (B, L, Vp)
-        for pos in range(L, total):
-            nxt = logits[:, -1, :V].argmax(-1)  # (b,) greedy; never a padding id
-            keep = []
-            for j, t in enumerate(nxt.tolist()):
-                r = alive[j]
-                outs[r].append(t)
-                texts[r] += token_bytes(t)
-                if t != eot and not any(s in texts[r][-len(s) - 64:] for s in stops):
-                    keep.append(j)  # (a token is at most a few dozen bytes: the tail holds any new stop)
-            if not keep or pos == total - 1:
-                break
-            if len(keep) < len(alive):  # drop finished rows from the batch and the caches
-                sel = torch.tensor(keep, device=dev)
-                keep_rows(caches, sel)
-                nxt, alive = nxt[sel], [alive[j] for j in keep]
-            with amp():
-                logits, _ = model(nxt[:, None], kv_caches=caches, pos0=pos)  # (b, 1, Vp)
-    return outs
-
-
-def stop_length(tokens: list, token_bytes, eot: int | None, stops) -> int | None:
-    """greedy_complete's stop rule: the number of tokens a row keeps (up to and including the first that is EOT or
-    makes its bytes contain a stop), or None where none does."""
-    text = b""
-    for j, t in enumerate(tokens):
-        text += token_bytes(t)
-        if t == eot or any(s in text[-len(s) - 64:] for s in stops):  # a token is at most a few dozen bytes
-            return j + 1
-    return None
-
-
-@torch.no_grad()
-def greedy_complete_padded(model, prompts: list, max_new: int, token_bytes, eot: int | None = None,
-                           stops=STOPS, amp=contextlib.nullcontext, max_len: int | None = None,
-                           graph="auto") -> list:
-    """greedy_complete's result for prompts of any lengths, as ONE left-padded batch of decode.generate (static
-    caches; a CUDA graph per token where decode.graph_ok). The batch stays fixed: every 16 tokens the host checks the
-    stop rule on the tokens so far and decoding ends once every row has stopped; each row is then cut by
-    stop_length. The longest prompt + max_new must fit the context (ValueError). max_len: the caches' slots, fixed
-    across calls so that one decoder (and its graph) serves every batch."""
-    stops = [s if isinstance(s, bytes) else s.encode() for s in stops]
-    cut = {}  # row -> kept length, filled as rows stop
-
-    def finished(toks):  # (B, i) CPU tensor of the new tokens so far -> (B,) bools
-        for r, row in enumerate(toks.tolist()):
-            if r not in cut:
-                n = stop_length(row, token_bytes, eot, stops)
-                if n is not None:
-                    cut[r] = n
-        return [r in cut for r in range(toks.shape[0])]
-
-    with _eval_mode(model), amp():
-        rows = decode.generate(model, prompts, max_new, 0.0, eot=eot, graph=graph, max_len=max_len,
-                               finished=finished)
-    out = []
-    for row in rows:
-        n = stop_length(row, token_bytes, eot, stops)
-        out.append(row if n is None else row[:n])
-    return out
 
 
 def gsm8k_batches(prompts: list, batch: int) -> list:
@@ -454,7 +353,7 @@ def gsm8k(model, enc, rows: list, shots: list = (), batch: int = 16, max_new: in
     for i, new in outs.items():
         text = cut_at_stop(enc.decode([t for t in new if t != eot]))
         correct[i] = float(gsm8k_correct(text, rows[i]["answer"]))
-    correct = _all_sum(correct, world, group, _dev(model))
+    correct = _all_sum(correct, world, group, device_of(model))
     return {"gsm8k_exact_match": correct.mean().item(), "gsm8k_n": len(rows),
             "gsm8k_shots_dropped": sum(j < len(shots) for _, j in prompts)}
 
