@@ -5,51 +5,25 @@
     python bench/bench_fp8_e2e.py --compare RUN_A RUN_B [--plot F.png]     # two train.py runs' loss curves
     python bench/bench_fp8_e2e.py --device cpu --presets tiny --modes bf16,tensor --steps 1 --warmup 1  # smoke
 
-Throughput (the default). Each mode builds its own fresh model on a one-process mesh and goes through train.py's
-own path: GPT(cfg.model) with model.kernels=auto -> parallel.parallelize (which applies train.fp8 with
-fp8.apply_fp8 and registers model.fp8.step as an engine step hook: the FP8 weights are re-cast after every
-optimizer update) -> forward under bf16 autocast, engine.backward, engine.step (global-norm clip + fused AdamW).
-Synthetic tokens. Modes:
-    bf16                  train.fp8=none (the reference of each preset: `x bf16` is tok/s over its tok/s)
+Throughput (the default): each mode a fresh model on a one-process mesh, train.py's step on synthetic tokens
+(model.kernels=auto, parallel.parallelize applies train.fp8, the Trainer re-casts the FP8 weights after every
+update; bf16 autocast, clip, fused AdamW). Modes:
+    bf16                  train.fp8=none: each preset's reference (`x bf16` = tok/s over its tok/s)
     tensor | row | block  train.fp8=tensor|row|block (nanopara/fp8.py; lm_head stays bf16)
-    ao_tensorwise         torchao.float8.convert_to_float8_training (recipe "tensorwise") on the same GPT, lm_head
-    ao_rowwise            excluded, same engine and optimizer, eager (a benchmark-only comparison: torchao is
-                          imported from .carry/torchao when that folder exists; if it does not import, the row
-                          records why and the run goes on)
-    nanogpt               gpt2_124m only: bench_gpt.py's `torch+compile` mode (PyTorch ops under torch.compile:
-                          nanoGPT's training step, the project's e2e baseline, notes/e2e.md)
-    bf16+graph, tensor+graph, row+graph   the same modes with forward + backward replayed from a CUDA graph
-                          (nanopara/graph.py, train.py's --train.cuda_graph=true; GPU only): the host's share gone
-Per mode: median step ms over --steps timed steps after --warmup (the FP8 GEMMs tune themselves on first use:
-the warmup covers it), tok/s, TFLOP/s and MFU (nanopara/report.py), peak memory, loss of the last step, ratio to
-the preset's bf16. Between modes everything is freed and memory_allocated checked (a warning above 256 MB).
---profile: afterwards one more fresh model of the first preset in the best nanopara FP8 mode measured (or
---profile_mode), --warmup steps, then one step under torch.profiler: GPU kernel time per family (fp8 GEMMs,
-quantization, bf16 GEMMs, attention, LayerNorm, cross-entropy, optimizer, elementwise, reductions, ...) and the
-top kernels: where the non-GEMM time goes. ~4 min on an H100 with the defaults where the FP8 GEMMs' tunings are
-stored already (~/.cache/nanopara/tuned.json); a fresh machine tunes each new GEMM shape once in the warmup (each
-row's `tunings`, `tune_s`), a few minutes more.
-
-Loss curves (not run here; ~2-3 min each on an H100): gpt_1b on the book corpus, bf16 against FP8 tensor, then
-the comparison (bench/gpu_suite.sh's `fp8` section runs all of this; offline, as there, with
-TIKTOKEN_CACHE_DIR=$PWD/.carry/data/tiktoken_cache and the mirror in .carry/data):
-
-    [ -f data/shards/books/books_val_000000.bin ] || python3 data/prepare.py books --mirror .carry/data
-    for m in none tensor; do python3 train.py --preset=gpt_1b --data.dataset=books --out_dir=$OUT/fp8_curve_$m \
-        --train.fp8=$m --train.steps=1000 --train.micro_batch=8 --train.warmup_steps=100 --train.log_every=50 \
-        --train.val_every=250 --ckpt.final=false; done
-    python3 bench/bench_fp8_e2e.py --compare $OUT/fp8_curve_none $OUT/fp8_curve_tensor --plot $OUT/fp8_curve.png
-
---compare: final train loss (mean of the last --tail steps) and last validation loss of each run, their relative
-gap (goal: within 1 %), the largest gap over the common validation steps, the median tok/s of each run; a PNG of
-both curves if matplotlib imports.
+    ao_tensorwise         torchao.float8.convert_to_float8_training (recipe tensorwise / rowwise) on the same GPT
+    ao_rowwise            but lm_head, the same Trainer (a benchmark-only peer; not importable: the row says why)
+    nanogpt               gpt2_124m only: bench_gpt.py's torch+compile mode (PyTorch ops under torch.compile)
+    bf16+graph, tensor+graph, row+graph   forward + backward replayed from a CUDA graph (train.cuda_graph=true)
+Per mode: median step ms, tok/s, TFLOP/s, MFU, peak memory, last loss, the ratio to bf16, and the kernel tunings
+its warm-up ran (a fresh machine tunes each new FP8 GEMM shape once). --profile: then one step of the first
+preset's fastest nanopara FP8 mode (or --profile_mode) profiled: GPU ms per kernel kind and the costliest kernels.
+--compare: final train loss (mean of the last --tail steps) and last validation loss of two runs, their relative
+gap (goal: within 1 %), the largest gap over the common validation steps, median tok/s; a PNG if matplotlib
+imports. The loss curves themselves (gpt_1b on books, bf16 and tensor): bench/run_set.py's `curves` set.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
-import json
 import os
 import statistics
 import sys
@@ -58,19 +32,10 @@ import traceback
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-if os.path.isdir(os.path.join(ROOT, ".carry", "torchao")):  # the GPU machine cannot pip install: a carried wheel
-    sys.path.insert(0, os.path.join(ROOT, ".carry", "torchao"))
-
-from bench_recompute import free, tokens  # noqa: E402
-from kernels.tuning import STATS as TUNING  # noqa: E402
-from nanopara.presets import PRESETS  # noqa: E402
-from nanopara.mesh import Mesh  # noqa: E402
-from nanopara.model import GPT  # noqa: E402
-from nanopara.parallel import parallelize  # noqa: E402
-from nanopara.report import flops_per_token, peak_flops, read_metrics  # noqa: E402
+import harness as H
+from kernels.tuning import STATS as TUNING
+from nanopara.mesh import Mesh
+from nanopara.report import flops_per_token, read_metrics
 
 NANOPARA_FP8 = ("tensor", "row", "block")
 TORCHAO = {"ao_tensorwise": "tensorwise", "ao_rowwise": "rowwise"}
@@ -78,17 +43,6 @@ GRAPHED = ("bf16+graph", "tensor+graph", "row+graph")  # the same, forward + bac
 MODES = ("bf16", *NANOPARA_FP8, *TORCHAO, "nanogpt", *GRAPHED)
 DEFAULT_BATCH = {"gpt_1b": 8, "gpt2_124m": 32, "tiny": 2}
 LR = 1e-5  # small: the weights barely move over the timed steps
-LEAK_BYTES = 256 * 2**20
-
-
-def sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def amp(dev):
-    """bf16 autocast on the GPU (train.py's default there); fp32 on the CPU (its default there)."""
-    return torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else contextlib.nullcontext()
 
 
 def torchao_convert(model, recipe: str):
@@ -99,76 +53,43 @@ def torchao_convert(model, recipe: str):
     return model
 
 
-def build(preset: str, mode: str, batch: int, seq: int, mesh):
-    """(cfg, model, engine) for a mode, through train.py's path (parallelize applies train.fp8 and its hook)."""
-    mode = mode.split("+")[0]  # "tensor+graph": tensor, replayed (timed())
-    cfg = PRESETS[preset]()
-    cfg.model.kernels = "auto"
-    cfg.train.seq_len, cfg.train.micro_batch = seq, batch
-    cfg.train.fp8 = mode if mode in NANOPARA_FP8 else "none"
-    torch.manual_seed(0)
-    with torch.device(mesh.device):
-        model = GPT(cfg.model)
-    if mode in TORCHAO:
-        torchao_convert(model, TORCHAO[mode])
-    engine = parallelize(model, mesh, cfg)
-    return cfg, model, engine
+def build(preset: str, mode: str, args, mesh):
+    """(cfg, trainer, n_params) of a mode through train.py's path (parallelize applies train.fp8)."""
+    base = mode.split("+")[0]  # "tensor+graph": tensor, replayed
+    cfg = H.make_cfg(preset, {"model.kernels": "auto", "train.seq_len": seq_for(preset, args),
+                              "train.micro_batch": batch_for(preset, args), "train.tokens_per_step": 0,
+                              "train.fp8": base if base in NANOPARA_FP8 else "none",
+                              "train.cuda_graph": mode.endswith("+graph")})
+    prepare = (lambda model: torchao_convert(model, TORCHAO[base])) if base in TORCHAO else None
+    trainer, n_params = H.build_trainer(cfg, mesh, prepare)
+    return cfg, trainer, n_params
 
 
-def train_step(engine, x, y, graphed=None):
-    if graphed is not None:  # nanopara/graph.py, as train.py's --train.cuda_graph=true
-        loss = graphed(x, y)
-    else:
-        with amp(x.device):
-            _, loss = engine.model(x, y)
-        engine.backward(loss)
-    engine.step(LR, sync=False)  # engine.step_hooks: model.fp8.step() for the nanopara FP8 modes
-    return loss
-
-
-def teardown(model, engine):
-    engine.close()
-    model.zero_grad(set_to_none=True)
-    engine.optimizer = None
+def teardown(trainer):
+    trainer.close()
+    trainer.engine.close()
+    trainer.model.zero_grad(set_to_none=True)
+    trainer.engine.optimizer = None
 
 
 def timed(preset, mode, args, mesh) -> dict:
     """One fresh model in `mode`: warmup, then the timed steps; everything freed before returning."""
-    dev = mesh.device
-    batch, seq = batch_for(preset, args), seq_for(preset, args)
-    cfg, model, engine = build(preset, mode, batch, seq, mesh)
+    cfg, trainer, n_params = build(preset, mode, args, mesh)
     try:
-        n_params = model.num_params()
+        model = trainer.model
         fp8_linears = sum(type(m).__name__ in ("FP8Linear", "Float8Linear") for m in model.modules())
-        x, y = tokens(dev, batch, seq, cfg.model.vocab_size)
-        graphed = None
-        if mode.endswith("+graph"):
-            from nanopara.graph import GraphedMicroStep
-            graphed = GraphedMicroStep(engine.model, lambda: amp(dev), 1.0, engine)
-        for _ in range(args.warmup):
-            loss = train_step(engine, x, y, graphed)
-        sync(dev)
-        if dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        times = []
-        for _ in range(args.steps):
-            t0 = time.perf_counter()
-            loss = train_step(engine, x, y, graphed)
-            sync(dev)
-            times.append(time.perf_counter() - t0)
-        loss = loss.item()
-        casts = model.fp8.casts if hasattr(model, "fp8") else None
+        batches = H.synthetic_batches(cfg, 1, mesh.device)
+        t = H.timed(lambda: H.train_step(trainer, batches, LR), args.steps, args.warmup, mesh=mesh, each=True,
+                    peak_from_start=cfg.train.cuda_graph)
+        casts = trainer.fp8.casts if trainer.fp8 is not None else None
     finally:
-        teardown(model, engine)
-        del model, engine
-    dt = statistics.median(times)
-    tok_s = batch * seq / dt
-    flops = flops_per_token(cfg.model, n_params, seq) * tok_s
-    peak = peak_flops(dev)
-    return {"step_ms": dt * 1e3, "step_ms_min": min(times) * 1e3, "tokens_per_s": tok_s, "tflops": flops / 1e12,
-            "mfu": flops / peak if peak else 0.0, "loss_last": loss, "fp8_linears": fp8_linears,
-            "weight_casts": casts,
-            "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if dev.type == "cuda" else None}
+        teardown(trainer)
+        del trainer
+    tok_s = cfg.train.micro_batch * cfg.train.seq_len / t["median_s"]
+    return {"step_ms": t["median_s"] * 1e3, "step_ms_min": t["min_s"] * 1e3, "tokens_per_s": tok_s,
+            "tflops": flops_per_token(cfg.model, n_params, cfg.train.seq_len) * tok_s / 1e12,
+            "mfu": H.mfu(cfg, n_params, tok_s, 1, mesh.device), "loss_last": t["last"].item(),
+            "fp8_linears": fp8_linears, "weight_casts": casts, "peak_mem_gb": t["peak_gb"] or None}
 
 
 def nanogpt(preset, args, mesh) -> dict:
@@ -178,7 +99,7 @@ def nanogpt(preset, args, mesh) -> dict:
     import bench_gpt
     torch._dynamo.reset()
     ns = argparse.Namespace(preset=preset, batch=batch_for(preset, args), seq=seq_for(preset, args), steps=args.steps,
-                            warmup=args.warmup, profile=None)
+                            warmup=args.warmup, profile=False)
     r = bench_gpt.run_mode("torch+compile", ns, mesh)
     torch._dynamo.reset()  # the compiled graph holds the model
     return {k: r[k] for k in ("step_ms", "tokens_per_s", "tflops", "mfu", "peak_mem_gb", "loss_last")} | {
@@ -191,85 +112,25 @@ def batch_for(preset, args) -> int:
 
 def seq_for(preset, args) -> int:
     """--seq, or the preset's context where that is shorter (tiny: 256)."""
-    return min(args.seq, PRESETS[preset]().model.block_size)
+    return min(args.seq, H.PRESETS[preset]().model.block_size)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# profile: GPU time per kernel family of one step
-
-# first match wins (lower-case substrings of the kernel name); nanopara's Triton kernels by name (kernels/*.py),
-# cuBLAS / torch kernels by their usual name parts
-FAMILIES = [
-    ("nccl", ("nccl",)),
-    ("fp8 quantization/cast", ("_amax_kernel", "_cast_kernel", "_rows_kernel", "_blocks_kernel", "amax",
-                               "float8", "to_fp8", "scale_kernel_fp8")),
-    ("fp8 gemm", ("_fp8_matmul", "e4m3", "e5m2", "f8f8", "fp8", "scaled_mm")),
-    ("bf16 gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "splitk", "wgmma", "aten::mm", "aten::addmm",
-                   "aten::bmm", "aten::linear", "aten::matmul")),
-    ("attention", ("_attn_", "flash", "fmha", "cudnn", "sdpa", "attention")),
-    ("layernorm", ("_layernorm", "layer_norm")),
-    ("cross-entropy", ("_ce_", "_scale_kernel", "cross_entropy", "log_softmax", "nll_loss")),
-    ("optimizer+clip", ("_adamw", "adam", "multi_tensor", "foreach", "_amp_", "norm")),
-    ("elementwise (gelu, adds, copies)", ("elementwise", "vectorized", "gelu", "copy", "fill", "add", "mul",
-                                          "cat", "triton_")),
-    ("reductions (bias grads, sums)", ("reduce", "sum")),
-    ("other", ("",)),
-]
-
-
-def family(name: str) -> str:
-    n = name.lower()
-    return next(f for f, keys in FAMILIES if any(k in n for k in keys))
-
-
-def profile(preset, mode, args, mesh, step_ms=None) -> dict:
-    """A fresh model in `mode`, --warmup steps, then one step profiled: time per kernel family and top kernels."""
-    from torch.profiler import ProfilerActivity, profile as tprofile
-    dev = mesh.device
-    batch, seq = batch_for(preset, args), seq_for(preset, args)
-    cfg, model, engine = build(preset, mode, batch, seq, mesh)
+def profile(preset, mode, args, mesh) -> dict:
+    """A fresh model in `mode`, --warmup steps, then one step profiled: GPU ms per kernel kind, top kernels."""
+    cfg, trainer, _ = build(preset, mode, args, mesh)
     try:
-        x, y = tokens(dev, batch, seq, cfg.model.vocab_size)
-        for _ in range(max(args.warmup, 1)):
-            train_step(engine, x, y)
-        sync(dev)
-        act = ProfilerActivity.CUDA if dev.type == "cuda" else ProfilerActivity.CPU
-        with tprofile(activities=[act]) as prof:
-            train_step(engine, x, y)
-            sync(dev)
+        batches = H.synthetic_batches(cfg, 1, mesh.device)
+        step = lambda: H.train_step(trainer, batches, LR)  # noqa: E731
+        H.timed(step, 0, max(args.warmup, 1), mesh=mesh)
+        s = H.kernel_summary(H.profile(step, mesh.device), top=20)
     finally:
-        teardown(model, engine)
-        del model, engine
-    if dev.type == "cuda":
-        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-        t_of = (lambda e: e.self_device_time_total)
-    else:  # CPU smoke: aten ops' self time stands in for kernels
-        events = list(prof.key_averages())
-        t_of = (lambda e: e.self_cpu_time_total)
-    events.sort(key=lambda e: -t_of(e))
-    total = sum(t_of(e) for e in events) or 1
-    fam = {}
-    for e in events:
-        f = family(e.key)
-        fam[f] = fam.get(f, 0) + t_of(e)
-    fams = {f: {"ms": t / 1e3, "share": t / total} for f, t in sorted(fam.items(), key=lambda kv: -kv[1])}
-    gemm = sum(v["ms"] for f, v in fams.items() if f.endswith("gemm"))
-    top = [{"ms": t_of(e) / 1e3, "calls": e.count, "name": e.key[:160], "family": family(e.key)}
-           for e in events[:20]]
-    return {"section": "profile", "preset": preset, "mode": mode, "batch": batch, "seq": seq,
-            "kernel_ms": total / 1e3, "gemm_ms": gemm, "non_gemm_ms": total / 1e3 - gemm,
-            "step_ms": step_ms, "families": fams, "top_kernels": top}
-
-
-def print_profile(r):
-    print(f"\nprofile {r['preset']} {r['mode']} B={r['batch']}: kernel time {r['kernel_ms']:.1f} ms in one step "
-          f"(GEMMs {r['gemm_ms']:.1f}, the rest {r['non_gemm_ms']:.1f})"
-          + (f", timed step {r['step_ms']:.1f} ms" if r.get("step_ms") else ""))
-    for f, v in r["families"].items():
-        print(f"  {f:34s} {v['ms']:8.2f} ms {100 * v['share']:5.1f}%")
-    print("  top kernels (ms, calls, family, name):")
-    for k in r["top_kernels"][:15]:
-        print(f"  {k['ms']:8.2f} {k['calls']:5d}  {k['family'][:20]:20s} {k['name'][:100]}")
+        teardown(trainer)
+        del trainer
+    gemm = sum(v for k, v in s["kernel_ms_by_kind"].items() if k.endswith("gemm"))
+    kernel_ms = sum(s["kernel_ms_by_kind"].values())
+    return {"section": "profile", "preset": preset, "mode": mode, "batch": cfg.train.micro_batch,
+            "seq": cfg.train.seq_len, "kernel_ms": kernel_ms, "gemm_ms": gemm, "non_gemm_ms": kernel_ms - gemm,
+            **s}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -354,12 +215,49 @@ def print_compare(r):
 
 # ----------------------------------------------------------------------------------------------------------------
 
+def throughput(args, mesh, emit) -> list[dict]:
+    """One row per preset and mode, each as it comes; the ratios to the preset's bf16 row."""
+    rows = []
+    for preset in args.presets.split(","):
+        base = None
+        for mode in args.modes.split(","):
+            if mode == "nanogpt" and preset != "gpt2_124m" or mode.endswith("+graph") and mesh.device.type != "cuda":
+                continue  # the nanoGPT baseline is GPT-2 124M's; CUDA graphs need CUDA
+            H.free()
+            row, tuned0 = {"section": "throughput", "preset": preset, "mode": mode}, dict(TUNING)
+            try:
+                row.update(nanogpt(preset, args, mesh) if mode == "nanogpt" else timed(preset, mode, args, mesh))
+            except ImportError as e:
+                if mode not in TORCHAO:
+                    raise
+                row["error"] = f"torchao not importable: {type(e).__name__}: {str(e)[:300]}"
+            except Exception as e:  # one failing mode must not hide the others' numbers
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                print(traceback.format_exc()[-2000:], file=sys.stderr, flush=True)
+            row.update(tunings=TUNING["tuned"] - tuned0["tuned"], tune_s=round(TUNING["tune_s"] - tuned0["tune_s"], 1))
+            base = row if mode == "bf16" and "tokens_per_s" in row else base
+            if base is not None and "tokens_per_s" in row:
+                row["vs_bf16"] = row["tokens_per_s"] / base["tokens_per_s"]
+            rows.append(row)
+            emit(row)
+    ng = {r["preset"]: r["tokens_per_s"] for r in rows if r["mode"] == "nanogpt" and "tokens_per_s" in r}
+    for r in rows:
+        r["vs_nanogpt"] = r["tokens_per_s"] / ng[r["preset"]] if r["preset"] in ng and "tokens_per_s" in r else None
+    return rows
+
+
+COLS = [("preset", "preset", ""), ("mode", "mode", ""), ("step_ms", "ms/step", ".1f"),
+        ("tokens_per_s", "tok/s", ",.0f"), ("tflops", "TFLOP/s", ".1f"), ("mfu", "MFU", ".1%"),
+        ("peak_mem_gb", "peak GB", ".1f"),
+        ("vs_bf16", "x bf16", ".3f"), ("vs_nanogpt", "x nanoGPT", ".3f"), ("loss_last", "loss", ".3f"),
+        ("error", "error", "")]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--presets", default="gpt_1b,gpt2_124m")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {','.join(MODES)}")
-    ap.add_argument("--batch", default="", help="micro-batch per preset, e.g. gpt_1b=8,gpt2_124m=32 "
-                                                f"(defaults {DEFAULT_BATCH})")
+    ap.add_argument("--batch", default="", help=f"micro-batch per preset, e.g. gpt_1b=8 (defaults {DEFAULT_BATCH})")
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=5)
@@ -371,116 +269,41 @@ def main(argv=None):
     ap.add_argument("--tail", type=int, default=50, help="--compare: train loss = mean of the last TAIL steps")
     ap.add_argument("--plot", default="", help="--compare: PNG path (default: none)")
     args = ap.parse_args(argv)
-
-    def emit(row):  # printed and appended as it comes: a crash later keeps what was measured
-        print(json.dumps(row), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
-
     if args.compare:
         r = compare_runs(*args.compare, tail=args.tail)
-        if args.plot:
-            try:
-                r["plot"] = plot_runs(*args.compare, args.plot)
-            except Exception as e:  # the numbers matter more than the picture
-                r["plot"] = None
-                print(f"plot failed: {type(e).__name__}: {e}", flush=True)
-        emit(r)
+        r["plot"] = plot_runs(*args.compare, args.plot) if args.plot else None
+        H.append_jsonl(args.out, r)
         print_compare(r)
         return [r]
-
     args.batch_map = {k: int(v) for k, v in (kv.split("=") for kv in args.batch.split(",") if kv)}
-    modes = args.modes.split(",")
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in args.modes.split(",") if m not in MODES]
     if bad:
         ap.error(f"unknown modes {bad}; known: {MODES}")
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_fp8_e2e.py needs a CUDA GPU (or --device cpu for a smoke run)")
-    mesh = Mesh.build(device=args.device)
-    on_gpu = mesh.device.type == "cuda"
-    meta = {"gpu": torch.cuda.get_device_name() if on_gpu else "cpu", "date": time.strftime("%Y-%m-%d"),
-            "torch": torch.__version__}
+    mesh, t0 = Mesh.build(device=args.device), time.perf_counter()
     try:
         import torchao
-        meta["torchao"] = torchao.__version__
+        extra = {"torchao": torchao.__version__}
     except Exception as e:  # recorded on the torchao rows too
-        meta["torchao"] = f"not importable: {type(e).__name__}: {str(e)[:200]}"
-    t0 = time.perf_counter()
-    rows = []
+        extra = {"torchao": f"not importable: {type(e).__name__}: {str(e)[:200]}"}
+    print(H.banner(f"bench_fp8_e2e T<={args.seq} model.kernels=auto, torchao {extra['torchao']}", mesh), flush=True)
 
-    for preset in args.presets.split(","):
-        base = None
-        for mode in modes:
-            if mode == "nanogpt" and preset != "gpt2_124m":
-                continue  # the nanoGPT baseline is GPT-2 124M's
-            if mode.endswith("+graph") and not on_gpu:
-                continue  # CUDA graphs
-            free(reset_peak=True)
-            alloc = torch.cuda.memory_allocated() if on_gpu else 0
-            if alloc > LEAK_BYTES:
-                print(f"WARNING: {alloc / 1e9:.2f} GB still allocated before {preset} {mode} (a leak from the "
-                      f"previous mode?)", file=sys.stderr, flush=True)
-            row = {"section": "throughput", "preset": preset, "mode": mode, "batch": batch_for(preset, args),
-                   "seq": seq_for(preset, args),
-                   "mem_before_gb": alloc / 1e9 if on_gpu else None}
-            tuned0 = dict(TUNING)
-            try:
-                row.update(nanogpt(preset, args, mesh) if mode == "nanogpt" else timed(preset, mode, args, mesh))
-            except ImportError as e:
-                if mode not in TORCHAO:
-                    raise
-                row["error"] = f"torchao not importable: {type(e).__name__}: {str(e)[:300]}"
-            except Exception as e:  # one failing mode must not hide the others' numbers
-                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                print(traceback.format_exc()[-2000:], file=sys.stderr, flush=True)
-            row["tunings"] = TUNING["tuned"] - tuned0["tuned"]  # kernels tuned in this mode's warmup (first run)
-            row["tune_s"] = round(TUNING["tune_s"] - tuned0["tune_s"], 1)
-            if mode == "bf16" and "tokens_per_s" in row:
-                base = row
-            if base is not None and "tokens_per_s" in row:
-                row["vs_bf16"] = row["tokens_per_s"] / base["tokens_per_s"]
-                if row.get("peak_mem_gb") and base.get("peak_mem_gb"):
-                    row["mem_vs_bf16"] = row["peak_mem_gb"] / base["peak_mem_gb"]
-            row = {**row, **meta, "elapsed_s": round(time.perf_counter() - t0, 1)}
-            rows.append(row)
-            emit(row)
-    free(reset_peak=True)
-
+    def emit(row):  # printed and appended as it comes: a crash later keeps what was measured
+        row.update(extra, elapsed_s=round(time.perf_counter() - t0, 1))
+        print({k: v for k, v in row.items() if k != "top_kernels_ms"}, flush=True)
+        H.append_jsonl(args.out, row)
+    rows = throughput(args, mesh, emit)
     if args.profile:
         preset = args.presets.split(",")[0]
         measured = {r["mode"]: r for r in rows if r["preset"] == preset and "tokens_per_s" in r}
-        pmode = args.profile_mode
-        if pmode == "best":
-            fp8 = [m for m in NANOPARA_FP8 if m in measured]
-            pmode = max(fp8, key=lambda m: measured[m]["tokens_per_s"]) if fp8 else "tensor"
-        try:
-            prow = profile(preset, pmode, args, mesh, measured.get(pmode, {}).get("step_ms"))
-            prow = {**prow, **meta, "elapsed_s": round(time.perf_counter() - t0, 1)}
-            rows.append(prow)
-            emit(prow)
-            print_profile(prow)
-        except Exception as e:
-            print(f"profile {preset} {pmode}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-            print(traceback.format_exc()[-2000:], file=sys.stderr, flush=True)
-        free(reset_peak=True)
-
-    print(f"\n{meta['gpu']}  {meta['date']}  torch {meta['torch']}  torchao {meta['torchao']}  T<={args.seq}, "
-          f"{'bf16 autocast' if on_gpu else 'fp32 (CPU smoke)'}, model.kernels=auto")
-    print(f"{'preset':10s} {'mode':14s} {'B':>3s} {'ms/step':>8s} {'tok/s':>10s} {'TFLOP/s':>8s} {'MFU':>6s} "
-          f"{'peak GB':>8s} {'x bf16':>7s} {'x nanoGPT':>9s} {'loss':>7s}")
-    ng = {r["preset"]: r["tokens_per_s"] for r in rows if r["mode"] == "nanogpt" and "tokens_per_s" in r}
-    for r in rows:
-        if r["section"] != "throughput":
-            continue
-        if "error" in r:
-            print(f"{r['preset']:10s} {r['mode']:14s} {r['batch']:3d}  FAILED {r['error'][:90]}")
-            continue
-        mem = f"{r['peak_mem_gb']:8.1f}" if r.get("peak_mem_gb") is not None else f"{'-':>8s}"
-        vs = f"{r['vs_bf16']:7.3f}" if r.get("vs_bf16") is not None else f"{'-':>7s}"
-        vn = f"{r['tokens_per_s'] / ng[r['preset']]:9.3f}" if r["preset"] in ng else f"{'-':>9s}"
-        print(f"{r['preset']:10s} {r['mode']:14s} {r['batch']:3d} {r['step_ms']:8.1f} {r['tokens_per_s']:10,.0f} "
-              f"{r['tflops']:8.1f} {100 * r['mfu']:5.1f}% {mem} {vs} {vn} {r['loss_last']:7.3f}")
+        fp8 = [m for m in NANOPARA_FP8 if m in measured]
+        mode = args.profile_mode if args.profile_mode != "best" else max(
+            fp8, key=lambda m: measured[m]["tokens_per_s"]) if fp8 else "tensor"
+        rows.append(profile(preset, mode, args, mesh))
+        emit(rows[-1])
+        print(H.summary_lines(rows[-1], f"{preset} {mode}"))
+    print("\n" + H.table([r for r in rows if r["section"] == "throughput"], COLS))
     print(f"total {time.perf_counter() - t0:.0f} s (kernel tunings {TUNING['tuned']}, {TUNING['tune_s']:.0f} s of it)")
     return rows
 

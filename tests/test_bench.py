@@ -290,8 +290,8 @@ def test_bench_generate_left_padded_batches_match_hugging_face():
 
 
 def test_bench_fp8_e2e_runs_on_cpu(tmp_path):
-    """bench/bench_fp8_e2e.py's throughput and profile sections on the tiny preset (fp32, the FP8 references): a row
-    per mode with a throughput, the FP8 weights re-cast once per step (the engine's step hook), a profile row."""
+    """bench/bench_fp8_e2e.py's throughput and profile sections on the tiny preset (fp32, the FP8 references), through
+    the Trainer: a row per mode with a throughput, the FP8 weights re-cast once per step, a profile row."""
     import bench_fp8_e2e
     out = tmp_path / "fp8.jsonl"
     bench_fp8_e2e.main(["--device", "cpu", "--presets", "tiny", "--modes", "bf16,tensor", "--steps", "1",
@@ -299,15 +299,11 @@ def test_bench_fp8_e2e_runs_on_cpu(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     tp = [r for r in rows if r["section"] == "throughput"]
     assert [r["mode"] for r in tp] == ["bf16", "tensor"], rows
-    assert all(r["tokens_per_s"] > 0 and r["loss_last"] == r["loss_last"] for r in tp), rows
+    assert all(r["tokens_per_s"] > 0 and r["loss_last"] == r["loss_last"] and r["gpu"] == "cpu" for r in tp), rows
     assert tp[0]["fp8_linears"] == 0 and tp[1]["fp8_linears"] == 16  # 4 blocks x 4 Linears, lm_head stays
     assert tp[1]["weight_casts"] == 2 * 16 and tp[1]["vs_bf16"] > 0  # 2 steps, one cast per Linear per step
     prof = [r for r in rows if r["section"] == "profile"]
-    assert len(prof) == 1 and prof[0]["mode"] == "tensor" and prof[0]["families"], rows
-    assert bench_fp8_e2e.family("_fp8_matmul_kernel") == "fp8 gemm"
-    assert bench_fp8_e2e.family("_cast_kernel") == "fp8 quantization/cast"
-    assert bench_fp8_e2e.family("_attn_fwd_ws_kernel") == "attention"
-    assert bench_fp8_e2e.family("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT") == "bf16 gemm"
+    assert len(prof) == 1 and prof[0]["mode"] == "tensor" and prof[0]["kernel_ms_by_kind"], rows
 
 
 def test_bench_fp8_e2e_compare(tmp_path):
