@@ -166,7 +166,7 @@ def timed(step, steps: int, warmup: int = 0, mesh: Mesh | None = None, device=No
             sync(dev)
             times.append(time.perf_counter() - t1)
     sync(dev)
-    mean = (time.perf_counter() - t0) / steps
+    mean = (time.perf_counter() - t0) / max(steps, 1)
     times = times or [mean]
     vals = max_over_ranks([mean, statistics.median(times), min(times), max(times), peak_gb(dev)], mesh)
     return dict(zip(("step_s", "median_s", "min_s", "max_s", "peak_gb"), vals), times=times, last=last)
