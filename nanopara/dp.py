@@ -27,7 +27,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from nanopara.config import Config
-from nanopara.engine import BucketHooks, Engine, NoWork, check_fp32, grad_buckets, param_kind, reduce_group, views
+from nanopara.buckets import BucketHooks, grad_buckets, reduce_group, views
+from nanopara.engine import Engine, NoWork, check_fp32, param_kind
 from nanopara.mesh import Mesh
 from nanopara.optim import build_adamw
 

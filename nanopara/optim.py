@@ -17,7 +17,7 @@ from nanopara.config import TrainConfig
 
 def decays(name: str, p: torch.Tensor) -> bool:
     """Weight decay for 2-D weights (matmuls, embeddings, MoE expert weights), never for a parameter named *bias
-    (MoE expert biases are (E, out)); the ZeRO flat buffers (engine.Flat) use the same rule."""
+    (MoE expert biases are (E, out)); the ZeRO flat buffers (buckets.Flat) use the same rule."""
     return p.dim() >= 2 and not name.endswith("bias")
 
 

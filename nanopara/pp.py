@@ -125,7 +125,7 @@ def split_model(model: GPT, pp: int, pp_rank: int, virtual: int = 1, layers=None
         for ch in chunks:
             ch.is_tied = ch.first or ch.last
             if ch.first and pp > 1:
-                ch.tied.pp_tied = True  # engines reduce it last, after sync_tied_grads (engine.grad_buckets)
+                ch.tied.pp_tied = True  # engines reduce it last, after sync_tied_grads (buckets.grad_buckets)
         last = chunks[-1]
         if last.last and not last.first:  # the last stage's own copy of the tied weight
             old = model.lm_head.weight

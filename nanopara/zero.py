@@ -2,7 +2,7 @@
 
 Built by parallel.build_engine for parallel.zero = 1/2 (ZeRO-3: zero3.py's Zero3 extends this engine). Same
 interface and precision as every engine (engine.py); N = dp*cp ranks, r = this rank's index among them.
-Parameters live in flat fp32 buffers (engine.Flat), one per gradient bucket; rank r owns [lo, hi) of each and
+Parameters live in flat fp32 buffers (buckets.Flat), one per gradient bucket; rank r owns [lo, hi) of each and
 steps AdamW on views of that slice (m, v: flat (padded/N,) buffers per Flat).
 
 ZeRO-1 (P_os): a bucket whose gradients are all in is reduce-scattered (async, overlapping backward; each rank
@@ -34,7 +34,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from nanopara.config import Config
-from nanopara.engine import BucketHooks, Engine, Flat, NoWork, check_fp32, grad_buckets, reduce_group, views
+from nanopara.buckets import BucketHooks, Flat, grad_buckets, reduce_group, views
+from nanopara.engine import Engine, NoWork, check_fp32
 from nanopara.mesh import Mesh
 
 # ----------------------------------------------------------------------------------------------------------------

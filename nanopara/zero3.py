@@ -33,7 +33,8 @@ import torch.nn as nn
 
 from nanopara.comm import all_gather_flat, flat_views, zero_gathered
 from nanopara.config import Config
-from nanopara.engine import Flat, compute_dtype, reduce_group, weak_method
+from nanopara.buckets import Flat, reduce_group
+from nanopara.engine import compute_dtype, weak_method
 from nanopara.mesh import Mesh
 from nanopara.zero import Zero
 
