@@ -5,7 +5,7 @@ against dp and tp on the same model and GPUs.
         --schedules gpipe,1f1b,interleaved:2,interleaved:3,zb --compare dp,tp --out results/pp_gpt_1b.jsonl
     torchrun --nproc_per_node=2 bench/bench_pp.py --device cpu --preset tiny --micro_batch 1 --seq_len 32 ...  # smoke
 
-Every configuration runs the trainer's own path (parallel.parallelize, pipeline_step, engine.step) on synthetic
+Every configuration runs train.py's step (parallel.parallelize -> Trainer.forward_backward + step) on synthetic
 tokens, bf16 autocast, model.kernels=torch (--kernels auto: the Triton kernels), pp = world and dp = 1. Per
 schedule and m, rank 0 prints and --out appends one JSON object (written as each finishes: a crash keeps them):
   tok/s, MFU   the global batch (m x micro_batch x seq_len) over the slowest rank's wall time per step
@@ -13,7 +13,7 @@ schedule and m, rank 0 prints and --out appends one JSON object (written as each
                grads, the bf16 weight casts), beside s*b*h*36 bytes per layer (nanopara's count: flash attention,
                fp32 residual stream; Korthikanti et al. 2022 count 34 + 5as/h) times the layer-micro-batches the
                schedule keeps alive at once (GPipe m, 1F1B p), first stage (the last also holds the logits)
-  bubble       per rank, the pipeline's time (CUDA events around pipeline_step) minus the sum of its F/B/W times
+  bubble       per rank, the pipeline's time (CUDA events around the pipeline schedule) minus the sum of its F/B/W times
                (events around each action), as a share of the pipeline time; "formula" is the schedule's share at
                unit costs (pp.bubble: (p-1)/(m+p-1) GPipe/1F1B, (p-1)/(vm+p-1) interleaved, (p-1)/(3m+p-1) ZB-H1,
                i.e. (p-1)/m, (p-1)/(vm), (p-1)/(3m) of the ideal time); "p2p" = messages a rank sends per step x the
@@ -26,33 +26,24 @@ leaves the other stage waiting in a receive, loses only GPipe rows). ~3 minutes 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime
-import gc
-import json
 import os
-import sys
-import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import harness as H
+from nanopara import pp
+from nanopara.config import ConfigError
+from nanopara.mesh import Mesh
+from nanopara.parallel import check_layout
+from nanopara.report import flops_per_token, peak_flops
+from nanopara.schedules import bubble, build_schedule
 
-from nanopara import pp  # noqa: E402
-from nanopara.config import ConfigError  # noqa: E402
-from nanopara.presets import PRESETS  # noqa: E402
-from nanopara.mesh import Mesh  # noqa: E402
-from nanopara.model import GPT  # noqa: E402
-from nanopara.parallel import check_layout, parallelize, pipeline_step, stage_data  # noqa: E402
-from nanopara.report import flops_per_token, peak_flops  # noqa: E402
-
-GB = 1e9
 
 
 def parse():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", default="gpt_1b", choices=sorted(PRESETS))
+    ap.add_argument("--preset", default="gpt_1b", choices=sorted(H.PRESETS))
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--micro_batch", type=int, default=2)
     ap.add_argument("--seq_len", type=int, default=1024)
@@ -77,46 +68,19 @@ def balanced_layers(n_layer: int, chunks: int, head_blocks: float) -> list[int]:
 
 
 def make_cfg(args, layout: str, m: int, world: int, schedule: str = "1f1b", v: int = 1):
-    cfg = PRESETS[args.preset]()
-    cfg.device, cfg.model.kernels = args.device, args.kernels
-    cfg.train.dtype = "bf16" if args.device == "cuda" else "fp32"
-    cfg.train.micro_batch, cfg.train.seq_len = args.micro_batch, args.seq_len
-    cfg.train.tokens_per_step = m * args.micro_batch * args.seq_len
-    p = cfg.parallel
+    """The preset at the same global batch (m micro-batches) for every layout: pp = world (stages balanced for the
+    head with --layers auto), dp = world (m / world micro-steps) or tp = world; ConfigError where it cannot run."""
+    keys = {"model.kernels": args.kernels, "train.micro_batch": args.micro_batch, "train.seq_len": args.seq_len,
+            "train.tokens_per_step": m * args.micro_batch * args.seq_len, "parallel.dp": 1}
+    mc = H.PRESETS[args.preset]().model
     if layout == "pp":
-        p.dp, p.pp, p.pp_schedule, p.pp_virtual = 1, world, schedule, v
-        mc = cfg.model
+        keys.update({"parallel.pp": world, "parallel.pp_schedule": schedule, "parallel.pp_virtual": v})
         if args.layers == "auto" and mc.n_layer >= world * v:  # (fewer blocks than chunks: Config.check says so)
             head = 2 * mc.padded_vocab / (24 * mc.n_embd + 4 * args.seq_len)
-            p.pp_layers = ",".join(map(str, balanced_layers(mc.n_layer, world * v, head)))
-    elif layout == "dp":
-        p.dp = world
+            keys["parallel.pp_layers"] = ",".join(map(str, balanced_layers(mc.n_layer, world * v, head)))
     else:
-        p.dp, p.tp = 1, world
-    cfg.check()
-    return cfg
-
-
-class Clock:
-    """Timestamps on the compute stream: CUDA events on GPU, the host clock on CPU; ms between two of them."""
-
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-
-    def __call__(self):
-        if not self.cuda:
-            return time.perf_counter()
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
-        return e
-
-    def ms(self, a, b) -> float:
-        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+        keys["parallel.dp" if layout == "dp" else "parallel.tp"] = world
+    return H.make_cfg(args.preset, keys)
 
 
 def live_layers(actions: list, layers: dict) -> int:
@@ -132,7 +96,7 @@ def live_layers(actions: list, layers: dict) -> int:
 def p2p_ms(mesh, shape, iters: int = 20) -> float:
     """One activation each way between pp neighbours at once (as in 1F1B's steady state): ms per exchange."""
     prev, nxt = mesh.neighbours("pp")
-    group, clock = mesh.groups["pp"], Clock(mesh.device)
+    group, clock = mesh.groups["pp"], H.Clock(mesh.device)
     send = torch.randn(shape, device=mesh.device)
     recv = torch.empty_like(send)
 
@@ -140,78 +104,46 @@ def p2p_ms(mesh, shape, iters: int = 20) -> float:
         for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt, group),
                                          dist.P2POp(dist.irecv, recv, prev, group)]):
             w.wait()
-    for _ in range(3):
-        once()
-    sync(mesh.device)
+    H.timed(once, 0, 3, device=mesh.device)
     a = clock()
     for _ in range(iters):
         once()
     b = clock()
-    sync(mesh.device)
+    H.sync(mesh.device)
     return clock.ms(a, b) / iters
 
 
-def synthetic(cfg, n: int, device) -> list:
-    g = torch.Generator(device="cpu").manual_seed(0)
-    t = cfg.train
-    tok = torch.randint(0, cfg.model.vocab_size, (n, t.micro_batch, t.seq_len + 1), generator=g)
-    return [(tok[i, :, :-1].to(device), tok[i, :, 1:].to(device)) for i in range(n)]
+def traced_step(trainer, batches, clock, spans: list) -> None:
+    """trainer's step with timestamps: the pipeline's actions (Pipeline.clock / trace), its start, and the tied
+    embedding's gradient sum (pp.sync_tied_grads, wrapped for the step) that follows the schedule."""
+    pipe, marks, orig = trainer.pipeline, {}, pp.sync_tied_grads
+
+    def tied(*a):
+        marks["b"] = clock()
+        orig(*a)
+        marks["c"] = clock()
+    pipe.clock, pipe.trace, pp.sync_tied_grads = clock, [], tied
+    try:
+        a = clock()
+        trainer.forward_backward(batches)  # ends in the loss broadcast: every rank's end waits for the last
+    finally:
+        pipe.clock, pp.sync_tied_grads = None, orig
+    spans.append((a, marks["b"], marks["c"], pipe.trace))
+    trainer.step(1e-4, sync=False)
 
 
-def build(cfg, mesh):
-    torch.manual_seed(1337)
-    with torch.device(mesh.device):  # built where it runs: each stage keeps its part, the rest is freed
-        model = GPT(cfg.model)
-    n_params = model.num_params()
-    return parallelize(model, mesh, cfg), n_params
-
-
-def run(cfg, mesh, args, layout: str) -> dict:
+def run(cfg, mesh, args) -> dict:
     """Warm-up, then timed steps of one configuration; this rank's numbers."""
-    engine, n_params = build(cfg, mesh)
-    accum, dev, clock = check_layout(cfg, mesh.world, mesh.device.type), mesh.device, Clock(mesh.device)
-    pipe = engine.pipeline
-    batches = synthetic(cfg, accum, dev)
-    amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if dev.type == "cuda" else contextlib.nullcontext
-
-    def step():
-        if pipe is not None:
-            pipeline_step(engine, batches)
-        else:
-            for i, (x, y) in enumerate(batches):
-                with engine.no_sync(i < accum - 1):
-                    with amp():
-                        _, loss = engine.model(x, y)
-                    engine.backward(loss.float() / accum)
-        return engine.step(1e-4, sync=False)
-
-    for _ in range(args.warmup):
-        step()
-    sync(dev)
+    trainer, n_params = H.build_trainer(cfg, mesh)
+    pipe, dev, clock, spans = trainer.pipeline, mesh.device, H.Clock(mesh.device), []
+    batches = H.synthetic_batches(cfg, trainer.accum, dev, seed=mesh.dp_rank)
+    H.timed(lambda: H.train_step(trainer, batches), 0, args.warmup, device=dev)
     static = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    spans = []
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        if pipe is not None:  # pipeline_step, with timestamps around the pipeline and the tied-gradient sum
-            pipe.clock, pipe.trace = clock, []
-            xs, ys = stage_data(pipe, batches, dev)
-            a = clock()
-            with engine.no_sync():
-                pipe.step(xs, ys, 1.0 / engine.n)  # ends in the loss broadcast: every rank's end waits for the last
-            b = clock()
-            pp.sync_tied_grads(pipe.chunks.values(), pipe.tied_group)
-            spans.append((a, b, clock(), pipe.trace))
-            pipe.clock = None
-            engine.step(1e-4, sync=False)
-        else:
-            step()
-    sync(dev)
-    rec = {"step_s": (time.perf_counter() - t0) / args.steps,
-           "peak_gb": torch.cuda.max_memory_allocated(dev) / GB if dev.type == "cuda" else None,
-           "static_gb": static / GB if dev.type == "cuda" else None, "n_params": n_params,
-           "stage_params": sum(p.numel() for p in engine.params)}
+    step = (lambda: traced_step(trainer, batches, clock, spans)) if pipe else (lambda: H.train_step(trainer, batches))
+    t = H.timed(step, args.steps, device=dev)
+    cuda = dev.type == "cuda"
+    rec = {"step_s": t["step_s"], "peak_gb": t["peak_gb"] if cuda else None,
+           "static_gb": static / H.GB if cuda else None, "n_params": n_params, "stage_params": sum(p.numel() for p in trainer.engine.params)}
     if pipe is not None:
         window = [clock.ms(a, b) for a, b, _, _ in spans]
         busy = [sum(clock.ms(s, e) for _, s, e in trace) for _, _, _, trace in spans]
@@ -220,17 +152,15 @@ def run(cfg, mesh, args, layout: str) -> dict:
         rec["tied_ms"] = sum(clock.ms(b, c) for _, b, c, _ in spans) / len(spans)
         for op in "FBW":
             rec[f"{op}_ms"] = [clock.ms(s, e) for _, _, _, trace in spans for a, s, e in trace if a.op == op]
-        layers = {c: len(r) for c, r in enumerate(engine.pp_layers)}
-        rec["live_layers"] = live_layers(pipe.actions, layers)
+        rec["live_layers"] = live_layers(pipe.actions, {c: len(r) for c, r in enumerate(trainer.pp_layers)})
         rec["sends"] = sum(len(st[1]) for st in pipe.program if st[0] == "post")
         rec["p2p_ms"] = p2p_ms(mesh, pipe.act_shape)
-        rec["formula"] = pp.bubble(pp.build_schedule(cfg.parallel.pp_schedule, mesh.pp, accum,
-                                                     cfg.parallel.pp_virtual))
-    engine.close()
-    del engine, pipe, batches
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
+        rec["formula"] = bubble(build_schedule(cfg.parallel.pp_schedule, mesh.pp, trainer.accum,
+                                               cfg.parallel.pp_virtual))
+    trainer.close()
+    trainer.engine.close()
+    del trainer, pipe, batches
+    H.free()
     return rec
 
 
@@ -257,9 +187,9 @@ def summarize(cfg, args, layout: str, name: str, m: int, ranks: list, world: int
                    p2p_share=[r["sends"] * r["p2p_ms"] / r["pipe_ms"] for r in ranks],
                    live_layers=[r["live_layers"] for r in ranks],
                    act_gb=None if r0["peak_gb"] is None else
-                   [r["peak_gb"] - r["static_gb"] - 6 * r["stage_params"] / GB for r in ranks],
-                   act_formula_gb=r0["live_layers"] * per_layer * 36 / GB,
-                   act_paper_gb=r0["live_layers"] * per_layer * (34 + 5 * mc.n_head * t.seq_len / mc.n_embd) / GB)
+                   [r["peak_gb"] - r["static_gb"] - 6 * r["stage_params"] / H.GB for r in ranks],
+                   act_formula_gb=r0["live_layers"] * per_layer * 36 / H.GB,
+                   act_paper_gb=r0["live_layers"] * per_layer * (34 + 5 * mc.n_head * t.seq_len / mc.n_embd) / H.GB)
     return row
 
 
@@ -294,11 +224,8 @@ def main():
     plan = [("pp", s, v, m) for s, v in scheds if s != "gpipe" for m in ms]
     plan += [(lay, lay, 1, args.compare_m or max(ms)) for lay in args.compare.split(",") if lay]
     plan += [("pp", s, v, m) for s, v in scheds if s == "gpipe" for m in ms]
-    if mesh.is_main:
-        gpu = torch.cuda.get_device_name(mesh.device) if mesh.device.type == "cuda" else "cpu"
-        print(f"bench_pp {args.preset} on {world} x {gpu}, {datetime.date.today()}: micro_batch {args.micro_batch}, "
-              f"seq_len {args.seq_len}, kernels {args.kernels}, {args.warmup} warm-up + {args.steps} timed steps",
-              flush=True)
+    H.printer(mesh)(H.banner(f"bench_pp {args.preset}: micro_batch {args.micro_batch}, seq_len {args.seq_len}, kernels "
+                             f"{args.kernels}, {args.warmup} warm-up + {args.steps} timed steps", mesh), flush=True)
     for layout, name, v, m in plan:
         label = f"{name}:{v}" if v > 1 else name
         try:
@@ -308,7 +235,7 @@ def main():
             if mesh.is_main:
                 print(f"{label:<14} m={m:<3} skipped: {e}", flush=True)
             continue
-        local = run(cfg, mesh_for(layout), args, layout)
+        local = run(cfg, mesh_for(layout), args)
         ranks = [local]
         if world > 1:
             ranks = [None] * world
@@ -316,9 +243,7 @@ def main():
         if mesh.is_main:
             row = summarize(cfg, args, layout, label, m, ranks, world, mesh.device)
             print(line(row), flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+            H.append_jsonl(args.out, row)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

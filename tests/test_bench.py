@@ -235,26 +235,22 @@ def test_step_times_summarises_metrics(tmp_path, capsys):
 
 
 def test_bench_pp_runs_every_schedule_on_cpu(tmp_path):
-    """bench_pp.py end to end on 2 gloo processes: a row per schedule with its bubble, the dp/tp comparisons, and
-    one clear skip for a split the model cannot take."""
+    """bench_pp.py end to end on 2 gloo processes through the Trainer: a row per schedule with its bubble and the
+    tied-gradient time, the dp comparison, and one clear skip for a split the model cannot take."""
     out = tmp_path / "pp.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(ROOT, "bench", "bench_pp.py"), "--device", "cpu", "--preset", "tiny", "--micro_batch", "1",
-           "--seq_len", "32", "--n_micro", "2", "--schedules", "gpipe,1f1b,interleaved:2,interleaved:3,zb",
-           "--compare", "dp,tp", "--steps", "1", "--warmup", "1", "--out", str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r = _torchrun(2, "bench_pp.py", "--device", "cpu", "--preset", "tiny", "--micro_batch", "1", "--seq_len", "32",
+                  "--n_micro", "2", "--schedules", "gpipe,interleaved:2,interleaved:3,zb", "--compare", "dp",
+                  "--steps", "1", "--warmup", "1", "--out", str(out))
     assert "interleaved:3  m=2   skipped: model.n_layer=4 is fewer blocks than" in r.stdout, r.stdout
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [row["schedule"] for row in rows] == ["1f1b", "interleaved:2", "zb", "dp", "tp", "gpipe"]
-    assert all(row["tok_s"] > 0 for row in rows)
-    formula = {"1f1b": 1 / 3, "gpipe": 1 / 3, "interleaved:2": 1 / 5, "zb": 1 / 7}  # (p-1)/(units+p-1), p = m = 2
+    assert [row["schedule"] for row in rows] == ["interleaved:2", "zb", "dp", "gpipe"]
+    assert all(row["tok_s"] > 0 and row["gpu"] == "cpu" for row in rows)
+    formula = {"gpipe": 1 / 3, "interleaved:2": 1 / 5, "zb": 1 / 7}  # (p-1)/(units+p-1), p = m = 2
     for row in rows:
         if row["layout"] == "pp":
             assert row["formula"] == pytest.approx(formula[row["schedule"]])
             assert all(0 <= b < 1 for b in row["bubble"]) and row["p2p_ms"] > 0 and row["F_ms"] > 0
-            assert (row["W_ms"] > 0) == (row["schedule"] == "zb")
+            assert (row["W_ms"] > 0) == (row["schedule"] == "zb") and all(t > 0 for t in row["tied_ms"])
 
 
 def test_bench_generate_same_weights_same_greedy_tokens():
