@@ -143,7 +143,8 @@ def run(cfg, mesh, args) -> dict:
     t = H.timed(step, args.steps, device=dev)
     cuda = dev.type == "cuda"
     rec = {"step_s": t["step_s"], "peak_gb": t["peak_gb"] if cuda else None,
-           "static_gb": static / H.GB if cuda else None, "n_params": n_params, "stage_params": sum(p.numel() for p in trainer.engine.params)}
+           "static_gb": static / H.GB if cuda else None, "n_params": n_params,
+           "stage_params": sum(p.numel() for p in trainer.engine.params)}
     if pipe is not None:
         window = [clock.ms(a, b) for a, b, _, _ in spans]
         busy = [sum(clock.ms(s, e) for _, s, e in trace) for _, _, _, trace in spans]
