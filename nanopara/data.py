@@ -5,35 +5,23 @@ Shard layout (llm.c's `.bin`, so shards made by llm.c and modded-nanogpt load un
     body:   n_tokens x uint16 GPT-2 token ids; documents are prefixed by EOT (50256)
 
 Loader: a shard of n tokens holds (n - 1) // T windows of T+1 tokens taken with stride T (as llm.c does), so within
-an epoch every token is a target exactly once and no two windows share an input token. Epoch e visits the shards
-in a permutation drawn from (seed, e) and the windows of each shard in a permutation drawn from (seed, e, shard);
-this global list of windows is cut into global batches of world*B rows and rank r takes rows r*B .. (r+1)*B-1.
-So data-parallel ranks never see the same window, and the ranks' batches stacked in rank order are exactly the
-world=1 loader's batch of world*B rows. Windows left over at the end of an epoch (fewer than a global batch) are
-dropped; a dataset with fewer windows than one global batch is an error at construction. The state is
-(epoch, position) in global batches, so resume depends only on the global batch, not on how it is split
-over ranks. Validation uses `shuffle=False`: shards in the given order, windows in order, `reset()` to restart.
+an epoch every token is a target exactly once. Epoch e visits the shards in a permutation drawn from (seed, e) and
+the windows of each shard in one drawn from (seed, e, shard); this global list is cut into global batches of
+world*B rows and rank r takes rows r*B .. (r+1)*B-1, so the ranks' batches stacked in rank order are exactly the
+world=1 loader's batch of world*B rows. Windows left over at an epoch's end are dropped. The state is (epoch,
+position) in global batches: resume depends only on the global batch. Validation: `shuffle=False`, `reset()`.
 
     x, y = next(loader)        # (B, T) int64 CPU tensors, y[:, t] = x[:, t+1] in the token stream (or -1: masked)
 
-Loss masks (supervised fine-tuning, data/prepare.py sft): beside `NAME.bin` a sibling `NAME.mask`, so the shard
-itself stays a plain llm.c shard (other trainers read it as text and ignore the mask):
-    header: 256 x int32 = [magic 20240601, version 1, n_tokens, row_len, 0, ...]   (1024 bytes)
-    body:   n_tokens x uint8, 1 where the token is trained as a target (a response token or its closing EOT), else 0
-prepare.py packs whole examples into rows of row_len tokens, so train.seq_len must be a multiple of row_len (a
-window then holds whole rows and never starts inside an example). With masks (`loss_mask`: auto = when every shard
-has one), the loader yields y = -1 where the target token's mask is 0; the cross-entropy kernels ignore -1.
+Loss masks (SFT, data/prepare.py sft): a sibling `NAME.mask` beside `NAME.bin` (the shard stays a plain llm.c shard):
+header 256 x int32 = [magic 20240601, version 1, n_tokens, row_len, 0, ...], body n_tokens x uint8, 1 where the
+token is trained as a target. Examples are packed into rows of row_len tokens, so train.seq_len must be a multiple
+of row_len; with masks (`loss_mask`: auto = when every shard has one) the loader yields y = -1 where the mask is 0.
+Split of a shard: the last part of its file name that is exactly `train` or `val`, else whether `train`/`val`
+occurs in the name. Tokenizer: `get_tokenizer()`, tiktoken's GPT-2 encoding (offline: the mirror's tiktoken_cache/).
 
-Tokenizer: `get_tokenizer()` returns tiktoken's GPT-2 encoding. Offline, tiktoken needs TIKTOKEN_CACHE_DIR; when it
-is unset and nothing is cached, the mirror's `tiktoken_cache/` is used (mirror = env NANOPARA_MIRROR, else
-`../shared/data` beside the repository when it exists).
-
-Split of a shard: the last part of its file name that is exactly `train` or `val` (`notes_train_000001.bin`, so a
-dataset named `interval` or `train_notes` still splits right), else whether `train`/`val` occurs in the name at all.
-
-Callers: train.py (train/val loaders, loader state in checkpoints), data/prepare.py (write_shard, tokenizer);
-torch is imported only when a loader makes batches, so prepare.py starts (and fails on bad input) without it.
-Quick look and loader speed:  python -m nanopara.data shakespeare --batch 8 --seq_len 1024
+Callers: train.py (loaders, loader state in checkpoints), data/prepare.py (write_shard, tokenizer); torch is imported
+only when a loader makes batches. Quick look and loader speed:  python -m nanopara.data shakespeare --batch 8
 """
 import argparse
 import glob

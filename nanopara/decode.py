@@ -1,62 +1,27 @@
 """Graphed decoding: one generated token = one CUDA graph replay (issue #31).
 
-Why: at small batch, decoding is host-bound. One token is one Python forward that launches every kernel of the
-12 blocks (LayerNorms, matmuls, attention, KV-cache writes) one by one, and at batch 1 each of those kernels is
-shorter than its launch: `model.generate` and `rl.sample` spend most of a step waiting for the CPU. A CUDA graph
-records the launches of one step once and replays them with a single call.
+At small batch, decoding is host-bound: one token is one Python forward that launches every kernel of the blocks
+one by one. A CUDA graph records one step's launches once and replays them with a single call, so everything a
+step touches keeps its shape and storage:
+  StaticKVCache  per layer, (B, nh, T_max, hs) key/value buffers allocated once, written with `index_copy_` at a
+                 slot held in a DEVICE tensor `pos`; `mask` gives a (B, 1, T, T_max) boolean mask per row. It speaks
+                 model.KVCache's protocol (`update`, `mask`), so the model's attention runs unchanged.
+  Decoder        static token (B, 1), slot (1,), left-padding counts (B, 1) and the caches; `step(tok) -> logits
+                 (B, V)`, captured on the first step after eager warm-up steps on a side stream, replayed after.
+                 `prefill(idx, pad)` runs the prompts (any length) eagerly into the same caches, so one graph
+                 serves every prompt length and every mix of lengths (same B and T_max).
+  generate       prefill, then per token: pick from the static logits outside the graph (argmax, or temperature /
+                 top-k), replay; with `eot` (or a `finished` callback) one host sync every `check_every` tokens.
 
-A graph replays fixed kernels on fixed addresses, so everything a step touches must keep its shape and storage:
-  StaticKVCache  per layer, (B, nh, T_max, hs) key/value buffers allocated once. The write SLOT is a DEVICE tensor
-                 `pos` (shared by all layers and all rows): `update` writes with `index_copy_` along the time axis at
-                 `pos` and returns the whole T_max buffers; `mask` returns a (B, 1, T, T_max) boolean mask (one per
-                 row, broadcast over heads). The unwritten (or stale) tail is masked out, so nothing ever needs
-                 clearing. It speaks model.KVCache's protocol (`update`, `mask`), so the model's attention runs
-                 unchanged; the positional embedding reads per-row positions (GPT.forward's `pos`, (B, T) here).
-  Decoder        static input token (B, 1), slot (1,) and left-padding counts pad (B, 1), the caches, and
-                 `step(tok) -> logits (B, V)`. The step's body: mask and positions from pos and pad, model forward
-                 on the static token, pos += 1. With graph=True (CUDA) the body is captured on the first step: a few
-                 eager warm-up steps on a side stream first (Triton tuning and compilation, cuBLAS handles, the
-                 allocator: torch.cuda.graphs' recipe), then one capture; later steps copy the token in and replay.
-                 `prefill(idx, pad)` runs the prompts (any length T) eagerly into the same caches, copies the pad
-                 counts into their static buffer and sets pos = T, so one captured graph serves every prompt length,
-                 every mix of lengths (same B and T_max) and every step. The host keeps its own copy of the slot (no
-                 sync) for bounds checks.
-  generate       prefill, then per token: pick from the static logits OUTSIDE the graph (argmax, or temperature /
-                 top-k multinomial on (B, V): a handful of cheap launches, and any sampling rule works), write the
-                 token into the output buffer and replay. No host sync per token: with `eot` (or a `finished`
-                 callback), one sync every `check_every` tokens asks whether every row is done, and stops if so.
+Left padding: row b of a batch padded to L has p_b = L - len_b padding slots; its token at slot s has position
+s - p_b and sees keys p_b..s; a padding slot sees only itself (no all-masked row, no NaN). A padding-free row
+computes exactly what the one-position decoder computed (bit for bit on CPU, fp32).
+Contract of `generate`: on a (B, T) tensor (like GPT.generate), (B, T + n) tokens, n cut to the context; on a list
+of token-id lists, the new tokens of each, cut after the first `eot` (kept), the longest prompt + max_new_tokens
+within the context (ValueError). Rows stay in the batch to the end; callers cut after the first EOT.
 
-Left padding (prompts of different lengths in one batch): the prompts are left-padded to the longest, L tokens;
-row b has p_b = L - len_b padding slots, its real tokens sit at slots p_b..L-1 with positions 0..len_b-1, and every
-later token at slot s has position s - p_b. The write slot stays shared (L, L+1, ...: one index_copy_ for the
-batch); only the mask and the positions are per row: row b's query at slot s sees keys at slots p_b..s. A query on
-a padding slot sees only itself (a query with no key at all gives NaN, and NaN in a padding slot's value would leak
-through even a zero attention weight) and has position 0; its outputs are never read. A padding-free row
-(p_b = 0) computes exactly what the one-position decoder computed (bit for bit on CPU, fp32: tests/test_decode.py).
-
-Contract of `generate` on a (B, T) tensor (like GPT.generate): (B, T + n) tokens, n = max_new_tokens cut to the
-context (block_size). On a list of token-id lists: a list of new-token lists, cut after the first `eot` (kept);
-the longest prompt + max_new_tokens must fit the context (ValueError). Rows stay in the batch to the end: a fixed
-batch is what a graph replays, and cheaper than shrinking it. Tokens after a row's first `eot` are unspecified in
-the tensor (the model's continuation, or `eot` once every row finished early): callers that stop at EOT truncate
-each row after its first EOT (rl.sample does).
-
-Limits:
-- One write slot for the batch: a short prompt's row still occupies L + n slots, and its padding slots are
-  computed (prefill) and read (masked) like the others; sorting prompts by length before batching keeps that small.
-- Autocast: the graph bakes in the autocast state of its first step (checked on every later step). Captured with
-  autocast's weight-cast cache off (a cast cached outside the graph would be freed under it), so under bf16
-  autocast each replay casts the fp32 weights again: one read of the fp32 weights per token (likely the main cost
-  left at batch 1; not measured). A bf16 model (no autocast) has no casts.
-- MoE layers: graph="auto" runs them eagerly. moe.py's "sorted"/"loop" paths sync with the host (offsets.tolist(),
-  nonzero), which capture forbids; the Triton routing path claims no host sync but is untested under capture
-  (graph=True tries it).
-- Weights are read by address: in-place updates (optimizer steps) are seen by later replays; replaced parameter
-  tensors (`.to()`, load_state_dict(assign=True)) are not, so `decoder_for` keys its cache on the parameters'
-  addresses.
-- Attention reads all T_max cached keys every step (masked), not only the filled ones: fixed shapes.
-Greedy decoding equals GPT.generate token for token on CPU (tests/test_decode.py), left-padded rows included; on
-GPU bf16 the masked attention over T_max keys rounds differently from the sliced one, so rare near-ties may differ.
+Callers: rl.sample (its "graph"/"static" samplers), greedy.py (GSM8K). Tested by tests/test_decode.py (greedy equals
+GPT.generate token for token on CPU). Limits (autocast baked in, MoE eager, weights by address): notes/post_training.md.
 """
 from __future__ import annotations
 

@@ -8,26 +8,19 @@ The three GEMMs of Y = X W^T + b, each on FP8 operands with fp32 accumulation (k
     dgrad     dX = dY W        dY e5m2 (M, N),     W^T e4m3 (K, N)        -> dX in x's dtype
     wgrad     dW = dY^T X      dY^T e5m2 (N, M),   X^T e4m3 (K, M)        -> dW fp32 (the master weight's dtype)
 Both operands of every GEMM are K-major, so each quantization also writes the transposed copy the other GEMM needs
-(kernels/fp8_quant.py). Scaling per `mode`:
-    tensor  one scale per tensor (X, X^T, W, W^T, dY, dY^T share their tensor's scale); `delayed=True` takes X's
-            and dY's scales from the max of an amax history (length `history`) instead of a pass over them
-    row     X, dY per row (token) and W per output row; the transposed copies per row of the transpose (X^T per
-            input feature over tokens, W^T per input column, dY^T per output feature over tokens)
-    block   X, dY in 1x128 blocks along K (and X^T, dY^T in 1x128 blocks along the tokens); W in 128x128 blocks,
-            which are also the blocks of W^T (DeepSeek-V3's recipe, arXiv 2412.19437 3.3)
-dY is e5m2 (range for gradients) unless `grad_dtype="e4m3"` (its own scale: more mantissa, less range). Scales
-are powers of two by default (`pow2`: x * 2^k is exact, so the only rounding is fp8's own). Accumulation: the
-forward GEMM uses the tensor core's fast accumulation, the two backward GEMMs promote to fp32 every 128 K
-(torchao's defaults); block scaling promotes every 128 K always.
+(kernels/fp8_quant.py). Scaling per `mode`: tensor (one scale per tensor; `delayed=True` takes X's and dY's from
+an amax history), row (per row of each operand and of its transpose), block (X, dY in 1x128 blocks along K, W in
+128x128 blocks: DeepSeek-V3's recipe, arXiv 2412.19437 3.3). dY is e5m2 unless `grad_dtype="e4m3"`. Scales are
+powers of two by default (`pow2`: the only rounding is fp8's own). The forward GEMM accumulates fast, the backward
+ones promote to fp32 every 128 K (torchao's defaults); block scaling always promotes.
 
-The weight is quantized once per optimizer step and reused by every micro-batch: the module keeps its FP8 copies
-keyed by (the weight's version counter, its storage, the model's fp8 generation). A torch in-place update bumps
-the version; nanopara's fused AdamW writes the flat buffers through a Triton kernel and bumps no version, so the
-trainer calls `model.fp8.step()` after each optimizer step (which bumps the generation). Master weights, their
-grads and optimizer state stay fp32; no FP8 state is a parameter or buffer, so checkpoints are the bf16 run's.
-Where a data-parallel engine set `weight.grad_into` (engine.py), the wgrad GEMM writes dW straight into that view.
-CPU tensors run the PyTorch references of the same quantizations and GEMMs (the same FP8 numerics; CPU training
-and tests); `interpret=True` runs the Triton kernels on CPU under TRITON_INTERPRET=1 (tests).
+The weight is quantized once per optimizer step and reused by every micro-batch, keyed by (its version counter, its
+storage, the model's fp8 generation): nanopara's fused AdamW bumps no version, so the trainer calls
+`model.fp8.step()` after each optimizer step. Master weights, grads and optimizer state stay fp32; no FP8 state is
+a parameter or buffer, so checkpoints are the bf16 run's. Where a data-parallel engine set `weight.grad_into`
+(engine.py), the wgrad GEMM writes dW straight into that view. CPU tensors run the PyTorch references of the same
+quantizations and GEMMs; `interpret=True` runs the Triton kernels under TRITON_INTERPRET=1 (tests).
+Called by parallel.py (apply_fp8) and tp.py (FP8 on the shards); tests/test_fp8.py; choices and numbers: notes/fp8.md.
 """
 from __future__ import annotations
 

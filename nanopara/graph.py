@@ -1,32 +1,27 @@
 """One micro-step's forward + backward replayed as a CUDA graph (`--train.cuda_graph=true`).
 
 Why: in eager mode the host launches every kernel of the step (~1,000 for GPT-2 124M) from Python; at B=32, T=1024
-on an H200 the GPU then idles ~6 ms of a ~67 ms step waiting for the CPU (bench/bench_gpt.py --profile: 61 ms of
-kernel time). A CUDA graph records the launches once and replays them with one call, so the step takes the
-kernels' time. Our Triton kernels launch their compiled binaries directly (kernels/launch.py), which a graph can
-record once the first eager calls have tuned and compiled them.
+on an H200 the GPU then idles ~6 ms of a ~67 ms step waiting for the CPU. A CUDA graph records the launches once
+and replays them with one call. Our Triton kernels launch their compiled binaries directly (kernels/launch.py),
+which a graph can record once the first eager calls have tuned and compiled them.
 
 What is captured: `model(x, y)` under autocast and `(loss * scale).backward()`, with x, y copied into static input
-buffers before each replay. Gradients accumulate in place into the parameters' existing .grad tensors, so
-gradient accumulation works unchanged: the engine zeroes them in place after each optimizer step instead of
-freeing them (`engine.keep_grad_buffers`). The optimizer step, clipping and logging stay eager (they read the grad
-norm on the host). Before capturing, `warmup` eager micro-steps run on a side stream (tuning, compiling, cuBLAS
-and allocator warm-up), and their gradients are zeroed: the first replay starts from the same state an eager run
-would.
+buffers before each replay. Gradients accumulate in place into the parameters' existing .grad tensors, so gradient
+accumulation works unchanged: the engine zeroes them in place after each step instead of freeing them
+(`engine.keep_grad_buffers`). The optimizer step, clipping and logging stay eager. Before capturing, `warmup`
+eager micro-steps run on a side stream (tuning, compiling, cuBLAS and allocator warm-up), and their gradients are
+zeroed: the first replay starts from the state an eager run would.
 
 Limits, checked by parallel.check_layout before any work: a CUDA device; one process, or tensor parallel alone
-(TP's collectives run inside forward and backward, so the graph records them, NCCL kernels included; DDP/ZeRO and
-the pipeline launch communication from Python hooks, which a replay would not run); fixed shapes (every
-micro-batch is micro_batch x seq_len, as the loader makes them); no fp16 dynamic loss scaling (its scale changes
-between steps); no dropout under sequence parallel (tp._PerRankDropoutRng swaps RNG states from Python hooks).
-FP8 (train.fp8): the weight casts are captured and run on every replay (once per micro-step instead of once per
-step: the same values); the activation scales are computed on the device, nothing syncs (delayed scaling's amax
-histories are updated in place on the device, so each replay advances them).
+(TP's collectives run inside forward and backward, so the graph records them; DDP/ZeRO and the pipeline launch
+communication from Python hooks, which a replay would not run); fixed shapes; no fp16 dynamic loss scaling; no
+dropout under sequence parallel (tp._PerRankDropoutRng swaps RNG states from Python hooks). FP8 (train.fp8): the
+weight casts are captured and run on every replay (the same values); activation scales and delayed scaling's amax
+histories live on the device, so nothing syncs.
 
 Tested by tests/test_graph.py (GPU: graphed and eager training give the same losses and weights; CPU: the layout
-errors) and tests/test_capture_safety.py (CPU, tp2 +- sp: the captured region, warm-up then `_before_capture` then
-`_fwd_bwd`, makes no host sync, no host-to-device copy and the same collectives on every rank); measured by
-bench/bench_gpt.py (`triton:graph=1`).
+errors) and tests/test_capture_safety.py (CPU, tp2 +- sp: the captured region makes no host sync, no host-to-device
+copy and the same collectives on every rank); measured by bench/bench_gpt.py (`triton:graph=1`; notes/e2e.md).
 """
 from __future__ import annotations
 

@@ -3,41 +3,25 @@
 Math, per token x (C,), E experts, top-k (Shazeer et al. 2017; Fedus et al. 2021):
     z = W_r x in fp32 (E,),   s = softmax(z) | sigmoid(z)
     experts e_1..e_k = top-k of s + b      b: the aux-loss-free balancing bias (a buffer; selects, never weighs)
-    gates g_j = s_{e_j} / sum_i s_{e_i}     (renormalised over the chosen k; moe_renorm=False keeps s_{e_j}: with
-                                             k = 1 a renormalised gate is always 1 and the router learns nothing;
-                                             top-1 softmax starts near 1/E, top-1 sigmoid near 1/2, as Llama 4's)
+    gates g_j = s_{e_j} / sum_i s_{e_i}     (moe_renorm=False keeps s_{e_j}: with k = 1 a renormalised gate is 1)
     y = sum_j g_j MLP_{e_j}(x),  MLP_e(x) = c_proj_e(gelu_tanh(c_fc_e(x)))
-  Capacity (moe_capacity = cf > 0): each expert keeps at most c = ceil(cf * N * k / E) of the layer's N*k
-  assignments, first choices before second choices, each in token order (GShard); a dropped assignment adds nothing
-  and a token whose k assignments all drop passes through on the residual stream. cf = 0: dropless.
-Auxiliary losses (Switch eq. 4-6; ST-MoE eq. 5), over the N tokens of the forward:
-    balance  L_b = E * sum_e f_e P_e,  f_e = (assignments routed to e, before dropping) / (N k),  P_e = mean_t p_e,
-             p = s / sum(s) (= s for softmax). L_b = 1 at a uniform load.
-    z-loss   L_z = mean_t logsumexp(z_t)^2
-    aux = moe_aux_coef * L_b + moe_z_coef * L_z. Its gradient enters in the backward of the layer's output
-    (`_AuxLossGrad`, as Megatron-Core's MoEAuxLossAutoScaler): the trainer's loss is unchanged, pipeline stages
-    without the loss still train their routers. `aux_grad_scale` must equal the factor the trainer puts on its loss
-    before backward (1 / micro-steps under gradient accumulation, times an fp16 loss scale).
-Aux-loss-free balancing (DeepSeek-V3, Wang et al. 2024), moe_bias_rate = u > 0: training forwards add their
-  assignment counts to `load`; after the optimizer step `update_expert_bias(model)` sets b_e += u * sign(mean(load) -
-  load_e) and clears `load` (all-reduce the loads over the data-parallel group first: replicas must agree on b).
+  Capacity (moe_capacity = cf > 0): each expert keeps at most ceil(cf * N * k / E) of the N*k assignments, first
+  choices before second choices, each in token order (GShard); a token whose k assignments all drop passes through
+  on the residual stream. cf = 0: dropless.
+Aux losses over the N tokens of a forward (Switch eq. 4-6; ST-MoE eq. 5): balance L_b = E * sum_e f_e P_e (f_e:
+  the share of assignments routed to e, P_e = mean_t p_e, p = s / sum(s)); z-loss L_z = mean_t logsumexp(z_t)^2;
+  aux = moe_aux_coef * L_b + moe_z_coef * L_z. Its gradient enters in the backward of the layer's output
+  (`_AuxLossGrad`, Megatron-Core's auto-scaler): `aux_grad_scale` must equal the factor the trainer puts on its loss.
+Aux-loss-free balancing (DeepSeek-V3), moe_bias_rate = u > 0: after the optimizer step `update_expert_bias(model)`
+  sets b_e += u * sign(mean(load) - load_e) from the loads counted by the training forwards (all-reduced first).
 
-Paths (`impl`; all give the same numbers up to summation order):
-    loop        the spec: a Python loop over experts, each gathering its tokens (`moe_loop_ref`)
-    sorted      kernels/moe_route's PyTorch references: tokens sorted by expert, a matmul per expert slice (one
-                host sync for the slice bounds), index ops to scatter back
-    grouped_mm  sorted, with torch._grouped_mm for the experts (no host sync; CUDA, 16-bit)
-    triton      routing, permute, unpermute kernels (kernels/moe_route.py) and the grouped GEMM expert MLP
-                (kernels/grouped_gemm.py); no host sync
-    auto        the op table's `moe_impl` if it has one, else triton on CUDA and sorted elsewhere
-After each forward: `aux_loss` (the weighted aux loss, a tensor in the graph) and `stats` (0-dim detached tensors,
-no host sync): aux (L_b), z (L_z), drop (fraction of assignments dropped), load_min / load_max (assignments of the
-least / most loaded expert over the mean; 1 = balanced). `collect_stats(model)` folds them over layers in one sync.
-Parameters: router.weight (E, C); experts.c_fc.weight (E, 4C, C) and .bias (E, 4C); experts.c_proj.weight
-(E, C, 4C) and .bias (E, C): each expert slice in nn.Linear's layout, so a dense MLP copies into every expert.
-Expert parallel: ep.apply_ep keeps E/ep experts per rank and sets `ep`; the forward then sends the sorted rows to
-their experts' ranks and back (ep.py) around `_run_experts`; routing, gates and losses stay as above.
-Callers: tests/test_moe.py, tests/test_ep.py, bench/bench_moe.py (model integration: notes/moe.md).
+Paths (`impl`, the same numbers up to summation order): loop (the spec, `moe_loop_ref`), sorted (kernels/moe_route's
+PyTorch references, one host sync), grouped_mm (torch._grouped_mm; CUDA, 16-bit), triton (kernels/moe_route.py and
+kernels/grouped_gemm.py; no host sync), auto (triton on CUDA, sorted elsewhere). After each forward: `aux_loss` and
+`stats` (0-dim device tensors: aux, z, drop, load_min, load_max). Parameters: router.weight (E, C); experts.c_fc /
+c_proj weights (E, 4C, C) / (E, C, 4C) and biases, each expert slice in nn.Linear's layout. Expert parallel
+(ep.apply_ep) keeps E/ep experts per rank and sends the sorted rows to their ranks and back around `_run_experts`.
+Callers: model.py (Block), trainer.py (aux scale, bias update, stats). Tests: tests/test_moe.py; notes/moe.md.
 """
 from __future__ import annotations
 
@@ -73,7 +57,7 @@ class MoEConfig:
 
 
 def check_moe_config(cfg) -> None:
-    """Every check MoE needs without a process group (ModelConfig.__post_init__ calls it once integrated)."""
+    """Every check MoE needs without a process group: MoEConfig.__post_init__, MoEMLP and Config.check call it."""
     if cfg.moe_experts < 1 or not 1 <= cfg.moe_top_k <= cfg.moe_experts:
         raise ValueError(f"moe: need 1 <= moe_top_k <= moe_experts, got top_k={cfg.moe_top_k}, "
                          f"experts={cfg.moe_experts}")
@@ -224,7 +208,7 @@ def experts_sorted(xs, offsets, experts, grouped_mm=False):
 
 class MoEMLP(nn.Module):
     """Drop-in for model.MLP: forward(x, ops) -> (..., C). Reads `aux_loss` / `stats` after a forward (see the
-    module docstring); cfg: any object with MoEConfig's fields (MoEConfig or, once integrated, ModelConfig)."""
+    module docstring); cfg: any object with MoEConfig's fields (MoEConfig, or the model's ModelConfig)."""
 
     def __init__(self, cfg, impl=None):
         super().__init__()

@@ -2,35 +2,25 @@
 
     apply_activation_checkpointing(blocks, mode)  # parallel.py: after the PP split, before the DP/ZeRO wrap
 
-Bytes a layer keeps for backward (s sequence, b micro-batch, h n_embd, a heads): Korthikanti et al. 2022, "Reducing
-Activation Recomputation in Large Transformer Models", count s*b*h*(34 + 5*a*s/h) at 2 bytes a value. Here (bf16
-autocast, fp32 residual stream, flash attention: no s^2 scores, an fp32 lse of 4*a*s*b bytes), in units of s*b*h:
-  none       LayerNorm inputs (the fp32 residual sums) 4+4, LayerNorm outputs 2+2, qkv 6, attention output 2, GELU
-             input 8, GELU output 8, dropout masks 1+1 (dropout > 0): 36; with dropout 38 = the paper's 34 (its
-             5*a*s/h is what flash attention recomputes anyway) + 4 (the LayerNorm inputs are fp32)
-  selective  keeps every matmul output and the LayerNorm inputs; recomputes in backward the LayerNorm outputs and
-             the 4h-wide GELU output from kept inputs with the same kernels (bit-identical), and the dropout masks
-             from the RNG state taken before each dropout: 24. No matmul and no collective runs again (checkpointing
-             the LN -> c_attn and LN -> c_fc -> GELU paths instead would rerun c_attn and c_fc: +14 h^2 FLOPs a
-             token on the block's 72 h^2, +19%).
-  full       keeps the block's inputs, the fp32 residual 4 + the previous block's MLP output 2: 6.
-             torch.utils.checkpoint (use_reentrant=False) reruns the whole block in backward, ~+1/3 of the step's
-             FLOPs, and under TP its collectives (2 all-reduces; SP: 2 all-gathers + 2 reduce-scatters). With dropout
-             it restores the RNG state for the rerun; tp.py's per-rank dropout stream wraps the whole model, so that
-             state is the rank's own.
-Not per token: under autocast each matmul keeps a bf16 copy of its weight (2 bytes a parameter; full recasts).
+Bytes a layer keeps for backward, in units of s*b*h (sequence, micro-batch, n_embd; bf16 autocast, fp32 residual
+stream, flash attention; Korthikanti et al. 2022 count 34 + 5*a*s/h at 2 bytes a value):
+  none       36 (38 with dropout): LayerNorm inputs and outputs, qkv, attention output, GELU input and output
+  selective  24: keeps every matmul output and the LayerNorm inputs; recomputes in backward the LayerNorm outputs
+             and the 4h-wide GELU output with the same kernels (bit-identical), and the dropout masks from the RNG
+             state taken before each dropout. No matmul and no collective runs again.
+  full       6: keeps the block's inputs (the fp32 residual and the previous block's MLP output) and reruns the
+             whole block in backward (~+1/3 of the step's FLOPs; under TP its collectives too), restoring the RNG
+             state for the rerun (tp.py's per-rank dropout stream is the rank's own).
 Both recompute with the weights the forward read (ZeRO-3 rebinds module weights to empty placeholders in between).
 
 Host time is the cost to watch (issue #24): every saved tensor packed or unpacked through a Python hook costs
-microseconds, and a block saves ~24. So:
-  full       a minimal non-reentrant checkpoint (_Frame, not torch.utils.checkpoint): one small holder per saved
-             tensor, the rerun fills every holder still alive (each freed with its graph node, as torch's), no
-             per-tensor metadata, checks or dynamo wrappers; the block's module/parameter slots are found once.
-  selective  the hooks are on only in windows: from the moment a LayerNorm (or GELU) output is made until the next
-             op of the op table (or the block's end), i.e. while the Linear that consumes it saves its input; every
-             other saved tensor of the block (attention, LayerNorm statistics, weights) never meets Python.
-With dropout > 0 selective also runs the block under a TorchFunctionMode that catches F.dropout (host time per op).
-Called by parallel.py; tests/test_recompute.py; bench/bench_recompute.py (time, memory); notes/pp.md (numbers).
+microseconds, and a block saves ~24. So full is a minimal non-reentrant checkpoint (_Frame, not
+torch.utils.checkpoint): one small holder per saved tensor, filled by the rerun, the block's module and parameter
+slots found once (_Info). Selective opens its saved-tensor hooks only in windows, from the moment a LayerNorm (or
+GELU) output is made until the next op of the op table (the Linear that consumes it saves its input inside it);
+every other saved tensor of the block never meets Python. With dropout > 0 selective also runs the block under a
+TorchFunctionMode that catches F.dropout.
+Called by parallel.py; tests/test_recompute.py (bit-exact against none); bench/bench_recompute.py; notes/pp.md.
 """
 from __future__ import annotations
 

@@ -8,23 +8,19 @@ so a group whose completions all score the same gives A = 0 and no gradient. Los
     L_t     = -min(ratio_t * A, clip(ratio_t, 1 - clip_eps, 1 + clip_eps) * A)  +  kl_coef * k3_t
     k3_t    = exp(ref_logp_t - logp_t) - (ref_logp_t - logp_t) - 1      (Schulman's k3: unbiased, >= 0)
 summed over every response token of the global batch and divided by their count (token-level mean, as DAPO/Dr.
-GRPO: long completions are not down-weighted per token). old_logp: the sampling policy, recomputed with one
-forward before the updates (the first update has ratio 1 exactly); ref_logp: the frozen starting model. Response
-tokens include the closing EOT, so the policy learns where to stop. Log-probs are those of logits / temperature,
-the distribution that was sampled.
+GRPO). old_logp: the sampling policy, recomputed with one forward before the updates (the first update has ratio 1
+exactly); ref_logp: the frozen starting model. Response tokens include the closing EOT, so the policy learns where
+to stop. Log-probs are those of logits / temperature, the distribution that was sampled.
 
 Prompts are sft.prompt_ids(enc, prompt) = EOT + "User: {prompt}\nAssistant:", what SFT trained on.
-Sampling: on CUDA (models without MoE layers) `sample` decodes with nanopara/decode.py: all prompts of a call in one
-left-padded batch (per-row positions and key masks; chunks of `max_batch` rows, longest prompts first), one CUDA
-graph replay per token, a fixed batch (finished rows keep running, their tokens are cut at EOT afterwards), no host
-sync per token. Otherwise (`sampler="dynamic"`) model.py's KV cache, which has no padding mask: rows batched by
-prompt token length (a prompt's G copies always share one), finished rows (EOT or max_new) leave the batch, one
-host sync per token. Training forwards right-pad the sequences: causal attention never lets a real token see the
-padding after it, and masks drop the rest.
+Sampling (`sample`): on CUDA, models without MoE layers, decode.py (one left-padded batch, a CUDA graph replay per
+token, finished rows cut at EOT afterwards); otherwise (`sampler="dynamic"`) model.py's KV cache, rows batched by
+prompt length, finished rows leaving the batch. Training forwards right-pad the sequences: causal attention never
+lets a real token see the padding after it, and masks drop the rest.
 
 Data parallel: each rank samples and scores its share of the prompts (groups never straddle ranks, so advantages
 need no communication); `update` divides by the global token count and all-reduces the gradients (sum), so a step
-on N ranks equals one process's step on the same rollouts. Callers: rl.py; tests/test_rl.py.
+on N ranks equals one process's step on the same rollouts. Callers: rl.py; tests/test_rl.py; notes/post_training.md.
 """
 from __future__ import annotations
 

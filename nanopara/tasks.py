@@ -5,16 +5,14 @@
     python -m nanopara.tasks arith --n=50000 --split=train --seed=0 --out=arith_train.jsonl
 
 An Example is a prompt (the user's text; sft.format_prompt wraps it), the correct response (the text SFT trains on,
-starting with a space as the template expects) and the answer its checker compares against.
+starting with a space) and the answer its checker compares against.
   arith   "What is 348+57?" -> " 405": a+b or a-b, operands uniform in [0, 1000)
-  digits  "What is 3 4 8 + 5 7?" -> " 4 0 5": arith written one digit per token (GPT-2's BPE cuts "348+57" into
-          chunks that differ from number to number, " 7"+"12" beside " 712"; single digits make the sum learnable)
+  digits  "What is 3 4 8 + 5 7?" -> " 4 0 5": arith one digit per token (GPT-2's BPE chunks numbers unevenly)
   sort    "Sort: 5 2 9 1" -> " 1 2 5 9": 3-8 digits, ascending
   count   "How many times does 3 appear in 3 1 3 7 3?" -> " 3": 5-12 digits
   gsm8k   GSM8K's question -> its worked solution ("<<...>>" calculator notes removed), answer = the final number
-Splits: a synthetic example is held out (split "test") iff sha1 of its prompt is 0 mod 10, so train and test are
-disjoint for every seed and n; a split's examples are distinct prompts drawn from random.Random(seed). GSM8K's
-splits are its own train.jsonl / test.jsonl (the offline mirror, or --gsm8k=PATH), a seeded sample of n rows.
+Splits: a synthetic example is held out (split "test") iff sha1 of its prompt is 0 mod 10 (train and test disjoint
+for every seed and n; distinct prompts from random.Random(seed)); GSM8K's are its train/test.jsonl, sampled.
 Checker rules (reward 1.0 or 0.0), applied to the completion cut at the first newline ("\\n"; GSM8K: at a blank
 line or "Question:"/"User:", since its solutions span lines):
   arith, count  the first number of the text equals the answer (commas in groups of three and trailing decimal
@@ -22,8 +20,8 @@ line or "Question:"/"User:", since its solutions span lines):
   digits        as arith, after single spaces between digits (and after a leading minus) are closed up: "- 1 1 8"
   sort          the integers of the text, in order, equal the answer's (separators free: "1, 2, 5, 9" counts)
   gsm8k         the last number of the text equals the answer (evals.extract_number: GSM8K's usual rule)
-The JSONL lines also carry "text" = format_prompt(prompt) + response, so `data/prepare.py text FILE` can pre-train
-on the rendered examples when SFT shards are not wanted. Callers: rl.py, tests/test_tasks.py, bench/post_train_demo.py.
+JSONL lines also carry "text" = format_prompt(prompt) + response (for `data/prepare.py text FILE`).
+Callers: rl.py, bench/post_train_demo.py; tests/test_tasks.py.
 """
 from __future__ import annotations
 

@@ -17,12 +17,11 @@ Vocab parallel: the tied wte/lm_head (Vp', C) is split by vocab rows; the loss c
 and target logit, never the full logits, so `model(idx)` returns this rank's logit columns.
 
 Contract with the engines (engine.py) and checkpoints, as attributes on the Parameter objects:
-  p.tp_dim, p.tp_parts, p.tp_full_shape   sharded over tp (see `shard`); grad-norm contributions sum over tp.
-                                          Parameters without tp_dim are replicated over tp (count them once).
+  p.tp_dim, p.tp_parts, p.tp_full_shape   sharded over tp (`shard`): grad-norm terms sum over tp; the rest once.
   p.sp_partial = True                     grad is a partial sum over tp: SUM it over tp once per optimizer step,
                                           after the last micro-step, before clipping (the engines do).
 `shard_metadata` gives each shard's global slices; `gather_full_state_dict` / `load_full_state_dict` convert to and
-from the single-device layout. Tested by tests/test_tp.py (gloo, CPU); benchmarked by bench/bench_tp.py.
+from the single-device layout. Tests: tests/test_tp.py (gloo, CPU); bench/bench_tp.py; notes/tp.md.
 """
 from __future__ import annotations
 

@@ -2,7 +2,6 @@
 
 The four TP linears (tp.py), on rows of tokens (N = B*T rows; W_r this rank's weight shard; AR all-reduce,
 AG all-gather, RS reduce-scatter over the tp group):
-
                  forward                       backward
   column         y = x W_r^T                   dx = AR(dy W_r)                          dW = dy^T x
   row            y = AR(x_r W_r^T)             dx_r = dy W_r                            dW = dy^T x_r
@@ -20,9 +19,9 @@ Sequence-parallel layout. Rank r holds the N/tp rows {j*tp*n + r*n + i : j < k, 
 contiguously in that order and viewed as (B, T/tp, C), a label only: everything between the TP regions (LayerNorm,
 dropout, residual adds) is per token. So piece j of every rank, gathered into one contiguous buffer, is exactly
 rows j*tp*n .. (j+1)*tp*n of the full (B*T, C) activations, and a reduce-scatter of those rows hands each rank its
-piece j back: every collective reads and writes contiguous memory, with no transposing copies (the (B, T/tp, C)
-slices along T that this replaced cost two copies per collective; Megatron keeps (T, B, C) for the same reason).
-k is a function of the shape alone (`blocks`), so every layer of a forward agrees on it.
+piece j back: every collective reads and writes contiguous memory, with no transposing copies (Megatron keeps
+(T, B, C) for the same reason). k is a function of the shape alone (`blocks`), so every layer agrees on it.
+Used by tp.py; tested by tests/test_tp.py; measured in notes/tp.md.
 """
 from __future__ import annotations
 

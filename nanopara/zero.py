@@ -1,9 +1,8 @@
 """ZeRO-1/2 (Rajbhandari et al. 2020): optimizer states, then gradients, sharded over the dp x cp group.
 
-Built by parallel.build_engine for parallel.zero = 1/2 (ZeRO-3: zero3.py's Zero3 extends this engine). Same
-interface and precision as every engine (engine.py); N = dp*cp ranks, r = this rank's index among them.
-Parameters live in flat fp32 buffers (buckets.Flat), one per gradient bucket; rank r owns [lo, hi) of each and
-steps AdamW on views of that slice (m, v: flat (padded/N,) buffers per Flat).
+Built by parallel.build_engine for parallel.zero = 1/2 (zero3.py's Zero3 extends it); the interface of every engine
+(engine.py); N = dp*cp ranks. Parameters live in flat fp32 buffers (buckets.Flat), one per gradient bucket; rank r
+owns [lo, hi) of each and steps AdamW on views of that slice (m, v: flat (padded/N,) buffers per Flat).
 
 ZeRO-1 (P_os): a bucket whose gradients are all in is reduce-scattered (async, overlapping backward; each rank
   receives the sum of its 1/N), each rank updates its slice, and the flat parameter buffers are all-gathered after
@@ -16,14 +15,13 @@ ZeRO-2 (P_os+g): a bucket's full gradient exists only until its reduce-scatter e
   beside the next micro-step's forward. ZeRO-2 reduces on every micro-step and accumulates shards (no_sync is a
   no-op: skipping the reduction would mean holding the full gradient, which ZeRO-2 exists to avoid).
 
-Expert parallel (ep.py): the expert parameters' buckets are flats of their own, sharded over the edp group (the
-ranks holding the same experts) instead of dp x cp; their shards resume on the same layout only (unshard_* joins
-dp x cp shards of one layout, not these).
+Expert parallel (ep.py): expert buckets are flats of their own, sharded over the edp group instead of dp x cp;
+their shards resume on the same layout only.
 Checkpoint form of anything sharded (ZeRO optimizer states; ZeRO-3 parameters):
     {"format": "flat_shard", "rank": r, "world": N, "step": int, "flats": [{"params": [[name, shape, offset], ...],
      "numel", "padded", "lo", "hi", <key>: (hi-lo,) tensor}]}     key: "param" or "exp_avg" / "exp_avg_sq"
 `unshard_model` / `unshard_optimizer` turn all ranks' shards into engine.py's full forms (to reshard).
-Tested by tests/test_dp.py (against the single-process run, resume, memory); benchmarked by bench/bench_dp.py.
+Tested by tests/test_dp.py (against the single process, resume, memory); bench/bench_dp.py; notes/dp.md.
 """
 from __future__ import annotations
 

@@ -21,8 +21,7 @@ of K blocks are gathered at once. Checkpoints hold one flat per unit and dtype, 
 with the same K (and N); another K is a clear error: reshard through zero.unshard_*.
 
 model_state_dict() is this rank's fp32 master shards in zero.py's "flat_shard" form; full_model_state_dict()
-gathers every parameter (collective). Tested by tests/test_dp.py (with the other engines) and tests/test_comm.py
-(comm.zero_gathered, the autograd node a unit's views come from).
+gathers every parameter (collective). Tests: tests/test_dp.py, tests/test_comm.py (comm.zero_gathered).
 """
 from __future__ import annotations
 
