@@ -205,18 +205,21 @@ def test_phases_summary_and_line_agree_with_their_keys():
 
 
 def test_bench_dp_runs_every_engine_on_cpu(tmp_path):
-    """bench_dp.py end to end on 2 gloo processes: every engine and torch DDP produce a row with a throughput."""
-    out = tmp_path / "dp.json"
-    modes = ["torch_ddp", "ddp", "zero1", "zero2", "zero3", "zero3:u2", "ddp:nocomm"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(ROOT, "bench", "bench_dp.py"), "--device", "cpu", "--modes", ",".join(modes), "--large", "",
-           "--steps", "2", "--warmup", "1", "--micro_batch", "1", "--seq_len", "32", "--out", str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    """bench_dp.py end to end on 2 gloo processes: every engine (through the Trainer, with accumulation) and torch
+    DDP produce a row with a throughput; a second run against the first as --baseline gets its scaling."""
+    out = tmp_path / "dp.jsonl"
+    modes = ["torch_ddp", "ddp", "zero2", "zero3:u2", "ddp:nocomm", "ddp:single"]
+    args = ["--device", "cpu", "--large", "", "--steps", "1", "--warmup", "1", "--micro_batch", "1", "--seq_len",
+            "32", "--accum", "2"]
+    _torchrun(2, "bench_dp.py", *args, "--modes", ",".join(modes), "--out", str(out))
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [row["mode"] for row in rows] == modes
-    assert all(row["tok_s"] > 0 for row in rows)
+    assert all(row["tok_s"] > 0 and row["accum"] == 2 and row["gpus"] == 2 for row in rows)
+    assert rows[1]["vs_torch_ddp"] == pytest.approx(rows[1]["tok_s"] / rows[0]["tok_s"])
+    again = tmp_path / "again.jsonl"
+    _torchrun(2, "bench_dp.py", *args, "--modes", "ddp", "--baseline", str(out), "--out", str(again))
+    (row,) = [json.loads(line) for line in again.read_text().splitlines()]
+    assert row["scaling"] == pytest.approx(row["tok_s"] / (2 * rows[1]["tok_s"]))
 
 
 def test_step_times_summarises_metrics(tmp_path, capsys):
