@@ -256,6 +256,20 @@ def test_bench_pp_runs_every_schedule_on_cpu(tmp_path):
             assert (row["W_ms"] > 0) == (row["schedule"] == "zb") and all(t > 0 for t in row["tied_ms"])
 
 
+def test_bench_ep_runs_single_dp_and_ep_on_cpu(tmp_path):
+    """bench_ep.py on 2 gloo processes through the Trainer: the one-process baseline, dp2 and ep2 each give a row;
+    ep2 holds fewer parameters per GPU; the ratios row compares it with both."""
+    out = tmp_path / "ep.jsonl"
+    _torchrun(2, "bench_ep.py", "--device=cpu", "--preset=tiny_moe", "--micro_batch=2", "--seq_len=32",
+              "--steps=1", "--warmup=1", f"--out={out}")
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    by = {r.get("layout", r.get("section")): r for r in rows}
+    assert list(by) == ["single", "dp2", "ep2", "ratios"] and by["single"]["gpus"] == 1
+    assert by["ep2"]["params_per_gpu"] < by["dp2"]["params_per_gpu"] == by["single"]["params_per_gpu"]
+    assert by["ratios"]["ep2_over_dp2_per_gpu"] == pytest.approx(
+        by["ep2"]["tokens_per_s_per_gpu"] / by["dp2"]["tokens_per_s_per_gpu"])
+
+
 def test_bench_generate_same_weights_same_greedy_tokens():
     """bench/bench_generate.py's Hugging Face model holds our weights: greedy continuations agree (skipped where
     transformers is not installed: it is a benchmark-only dependency, present on the GPU machines)."""
