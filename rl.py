@@ -3,31 +3,25 @@
     python rl.py --init=runs/sft --task=arith --out_dir=runs/rl --steps=100
     torchrun --nproc_per_node=4 rl.py --init=runs/sft --task=arith --out_dir=runs/rl --prompts=64 --group=16
 
-Per step: --prompts training prompts (the same on every rank, from --seed and the step), split over the data-parallel
-ranks; --group completions each, sampled with the KV cache after sft.prompt_ids (EOT + SFT's template); reward from
-the task's checker (nanopara/tasks.py); group-normalised advantages; --updates optimizer steps of the clipped loss
-(nanopara/rl.py has the math). Every --eval_every steps and at the end: greedy exact match on --test_n held-out
-prompts. Writes <out_dir>/metrics.jsonl (one JSON line per step: reward, pass_at_group, response_len, kl,
-clip_frac, tokens_per_s, ...; eval lines carry test_exact_match), config.json, and the final policy as a checkpoint
-under <out_dir>/ckpt that sample.py, eval.py and rl.py read.
+Per step: --prompts prompts (from --seed and the step) split over the data-parallel ranks, --group completions each
+after sft.prompt_ids (EOT + SFT's template), rewards from the task's checker (nanopara/tasks.py), --updates steps of
+GRPO's clipped loss (nanopara/rl.py); greedy exact match on --test_n held-out prompts every --eval_every steps.
+Writes <out_dir>/metrics.jsonl (reward, kl, ...; eval lines: test_exact_match), config.json and <out_dir>/ckpt.
 
-Keys (`--key=value`; a repeated key: the last one wins):
-  --init=PATH        the starting policy: a run, ckpt/ or step directory (any layout), or a Hugging Face GPT-2 state
-                     dict file (.bin/.pt)
+Keys (`--key=value`, the last one wins; --help prints this). A user error: one line on stderr, exit code 2:
+  --init=PATH        the starting policy: a run, ckpt/ or step directory (any layout), or HF GPT-2 weights (.bin/.pt)
   --task=NAME        arith | digits | sort | count | gsm8k (arith); --gsm8k=PATH: GSM8K's folder (default: the mirror's)
   --train_n=N        training prompts to draw from (20000); --test_n=N held-out prompts scored (500)
-  --steps=N (100)  --prompts=P per step, global (32)  --group=G completions per prompt (8)
-  --max_new=N        tokens per completion, EOT included (32); --temperature=T for sampling (1.0)
+  --steps=N (100)  --prompts=P per step, global (32)  --group=G completions per prompt (8)  --temperature=T (1.0)
+  --max_new=N        tokens per completion, EOT included (32)
   --lr=LR (1e-5)  --warmup=N steps of linear warm-up (10)  --weight_decay=W (0)  --grad_clip=C (1.0)
-  --optim=adamw|sgd  (adamw, betas 0.9 / 0.95); --adam_eps=E (1e-8): AdamW's epsilon; one well above the gradients'
-                     size keeps Adam from scaling a noise-level gradient up to a full-lr step (notes/post_training.md)
-  --momentum=M       sgd's momentum (0.9)
+  --optim=adamw|sgd  (adamw, betas 0.9 / 0.95); --momentum=M: sgd's (0.9); --adam_eps=E (1e-8): one well above the
+                     gradients' size keeps Adam from scaling noise up to a full-lr step (notes/post_training.md)
   --clip_eps=E       PPO ratio clip (0.2); --kl_coef=B: k3 KL penalty to the starting model, 0 = none (0)
   --updates=K        optimizer steps per batch of rollouts (1); --micro=R rows per forward in updates, 0 = all (0)
-  --eval_every=N     held-out exact match every N steps, 0 = only at the start and the end (25)
+  --eval_every=N     held-out exact match every N steps, 0 = only at the start and the end (25); --seed=S (1337)
   --out_dir=DIR (runs/rl)  --overwrite=1 replaces a run there  --save=0 skips the final checkpoint
-  --seed=S (1337)  --device=auto|cpu|cuda  --dtype=auto|bf16|fp32 (auto: bf16 autocast on CUDA)
-Every user error is one line on stderr and exit code 2, before any work; --help prints this text.
+  --device=auto|cpu|cuda  --dtype=auto|bf16|fp32 (auto: bf16 autocast on CUDA)
 """
 from __future__ import annotations
 

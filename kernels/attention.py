@@ -1,4 +1,5 @@
 """Flash attention (causal and non-causal), forward and backward, in Triton; the op the model calls.
+Long file: forward, the two backward kernels and the ring-attention block entry points share tiles and launchers.
 
 Math (per batch b and head h; q: (Tq, D), k, v: (Tk, D), scale = sm_scale, default 1/sqrt(D)):
     S   = scale * q @ k^T                      (Tq, Tk)   causal: S[i, j] = -inf for j > i  (needs Tq == Tk)
@@ -17,10 +18,9 @@ is a free view; lse (B, H, Tq) fp32. Any length (masked tails); head dims not a 
 Backend choice: on Hopper the forward and the dK/dV kernel are kernels/attention_hopper.py's Gluon kernels where
 it supports the call (the forward's first call per shape also times this file's forward, passed in as `fallback`,
 and keeps the faster); the dq kernel is always this file's. NANOPARA_ATTN_HOPPER=0 keeps Triton everywhere.
-Callers: nanopara/model.py's `attention_qkv()` over the packed (B, T, 3*H*D) projection (Triton on CUDA, SDPA on
-CPU; the backward writes one d(qkv) buffer); `attention_block_fwd` / `_bwd` serve one key block (ring attention).
-Run: `python -m kernels.attention [--quick] [--out FILE]` (GPU: parity, then GPU time and TFLOP/s against cuDNN
-and flash SDPA; on Hopper also Gluon vs Triton); tests: tests/test_attention.py (CPU, TRITON_INTERPRET=1).
+Callers: nanopara/model.py's `attention_qkv()` over the packed (B, T, 3*H*D) projection (SDPA on CPU);
+`attention_block_fwd` / `_bwd` serve one key block (nanopara/ring_attention.py). Tests: tests/test_attention.py.
+Run: `python -m kernels.attention [--quick] [--out FILE]`: parity, GPU time and TFLOP/s against cuDNN / flash SDPA.
 """
 import math
 import os

@@ -1,10 +1,10 @@
 """Flash attention for Hopper (sm_90) in Gluon: a forward and a dK/dV kernel, warp-specialized and persistent.
+Long file: two warp-specialized kernels, each a loader and two consumer partitions, with their configs and launchers.
 
 Same math and contracts as kernels/attention.py (its docstring has the formulas), which calls this file on Hopper
 GPUs where `supported()` says yes (bf16/fp16, head dim 64 or 128, layouts TMA reads as row blocks):
-  * `attention_fwd(q, k, v, causal, sm_scale, fallback=)`: out (B, H, Tq, D), a view of (B, Tq, H, D) memory, and
-    natural-log lse (B, H, Tq) fp32, any lengths. `fallback` (attention.py passes its Triton forward) is one more
-    candidate that the first call of a shape times, and runs where it wins; this file never imports attention.py;
+  * `attention_fwd(q, k, v, causal, sm_scale, fallback=)`: out (B, H, Tq, D) and lse (B, H, Tq) fp32, any lengths;
+    `fallback` (attention.py's Triton forward) is one more candidate the first call of a shape times;
   * `attention_bwd_dkdv`: dK, dV given lse and delta = rowsum(dO * O), which attention.py's Triton dq kernel
     computes first (Tq % 4 == 0: the lse / delta rows are read through TMA).
 Why Gluon: Triton 3.6 does not warp-specialize on Hopper, and at head dim 64 a block's online softmax (exp2, max,
@@ -19,8 +19,7 @@ sum) takes as long as its two matmuls. Both kernels use FlashAttention-3's piece
     under a wgmma). PINGPONG (a config): the two consumers take turns issuing;
   * dK/dV (transposed: rows are keys): K and V stay in shared memory; per query block S^T = K Q^T and dP^T = V dO^T
     go out together, then dV += P^T dO and dK += dS^T Q; lse and delta come through the ring with Q and dO.
-Masking: only diagonal blocks and tails compare indices; rows past the length are computed and never stored.
-Host cost: 50-150 us a forward call (host TMA descriptors), ~40 for Triton: a training step does not see it.
+Masking: only diagonal blocks and tails compare indices. Host cost: 50-150 us a forward call (~40 for Triton).
 Run: `python -m kernels.attention_hopper [--sweep]` (Hopper GPU). Tests: tests/test_attention_hopper.py (GPU);
 tests/test_registers.py compiles every config for sm_90a on CPU (no spills, shared memory within 227 KB).
 """

@@ -1,28 +1,27 @@
 """Cross-entropy over a padded vocabulary, forward and backward fused in one Triton pass.
+Long file: the fused loss and the vocab-parallel shard kernels (tp.py) share the row walk and the benchmark.
 
 Math, per row of logits z (N, Vp), target t, real vocab V = n_vocab <= Vp (GPT-2: 50257 padded to 50304):
     lse = log(sum_{j < V} exp(z_j)),  loss = lse - z_t,  dz_j = (softmax(z)_j - [j == t]) * scale (j < V), 0 for j >= V.
 Rows with t == ignore_index have loss 0 and grad 0; "mean" divides by the other rows (0, not NaN, if all are
-ignored), "sum" does not. Other targets outside [0, V) are not checked (a host sync): no out-of-bounds read, but
-their loss is meaningless.
+ignored). Other targets outside [0, V) are not checked (a host sync): no out-of-bounds read, a meaningless loss.
 
 How (online softmax, Milakov & Gimelshein 2018): one program per row walks the vocab in chunks keeping a running max
 and sum of exp(z - m); if grad is needed, a second walk over the row (mostly from L2) writes dz. So the forward
 already holds d(loss)/d(logits) up to the incoming grad scalar; the backward multiplies by it, and skips that pass
 (no host sync) when it is 1: a trainer that accumulates passes `loss_scale=1/accum_steps` instead of dividing.
 Memory: dz is written IN PLACE into the logits when they are a non-leaf activation (the lm_head output, which no
-other op saves): peak extra memory O(N). The buffer's version is bumped, so an op that did save the logits makes
-autograd raise. After backward the logits hold their gradient (read them before, or pass `inplace=False`); a leaf
-logits tensor is never overwritten.
+other op saves): peak extra memory O(N); the version bump makes autograd raise if an op did save them. After
+backward the logits hold their gradient (or pass `inplace=False`); a leaf logits tensor is never overwritten.
 
 Vocab-parallel pieces (Triton on CUDA, reference elsewhere), used by nanopara/tp.py without gathering logits:
     ce_shard_stats(z_shard, t, vocab_start, n_valid) -> (row_max, sumexp at row_max, target logit)
     ce_shard_grad(z_shard, t, vocab_start, n_valid, lse, grad_scale) -> dz_shard
   M = all_reduce_max(row_max); S = all_reduce_sum(sumexp * exp(row_max - M)); zt = all_reduce_sum(target logit);
   lse = M + log(S); loss = lse - zt; then ce_shard_grad with the global lse and grad_scale = 1/n_valid (mean).
-Callers: nanopara/model.py (loss), nanopara/tp.py (vocab-parallel loss).
-Run: `python -m kernels.cross_entropy [--quick] [--sweep] [--out FILE]`: parity, then fwd+bwd time, GB/s against the
-copy bandwidth and peak extra memory, vs eager F.cross_entropy (bf16 and fp32) and torch.compile.
+Callers: nanopara/model.py (loss), nanopara/tp.py (vocab-parallel loss). Tests: tests/test_cross_entropy.py.
+Run: `python -m kernels.cross_entropy [--quick] [--sweep] [--out FILE]`: parity, then fwd+bwd time, GB/s and peak
+extra memory against eager F.cross_entropy (bf16 and fp32) and torch.compile.
 """
 import argparse
 import json

@@ -9,24 +9,18 @@ conventions) whose shapes say the scaling:
     block        sa (M, ceil(K/128)) 1x128 blocks of A; sb (ceil(N/128), ceil(K/128)) 128x128 blocks or
                  (N, ceil(K/128)) 1x128 blocks of B (the weight-gradient GEMM: both operands are activations)
 Block scales are applied inside the K loop (DeepSeek-V3, arXiv 2412.19437 3.3): each 128-wide K step is one
-tl.dot into a fresh fp32 tile, scaled by sa[m] * sb[n] and added to the accumulator, so the partial sums are
-promoted to full fp32 every 128 elements. K need not be a multiple of 128: the last block is partial, its
-scale covers the columns it has, and loads past K read zeros (masks, or the TMA unit's zero fill): no padding,
-nothing rejected. Per-tensor and per-row GEMMs accumulate with tl.dot(a, b, acc); `fast_accum=False` promotes
-the tensor core's partial sums to fp32 every BLOCK_K (max_num_imprecise_acc; cuBLAS's use_fast_accum=False).
+tl.dot into a fresh fp32 tile, scaled by sa[m] * sb[n] and added to the accumulator (full fp32 every 128). K need
+not be a multiple of 128: the last block is partial and loads past K read zeros. Per-tensor and per-row GEMMs
+accumulate with tl.dot(a, b, acc); `fast_accum=False` promotes every BLOCK_K (cuBLAS's use_fast_accum=False).
 
-Kernel: persistent tiles (a few programs per SM walking a GROUP_M-swizzled tile order with a grid stride, or one
-program per tile), autotuned per (M bucket, N, K, scaling, dtypes). On Hopper (sm_90) A, B and out move through
-TMA descriptors made on the device (tl.make_tensor_descriptor) when strides allow (K and N 16-byte multiples); the
-loads are multi-buffered by Triton's pipeliner (num_stages) and the dots become async wgmma. Elsewhere (and for
-unaligned shapes) the same kernel loads through pointers. What a Gluon warp-specialised kernel would add: a TMA
-producer warp and two consumer warpgroups ping-ponging, so one group's block-scale FMAs and epilogue overlap the
-other's wgmma (DeepGEMM's structure); here the dot of a K step must finish before its scaled add, which is the
-main cost of the block-scaled kernel against the per-tensor one.
+Kernel: persistent tiles (a few programs per SM walking a GROUP_M-swizzled order, or one program per tile),
+autotuned per (M bucket, N, K, scaling, dtypes). On Hopper A, B and out move through device-side TMA descriptors
+when strides allow (K and N 16-byte multiples), pipelined into async wgmma; elsewhere the kernel loads through
+pointers. A block-scaled K step's dot must finish before its scaled add: the main cost against per-tensor
+(notes/fp8.md).
 
-Callers: nanopara/fp8.py (FP8 linear: forward X W^T, dgrad dY W, wgrad dY^T X). `fp8_matmul` takes the Triton path
-on CUDA GPUs with fp8 tensor cores (sm_89+) and the reference elsewhere; `fp8_matmul_triton` forces the kernel
-(CPU: TRITON_INTERPRET=1; fp8 dots are exact there).
+Callers: nanopara/fp8.py (forward X W^T, dgrad dY W, wgrad dY^T X). `fp8_matmul`: Triton on GPUs with fp8 tensor
+cores (sm_89+), the reference elsewhere; `fp8_matmul_triton` forces the kernel (tests/test_fp8.py, interpreter).
 Run: `python bench/bench_fp8.py` (TFLOP/s against torch._scaled_mm and bf16 cuBLAS on the same GPU).
 """
 import functools

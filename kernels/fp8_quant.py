@@ -1,5 +1,6 @@
 """FP8 quantization: amax -> scale -> saturating cast, per tensor, per row, per column (written transposed), per
 1x128 and per 128x128 block, in one pass over memory each (per tensor and per column: an amax pass first).
+Long file: four kernels for the five granularities, the interpreter's exact fp8 rounding and one shared reference.
 
 Math, for a group G of elements of x (the whole tensor, a row, a column, 1x128 or 128x128 elements):
     amax  = max_{i in G} |x_i|                 NaNs ignored: they stay NaN in q (and in any GEMM they reach)
@@ -7,27 +8,19 @@ Math, for a group G of elements of x (the whole tensor, a row, a column, 1x128 o
     qs    = 2^floor(log2(qs)) if pow2          (mantissa bits cleared: exact, and s * q is exact in fp32)
     s     = 1 / qs                             the dequantization scale the GEMMs multiply by (x ~= q * s)
     q     = fp8(clamp(x * qs, -FP8_MAX, FP8_MAX))   round to nearest even, saturating at the format's maximum
-FP8_MAX: 448 (float8_e4m3fn: activations and weights), 57344 (float8_e5m2: gradients). Scales are fp32 grids of
-shape (ceil(R / br), ceil(C / bc)) for a block of br x bc: tensor (1, 1), rows (R, 1), columns (1, C), 1x128
-(R, ceil(C/128)), 128x128 (ceil(R/128), ceil(C/128)). `fp8_quantize_ref` is that math for any block shape, and every
-kernel here is bit-exact against it (tests/test_fp8.py).
-Delayed scaling: `quantize_tensor(x, amax=a)` takes the scale from a given amax (e.g. the max of an amax history)
-instead of x's own, saturates what no longer fits, and still records x's amax for the history (nanopara/fp8.py).
+FP8_MAX: 448 (e4m3: activations, weights), 57344 (e5m2: gradients). Scales: fp32 grids of shape (ceil(R/br),
+ceil(C/bc)) for br x bc blocks; `fp8_quantize_ref` is that math for any block, every kernel bit-exact to it.
+Delayed scaling: `quantize_tensor(x, amax=a)` scales by a given amax (a history's max) and records x's own.
 
 Kernels (memory bound):
   _amax_kernel    tile amax, folded with atomic_max into one fp32 (per tensor) or one per column, as int32 bits
-                  (amax >= 0, so int order is float order)
   _cast_kernel    per-tensor / per-column scales from those amaxes (or a given amax), cast, store q and/or q^T
-                  (the transposed copy is what the weight-gradient GEMM reads: both its operands K-major); on
-                  request the column sums of x from the same read (dY's bias gradient: per-tile partials)
+                  (the copy the weight-gradient GEMM reads); on request the column sums of x (dY's bias gradient)
   _rows_kernel    per-row amax and cast in one program per BLOCK_M rows (whole rows in registers up to MAX_ROW)
-  _blocks_kernel  1x128 (with q^T's 1x128 blocks along the rows from the same 128x128 tile) or 128x128 (q and
-                  q^T from one tile: a 128x128 block is a block of the transpose too; DeepSeek-V3's weights)
-Callers: nanopara/fp8.py (FP8 linear), kernels/fp8_matmul.py (dequantization in its reference). Public
-`fp8_quantize` takes the Triton path on CUDA and the reference elsewhere; the `quantize_*` launchers force Triton
-(CPU: TRITON_INTERPRET=1).
-Casts: the GPU casts with the hardware's cvt.rn.satfinite; Triton's interpreter rounds fp8 casts wrongly (half up,
-no carry into the exponent), so under TRITON_INTERPRET the kernels round to nearest even with integer arithmetic.
+  _blocks_kernel  1x128 or 128x128 blocks, q and q^T from one 128x128 tile (a block of the transpose too)
+Callers: nanopara/fp8.py, kernels/fp8_matmul.py (its reference). `fp8_quantize`: Triton on CUDA, the reference
+elsewhere; the `quantize_*` launchers force Triton. Casts: cvt.rn.satfinite on the GPU; the interpreter rounds fp8
+casts wrongly (notes/triton_cpu.md), so under TRITON_INTERPRET the kernels round to nearest even in integers.
 Run: `python -m kernels.fp8_quant` (= `bench/bench_fp8.py --only parity,quant`: GB/s against copy bandwidth).
 """
 import functools

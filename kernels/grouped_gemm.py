@@ -1,5 +1,6 @@
 """Grouped GEMM over variable-size row groups (MoE experts): one launch for all experts, forward, input gradient
 and weight gradient, with GELU fused into the epilogues of an expert MLP.
+Long file: one op in two kernel families (pointer, TMA) that share the group search, epilogues and launchers.
 
 Math. Rows of x (R, K) are grouped by expert: group e is rows [offsets[e], offsets[e+1]) (offsets (E+1,) int32 on
 the device, as kernels/moe_route.py makes them; rows from offsets[E] on are not read or written). Weights in
@@ -7,39 +8,20 @@ nn.Linear's layout, one per expert: w (E, N, K), bias (E, N).
     forward   y[r] = x[r] @ w[e]^T + bias[e]                     (R, N)    optionally g = gelu_tanh(y), keeping y
     dgrad     dx[r] = dy[r] @ w[e]                               (R, K)    optionally times gelu'(pre[r])
     wgrad     dw[e] = dy[group e]^T @ x[group e],  db[e] = column sums of dy[group e]   (E, N, K), (E, N)
-  grouped_mlp(x, w_fc, b_fc, w_proj, b_proj, offsets) = the E GPT-2 MLPs c_proj(gelu(c_fc(x))) of the experts:
-  the c_fc forward writes gelu(h) and keeps h; the backward's c_proj dgrad multiplies by gelu'(h) in its epilogue,
-  so dh never takes a separate elementwise pass.
+  grouped_mlp(...) = the E GPT-2 MLPs c_proj(gelu(c_fc(x))): the c_fc forward writes gelu(h) and keeps h, and the
+  c_proj dgrad multiplies by gelu'(h) in its epilogue, so dh never takes a separate elementwise pass.
 
-Kernels. Forward and dgrad are one kernel (dgrad reads w[e] untransposed: only the strides differ). Its tiles are
-the (m, n) tiles of every group, m tiles never straddling two groups (a group's last tile is masked: at most E
-partial tiles, no padding copies); each program finds its tile's group from the offsets alone (a cumsum of
-cdiv(group size, BLOCK_M) over E, held in registers), so the launch needs no host sync. Tiles are visited in
-GROUP_M-swizzled order (an L2 tile of x rows meets every n tile of w[e] while both are cached); a persistent grid
-(PROGRAMS_PER_SM per SM walking the tiles with a grid stride) or one tile per program (the grid is an upper bound,
-cdiv(R, BLOCK_M) + E m tiles: the extra programs return at once). The weight gradient is K-grouped: one program per
-(expert, n tile, k tile) of dw, looping over its group's rows (an empty group writes zeros); db is summed from the
-same dy tiles. All accumulate in fp32; dw and db are written in the parameters' dtype (fp32 master weights get fp32
-grads, no cast pass). Autotuned per (N, K, rows rounded up to a power of 2) on the GPU; bf16 there (fp16 works
-too). In the interpreter tl.dot on bf16 is wrong (shared/TRITON_CPU.md), so CPU tests use fp32/fp16.
-TMA variant (the default on sm_90+ CUDA tensors; NANOPARA_GROUPED_TMA=0 or grouped_fwd / grouped_dgrad /
-grouped_wgrad(tma=False) for the pointer kernels; H100, R = 65536 over 8 experts: fwd / dgrad 0.83-1.01x a dense
-cuBLAS GEMM of equal FLOPs, 0.94-1.10x torch._grouped_mm, against the pointer kernel's 0.68-0.76x;
-results/moe_tma_h100.txt):
-_grouped_mm_tma_kernel, the same forward / dgrad with x, w and the outputs moved by device-side TMA descriptors
-(per group for x and the outputs: shape (rows of the group, width) from its first row, so partial tiles neither
-read nor write another group's rows), persistent over tiles numbered group by group; sm_90+ (and the interpreter).
-_grouped_wgrad_tma_kernel: the weight gradient the same way (per-group dy and x descriptors, so the reduction's
-partial last row tile zero-fills; dw through one 3-D descriptor; persistent over dw's tiles group by group; db fused
-into the k-tile-0 tiles). H100, R = 65536 over 8 experts: 0.75-0.95x dense cuBLAS, 0.93-1.07x torch._grouped_mm,
-against the pointer wgrad's 0.62-0.78x (results/moe_tma_wgrad_h100.txt).
-
-FP8 (kernels/grouped_gemm_fp8.py): the same forward/dgrad kernel with SCALED: e4m3 operands, a scale per row of
-A and per (group, output column) of B applied before the bias and the epilogue.
-Callers: nanopara/moe.py (the Triton expert path). Public ops (`grouped_linear`, `grouped_mlp`) take the Triton path
-on CUDA tensors and the reference (a loop over groups) on CPU; `*_triton` force Triton (tests: TRITON_INTERPRET=1).
-Run: `python -m kernels.grouped_gemm [--out FILE]`: parity, then TFLOP/s of fwd / dgrad / wgrad against one dense
-cuBLAS GEMM of the same FLOPs and torch._grouped_mm (full MoE benchmark: bench/bench_moe.py).
+Kernels. Forward and dgrad are one kernel (only the strides of w differ); its tiles are the (m, n) tiles of every
+group, m tiles never straddling two groups; each program finds its tile's group from the offsets alone (a cumsum
+in registers), so the launch needs no host sync. The weight gradient is K-grouped: one program per (expert, n tile,
+k tile) of dw, db summed from the same dy tiles. All accumulate in fp32; dw, db are written in the parameters' dtype.
+TMA variants (_grouped_mm_tma_kernel, _grouped_wgrad_tma_kernel: the default on sm_90+ CUDA tensors; TMA /
+NANOPARA_GROUPED_TMA, or tma=False, for the pointer kernels): operands moved by per-group device-side descriptors,
+persistent over tiles numbered group by group. Autotuned per (N, K, rows bucket); bf16 on the GPU; in the
+interpreter tl.dot on bf16 is wrong (notes/triton_cpu.md), so CPU tests use fp32/fp16. Measured: notes/moe.md.
+Callers: nanopara/moe.py (the Triton expert path), kernels/grouped_gemm_fp8.py (SCALED). Public ops take the Triton
+path on CUDA tensors and a loop over groups on CPU; `*_triton` force Triton. Tests: tests/test_moe.py.
+Run: `python -m kernels.grouped_gemm [--out FILE]`: parity, then TFLOP/s against dense cuBLAS and torch._grouped_mm.
 """
 import argparse
 import functools
@@ -54,8 +36,9 @@ import triton.language as tl
 from kernels.launch import cdiv, fast, next_pow2, tma_scratch
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# The flattened TMA forward candidates (FLATTEN, _grouped_mm_tma_kernel) compile for sm_90 but have not yet run on a
-# GPU: opt-in (NANOPARA_GROUPED_FLATTEN=1) until tests/test_moe.py's GPU parity and bench_moe.py have run with them
+# The flattened TMA forward candidates (FLATTEN, _grouped_mm_tma_kernel): opt-in (NANOPARA_GROUPED_FLATTEN=1). On one
+# H100 they pass the GPU parity tests and measured no faster (results/moe_gemm_flatten_h100.txt, notes/moe.md), while
+# doubling the TMA forward's tuning candidates
 FLATTEN_CANDIDATES = os.environ.get("NANOPARA_GROUPED_FLATTEN", "0") == "1"
 MAX_E = 1024  # experts held in registers by every program (the tile -> group search)
 # The TMA kernels (_grouped_mm_tma_kernel for forward / dgrad, _grouped_wgrad_tma_kernel for wgrad) for calls that

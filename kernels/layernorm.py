@@ -1,9 +1,9 @@
 """LayerNorm (and residual-add + LayerNorm) as fused Triton kernels.
+Long file: forward, backward and the dw/db reduction with their per-width tuning (CUDA-graph timing) and benchmark.
 
 Math, per row x of width C (statistics always in fp32):
     mean = sum(x) / C,   rstd = 1 / sqrt(sum((x - mean)^2) / C + eps),   xhat = (x - mean) * rstd,   y = xhat * w + b
-Backward, with g = dy * w:   dx = rstd * (g - mean(g) - xhat * mean(g * xhat)),   dw = sum_rows(dy * xhat),
-    db = sum_rows(dy)
+Backward, with g = dy * w:   dx = rstd * (g - mean(g) - xhat * mean(g * xhat)),   dw = sum(dy * xhat),  db = sum(dy)
 `add_layernorm(x, residual, w, b)` returns (y, h), h = x + residual in the dtype PyTorch's add gives (bf16 + fp32 ->
 fp32: an fp32 stream is never truncated) and y = LN(h); its backward adds the grad flowing into h to dx, and x and
 residual get that gradient, each in its own dtype.
@@ -16,11 +16,10 @@ Kernels (memory bound: what counts is bytes in flight per SM):
            the next tiles load by cp.async while this one reduces; one program per tile, or persistent (a few per
            SM, weight/bias loaded once); stores y (and h) and fp32 mean/rstd (M,).
   backward one program per group of rows, pipelined the same way: dx in one pass, dw/db summed in registers into a
-           (n_groups, C) fp32 partial row per group, which a second small kernel reduces into dw/db. No second pass
-           over the M rows for dw/db. Tiles are autotuned per width by CUDA-graph replay (kept: kernels/tuning.py).
+           (n_groups, C) fp32 partial row per group, reduced by a second small kernel. Tiles: kernels/tuning.py.
 
-Callers: nanopara/model.py (ln_1, ln_2 through add_layernorm, ln_f). Public ops take the Triton path on CUDA and
-the reference on CPU; `layernorm_triton` / `add_layernorm_triton` force Triton (tests: TRITON_INTERPRET=1 on CPU).
+Callers: nanopara/model.py (ln_1, ln_2 through add_layernorm, ln_f): Triton on CUDA, the reference on CPU;
+`*_triton` force Triton (tests/test_layernorm.py, TRITON_INTERPRET=1 on CPU).
 Run: `python -m kernels.layernorm [--quick] [--out FILE]`: parity, then ms, GB/s and % of the measured copy
 bandwidth against eager F.layer_norm and torch.compile. Tile sweeps: bench/sweep_layernorm.py.
 """

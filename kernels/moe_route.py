@@ -1,37 +1,27 @@
 """Mixture-of-Experts token routing: top-k selection + the permutation that groups tokens by expert, and the two
 row movements around the expert GEMMs (permute, unpermute-combine), forward and backward.
+Long file: routing's three launches and the two row movements share one assignment layout and one benchmark.
 
-Math. N tokens, E experts, k choices per token, router logits z (N, E):
-    s = softmax(z) (or sigmoid(z)),  key = s + bias (bias: the aux-loss-free balancing bias, DeepSeek-V3; the
-    selection key only, never a gate),  idx[t] = the k largest keys of row t, best first (ties: lowest expert id).
-  Softmax without bias selects on z itself (same order, no exp). An assignment a = (t, j) sends token t to expert
-  idx[t, j]. Assignments are numbered slot-major, a = j * N + t, and stably sorted by expert: expert e's group holds
-  its first choices in token order, then its second choices, ... With a capacity c (rows per expert) an expert keeps
-  the first c of its group and drops the rest (Switch/GShard: first choices win over second choices). The result:
+Math. N tokens, E experts, k choices per token, router logits z (N, E): s = softmax(z) (or sigmoid(z)); key =
+s + bias (the aux-loss-free balancing bias, DeepSeek-V3: selects, never a gate); idx[t] = the k largest keys of
+row t, best first (ties: lowest expert id; softmax without bias selects on z itself). Assignments a = (t, j) are
+numbered slot-major, a = j * N + t, and stably sorted by expert: expert e's group holds its first choices in token
+order, then its second choices, ... With a capacity c an expert keeps the first c of its group (Switch/GShard).
     idx     (N, k) int64   chosen experts
     dest    (N, k) int32   row of assignment (t, j) in the expert-sorted buffer, -1 where dropped
     counts  (E,)   int32   assignments routed to each expert before dropping (load statistics, aux loss)
     offsets (E+1,) int32   expert e's kept rows are [offsets[e], offsets[e+1]); offsets[E] = rows in use
-    rows    int            rows to allocate for the sorted buffers: N*k, or min(N*k, E*c) with a capacity
-  Everything stays on the device: no host sync (rows is known on the host from N, k, E, c).
     permute:    xs[dest[t, j]] = x[t]                           backward  dx[t] = sum_j dxs[dest[t, j]]
     unpermute:  y[t] = sum_j w[t, j] * ys[dest[t, j]]           backward  dys[dest[t, j]] = w[t, j] * dy[t],
-                (dropped assignments add nothing)                         dw[t, j] = <dy[t], ys[dest[t, j]]>
-  Both walk tokens (token-major): x and dy are read once, and every sum over a token's k rows runs in one program in
-  a fixed order, so results are deterministic (no atomics). The permute backward is the unweighted unpermute.
+                                                                          dw[t, j] = <dy[t], ys[dest[t, j]]>
+  Dropped assignments add nothing. Both walk tokens (x, dy read once, a token's k rows summed in a fixed order).
+  No host sync anywhere: the rows to allocate, N*k or min(N*k, E*c), are known on the host.
 
-Kernels. Routing is three launches and no atomics: (1) per block of BLOCK_N tokens, top-k by k rounds of
-max + lowest argmax, and for each slot j the rank of each assignment among the block's assignments to the same
-expert (a cumsum over a one-hot (BLOCK_N, E) tile) plus the block's per-expert counts; (2) one program scans those
-(k * n_blocks, E) counts in slot-major unit order into each unit's base rank per expert, the totals, the kept counts
-and the group offsets; (3) per token block, dest = offsets[e] + base[unit, e] + rank if that rank < capacity.
-Permute/unpermute are memory bound: tiles of BLOCK_T tokens x BLOCK_C columns.
-
-Gates (w, differentiable in z) are not made here: nanopara/moe.py gathers them from the scores with autograd.
-Callers: nanopara/moe.py. Public ops (`route`, `permute`, `unpermute`) take the Triton path on CUDA tensors and the
-reference on CPU; `*_triton` force Triton (tests: TRITON_INTERPRET=1). Tests: tests/test_moe.py.
-Run: `python -m kernels.moe_route [--out FILE]`: parity, then permute/unpermute GB/s vs the copy bandwidth and
-PyTorch's index ops (the full MoE benchmark: bench/bench_moe.py).
+Kernels. Routing is three launches: (1) per block of tokens, top-k by k rounds of max + lowest argmax, each
+assignment's rank among the block's to the same expert and the block's per-expert counts; (2) one program scans
+those counts into base ranks, totals and offsets; (3) dest = offsets[e] + base + rank if rank < capacity.
+Callers: nanopara/moe.py (it makes the gates w, differentiable in z): `route`, `permute`, `unpermute` take Triton on
+CUDA, the reference on CPU; `*_triton` force Triton (tests/test_moe.py). `python -m kernels.moe_route`: GB/s.
 """
 import argparse
 import json

@@ -5,13 +5,11 @@ values). A custom op is one opaque node: dynamo and AOTAutograd see its schema, 
 and backward (`register_autograd`); Inductor compiles everything around it (bias + GELU, residual adds, casts).
 
 Ops (namespace `nanopara`; forward and backward apart, so the compiled backward calls the backward kernel):
-    attn_fwd(q, k, v, causal, sm_scale) -> (out, lse)          q, k, v, out (B, H, T, D); lse (B, H, T) fp32
-    attn_bwd(do, q, k, v, out, lse, causal, sm_scale) -> (dq, dk, dv)
+    attn_fwd(q, k, v, causal, sm_scale) -> (out, lse)    attn_bwd(do, q, k, v, out, lse, causal, sm_scale) -> dq, dk, dv
     attn_qkv_fwd(qkv, n_head, causal, sm_scale) -> (out, lse)  qkv (B, T, 3*H*D) packed [q | k | v] heads
     attn_qkv_bwd(do, qkv, out, lse, n_head, causal, sm_scale) -> dqkv (B, T, 3*H*D): one buffer, no stack copy
-        out/dq/dk/dv: (B, H, T, D) views of (B, T, H, D) memory, and the fake functions say so (free head merge).
-    layernorm_fwd(x, weight, bias?, eps, out_dtype?) -> (y, mean, rstd)     x (..., C); mean, rstd (M,) fp32,
-        M = numel / C; y in out_dtype (the autocast dtype when y feeds a matmul) or x's dtype
+        (out/dq/dk/dv: (B, H, T, D) views of (B, T, H, D) memory, as the fake functions say: free head merge)
+    layernorm_fwd(x, weight, bias?, eps, out_dtype?) -> (y, mean, rstd)     x (..., C); mean, rstd (M,) fp32
     add_layernorm_fwd(x, residual, weight, bias?, eps, out_dtype?) -> (y, h, mean, rstd)     h = x + residual
     layernorm_bwd(dy, dh?, x, weight, mean, rstd, has_bias) -> (dx, dw, db)     db is (0,) without bias
     ce_fwd(logits, targets, n_vocab, ignore_index, loss_scale) -> (loss, lse)   logits (N, Vp); mean over valid rows
@@ -22,10 +20,8 @@ instead of dlogits: same memory) and `ce_bwd` reads them again into a new buffer
 than the eager in-place kernel (~0.8 ms a step at GPT-2 124M, B=32, H200). `cross_entropy_inplace` keeps that
 eager path under torch.compile (a graph break at the loss); bench/bench_gpt.py times both.
 
-Public functions (`attention`, `attention_qkv`, `layernorm`, `add_layernorm`, `cross_entropy`,
-`cross_entropy_inplace`) call the ops with autograd; they run the Triton kernels on any device (CPU tensors need
-TRITON_INTERPRET=1). Callers: nanopara/model.py's TritonOps. Tests: tests/test_ops.py (torch.library.opcheck,
-gradients, fake shapes, and a torch.compile smoke test on CPU).
+Public functions (`attention`, ..., `cross_entropy_inplace`) call the ops with autograd, Triton on any device (CPU:
+TRITON_INTERPRET=1). Callers: nanopara/model.py's TritonOps. Tests: tests/test_ops.py (opcheck, torch.compile).
 """
 from __future__ import annotations
 
