@@ -163,7 +163,7 @@ class Stage(nn.Module):
         return super().train(mode)
 
     def forward(self, *args, **kwargs):
-        raise RuntimeError("a pipeline stage runs through its Pipeline (parallel.pipeline_step / pipeline_eval)")
+        raise RuntimeError("a pipeline stage runs through its Pipeline (trainer.Trainer: step and evaluate)")
 
 
 def embedding_group(mesh):
