@@ -52,8 +52,10 @@ GB = 1e9
 # the run: train.py's config, model and step object
 
 def make_cfg(preset: str, overrides: dict | None = None) -> Config:
-    """The preset with `--key=value` overrides {"train.micro_batch": 8, ...}, typed and checked as train.py does."""
-    return parse_args([f"--preset={preset}"] + [f"--{k}={v}" for k, v in (overrides or {}).items()])
+    """The preset with `--key=value` overrides {"train.micro_batch": 8, ...}, typed and checked as train.py does
+    (no text samples: a bench never draws one, and a short block_size would have to fit them)."""
+    keys = {"train.sample_tokens": 0, **(overrides or {})}
+    return parse_args([f"--preset={preset}"] + [f"--{k}={v}" for k, v in keys.items()])
 
 
 def build_trainer(cfg: Config, mesh: Mesh, prepare=None):

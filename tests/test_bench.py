@@ -270,6 +270,20 @@ def test_bench_ep_runs_single_dp_and_ep_on_cpu(tmp_path):
         by["ep2"]["tokens_per_s_per_gpu"] / by["dp2"]["tokens_per_s_per_gpu"])
 
 
+def test_bench_cp_runs_every_section_on_cpu(tmp_path):
+    """bench_cp.py on 2 gloo processes (reference blocks): 1 GPU against cp2 through the Trainer, the no-comm
+    control, Ulysses, the zigzag and contiguous balance, each a stamped row."""
+    out = tmp_path / "cp.jsonl"
+    _torchrun(2, "bench_cp.py", "--device=cpu", "--n_layer=2", "--n_embd=64", "--n_head=2", "--seq_len=64",
+              "--steps=1", f"--out={out}")
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["section"] for r in rows] == ["step", "exposed", "ulysses", "balance", "balance"]
+    step = rows[0]
+    assert step["cp_efficiency"] == pytest.approx(step["one_gpu"]["step_s"] / (2 * step["cp2"]["step_s"]))
+    assert step["cp2"]["tok_s"] > 0 and rows[2]["impl"] == "ulysses" and rows[3]["layout"] == "zigzag"
+    assert all(r["gpu"] == "cpu" and r["model"]["seq_len"] == 64 for r in rows)
+
+
 def test_bench_generate_same_weights_same_greedy_tokens():
     """bench/bench_generate.py's Hugging Face model holds our weights: greedy continuations agree (skipped where
     transformers is not installed: it is a benchmark-only dependency, present on the GPU machines)."""
