@@ -284,6 +284,17 @@ def test_bench_cp_runs_every_section_on_cpu(tmp_path):
     assert all(r["gpu"] == "cpu" and r["model"]["seq_len"] == 64 for r in rows)
 
 
+def test_bench_tp_baseline_and_tp_on_cpu(tmp_path):
+    """bench_tp.py sections 1-2 on 2 gloo processes: each rank's one-process baseline, then tp2 with SP, through
+    the Trainer (sections 3-4 need CUDA events and memory)."""
+    out = tmp_path / "tp.jsonl"
+    _torchrun(2, "bench_tp.py", "--device", "cpu", "--preset", "tiny", "--micro_batch", "2", "--seq_len", "32",
+              "--sp", "--quick", "--out", str(out))
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["section"] for r in rows] == ["baseline", "tp"] and rows[1]["sp"] is True
+    assert all(r["tokens_per_s"] > 0 and r["n_gpu"] == 2 for r in rows)
+
+
 def test_bench_generate_same_weights_same_greedy_tokens():
     """bench/bench_generate.py's Hugging Face model holds our weights: greedy continuations agree (skipped where
     transformers is not installed: it is a benchmark-only dependency, present on the GPU machines)."""
