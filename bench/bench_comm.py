@@ -1,6 +1,6 @@
 """Hand-written ring all-reduce (nanopara.comm) against NCCL's all_reduce: time and bus bandwidth on N GPUs.
 
-    torchrun --nproc_per_node=N bench/bench_comm.py [--quick] [--out FILE]
+    torchrun --nproc_per_node=N bench/bench_comm.py [--quick] [--out F.jsonl] [--device cpu]
 
 For each size (32 MiB .. 1 GiB) and dtype (bf16, fp32), both implementations all-reduce (SUM) the same buffer in
 place on the default group. Time per call = CUDA-event time of a batch of calls / calls, the slowest rank's.
@@ -14,45 +14,32 @@ any order) runs once per dtype before timing. Finishes in well under a minute on
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import sys
-import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from nanopara.comm import ring_all_reduce  # noqa: E402
+import harness as H
+from nanopara.comm import ring_all_reduce
+from nanopara.mesh import Mesh
 
 MiB = 2 ** 20
 
 
-def timed(fn, x, calls: int) -> float:
-    """Seconds per call on this rank (CUDA events around `calls` back-to-back calls), max over ranks."""
-    fn(x)  # warm-up (the first p2p call also sets up NCCL's p2p connections)
+def timed(fn, x, calls: int, mesh) -> float:
+    """Seconds per call, the slowest rank's: stamps on the stream (CUDA events; the host clock on CPU, where this
+    is a gloo smoke test of the script, not a measurement) around `calls` back-to-back calls, after two warm-ups
+    (the first p2p call also sets up NCCL's p2p connections)."""
     fn(x)
-    if x.device.type != "cuda":  # --device=cpu: a smoke test of this script with gloo, not a measurement
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn(x)
-        t = torch.tensor((time.perf_counter() - t0) / calls)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.item()
-    torch.cuda.synchronize()
+    fn(x)
+    H.sync(x.device)
     dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+    clock = H.Clock(x.device)
+    a = clock()
     for _ in range(calls):
         fn(x)
-    end.record()
-    torch.cuda.synchronize()
-    t = torch.tensor(start.elapsed_time(end) / 1e3 / calls, device=x.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    b = clock()
+    H.sync(x.device)
+    return H.max_over_ranks([clock.ms(a, b) / 1e3 / calls], mesh)[0]
 
 
 def check(group, dtype, device):
@@ -69,20 +56,11 @@ def check(group, dtype, device):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="3 sizes, fewer calls")
-    ap.add_argument("--out", default="", help="write the results as JSON here")
+    ap.add_argument("--out", default="", help="append the rows as JSON lines here")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: gloo smoke test, 1-4 MiB")
     args = ap.parse_args()
-
-    if args.device == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    n, rank = dist.get_world_size(), dist.get_rank()
-    group = dist.group.WORLD
+    mesh = Mesh.build(dp=-1, device=args.device)
+    n, group, device = mesh.world, dist.group.WORLD, mesh.device
     sizes = [32, 256, 1024] if args.quick else [32, 64, 128, 256, 512, 1024]  # MiB
     if device.type == "cpu":
         sizes = [1, 4]
@@ -93,31 +71,22 @@ def main():
             numel = mib * MiB // torch.tensor([], dtype=dtype).element_size()
             x = torch.zeros(numel, dtype=dtype, device=device)  # values do not change the speed; 0 stays finite
             calls = max(3, min(20, (2048 if not args.quick else 512) // mib))
-            t_nccl = timed(lambda t: dist.all_reduce(t), x, calls)
-            t_ring = timed(lambda t: ring_all_reduce(t, group), x, calls)
+            t_nccl = timed(lambda t: dist.all_reduce(t), x, calls, mesh)
+            t_ring = timed(lambda t: ring_all_reduce(t, group), x, calls, mesh)
             factor = 2 * (n - 1) / n * mib * MiB / 1e9  # GB moved per rank
             rows.append({"dtype": str(dtype).replace("torch.", ""), "MiB": mib, "nccl_ms": t_nccl * 1e3,
                          "ring_ms": t_ring * 1e3, "nccl_busbw_GBs": factor / t_nccl,
                          "ring_busbw_GBs": factor / t_ring, "ring_over_nccl": t_nccl / t_ring})
             del x
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-
-    if rank == 0:
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (gloo smoke test)"
+            H.free()
+    if mesh.is_main:
         nccl = ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else "-"
-        print(f"all-reduce (SUM, in place) on {n} x {name}, NCCL {nccl}, torch {torch.__version__}, "
-              f"{datetime.date.today()}")
-        print(f"{'dtype':>8} {'size':>9} | {'NCCL ms':>8} {'busbw GB/s':>10} | {'ring ms':>8} {'busbw GB/s':>10} "
-              f"| ring/NCCL busbw")
-        for r in rows:
-            print(f"{r['dtype']:>8} {r['MiB']:>5} MiB | {r['nccl_ms']:8.2f} {r['nccl_busbw_GBs']:10.1f} | "
-                  f"{r['ring_ms']:8.2f} {r['ring_busbw_GBs']:10.1f} | {r['ring_over_nccl']:.2f}")
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"bench": "comm", "gpus": n, "device": name, "torch": torch.__version__,
-                           "date": str(datetime.date.today()), "rows": rows}, f, indent=1)
-    dist.destroy_process_group()
+        print(H.banner(f"all-reduce (SUM, in place), NCCL {nccl}", mesh))
+        print(H.table(rows, [("dtype", "dtype", ""), ("MiB", "MiB", "d"), ("nccl_ms", "NCCL ms", ".2f"),
+                             ("nccl_busbw_GBs", "busbw GB/s", ".1f"), ("ring_ms", "ring ms", ".2f"),
+                             ("ring_busbw_GBs", "busbw GB/s", ".1f"), ("ring_over_nccl", "ring/NCCL busbw", ".2f")]))
+        H.append_jsonl(args.out, [dict(r, bench="comm", gpus=n, nccl=nccl) for r in rows])
+    mesh.destroy()
 
 
 if __name__ == "__main__":
