@@ -1,6 +1,6 @@
 """Host (CPU) cost of launching our kernels, per call: where Python time goes before the GPU sees work.
 
-    python bench/bench_launch.py [--n 2000]
+    python bench/bench_launch.py [--n 2000] [--out F.jsonl]
 
 Each line times n back-to-back calls on a tiny problem (the GPU finishes each in a few us, so the loop is bound by
 the CPU) and prints us per call:
@@ -12,36 +12,27 @@ the CPU) and prints us per call:
 In a training step the CPU runs ahead of the GPU only while its per-op cost stays below the kernels' time.
 """
 import argparse
-import os
-import sys
-import time
 
 import torch
 import torch.nn.functional as F
 import triton
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kernels import layernorm as ln  # noqa: E402
-from kernels import ops  # noqa: E402
-from kernels.attention import attention  # noqa: E402
-from kernels.cross_entropy import cross_entropy  # noqa: E402
+import harness as H
+from kernels import layernorm as ln
+from kernels import ops
+from kernels.attention import attention
+from kernels.cross_entropy import cross_entropy
 
 
 def per_call_us(fn, n):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
+    """Host us per call over n back-to-back calls (20 first, untimed), synced before and after."""
+    return H.timed(fn, n, 20, device="cuda")["step_s"] * 1e6
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=2000)
+    ap.add_argument("--out", default="", help="append the rows as JSON lines here")
     ap.add_argument("--profile", default="", help="cProfile the rows whose name contains this text (top 25 by "
                     "own time)")
     args = ap.parse_args()
@@ -57,8 +48,8 @@ def main():
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]),)  # noqa: E731
     compiled = k[grid](*a, **const)
     cfg = k.best_config
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; us per call "
-          f"(n={args.n}); tuned fwd config {cfg}")
+    print(H.banner(f"bench_launch: host us per call (n={args.n}), triton {triton.__version__}; tuned fwd config "
+                   f"{cfg}"))
     g = (triton.cdiv(M, cfg.kwargs["BLOCK_M"]), 1, 1)
     rows = {
         "LN fwd kernel via autotuner": lambda: k[grid](*a, **const),
@@ -81,8 +72,10 @@ def main():
     tgt = torch.randint(0, 50257, (64,), device=dev)
     rows["cross-entropy fwd+bwd ours"] = lambda: cross_entropy(logits, tgt).backward()
     rows["cross-entropy fwd+bwd F.cross_entropy"] = lambda: F.cross_entropy(logits.float(), tgt).backward()
+    out = []
     for name, fn in rows.items():
-        print(f"  {name:40s} {per_call_us(fn, args.n):8.1f} us")
+        out.append({"op": name, "us_per_call": per_call_us(fn, args.n), "n": args.n})
+        print(f"  {name:40s} {out[-1]['us_per_call']:8.1f} us", flush=True)
         if args.profile and args.profile in name:
             import cProfile
             import pstats
@@ -92,6 +85,7 @@ def main():
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tp:
                 per_call_us(fn, 200)
             print(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+    H.append_jsonl(args.out, out)
 
 
 if __name__ == "__main__":
