@@ -1,7 +1,7 @@
 """MoE on one GPU: grouped GEMM, permute / unpermute, and the MoE layer forward + backward against PyTorch.
 
-    python bench/bench_moe.py [--quick] [--out FILE]          (~4 minutes on an H100, autotuning included)
-    python bench/bench_moe.py --smoke                         (CPU, Triton interpreter, tiny shapes: the script runs)
+    python bench/bench_moe.py [--quick] [--out F.jsonl]     (~4 minutes on an H100, autotuning included)
+    python bench/bench_moe.py --smoke                       (CPU, Triton interpreter, tiny shapes: the script runs)
 
 GPT-2 124M width (C = 768, experts C -> 4C -> C), E = 8 experts, top-2, bf16; every ratio is against a baseline
 timed in the same run on the same GPU. Sections:
@@ -12,51 +12,27 @@ timed in the same run on the same GPU. Sections:
            c_proj (N=768, K=3072) shapes, balanced and skewed groups (expert e's share ~ 1/(e+1)^1.5: 48% to one
            expert), against one dense cuBLAS GEMM of the same FLOPs and torch._grouped_mm (where torch has it)
            goals (issue #27): >= 0.85x dense with balanced groups, ahead of torch._grouped_mm. Where TMA runs
-           (sm_90+, or the interpreter under --smoke; --no-tma skips it) fwd / dgrad / wgrad also through the TMA
-           kernels (`triton_tma` column: grouped_gemm._grouped_mm_tma_kernel for fwd / dgrad,
-           _grouped_wgrad_tma_kernel for wgrad; the `triton` column is the pointer kernels); each Triton cell shows
-           TFLOP/s, x dense and x _grouped_mm
+           (sm_90+, or the interpreter under --smoke; --no-tma skips it) also through the TMA kernels (`triton_tma`
+           column; `triton` = the pointer kernels); each Triton cell: TFLOP/s, x dense and x _grouped_mm
 3. moves   route / permute / unpermute fwd and bwd: ms, GB/s and % of the measured copy bandwidth, against
            PyTorch's index ops on the same order. Goal: >= 80% of copy
 4. layer   the MoE layer fwd + bwd (router, aux losses, dispatch, experts, combine) at B*T = 16384 and 32768
            tokens: triton vs the per-expert loop, the sorted-index PyTorch path, and sorted + torch._grouped_mm
-           (and triton_tma: the triton layer with grouped_gemm.TMA on, where TMA runs; its /GEMMs is over the
-           pointer kernel's GEMMs);
-           speedup over the loop (goal >= 3x), TFLOP/s of the expert GEMMs it holds, and its time over the time of
-           those GEMMs alone (`grouped_mlp` fwd + bwd on the sorted rows: the dispatch overhead)
-JSON lines (one per row, with section, device and date) go to --out; tables to stdout.
+           (and triton_tma: grouped_gemm.TMA on, where TMA runs); speedup over the loop (goal >= 3x), TFLOP/s of
+           its expert GEMMs, its time over those GEMMs' alone (`grouped_mlp` on the sorted rows: the dispatch)
+JSON lines (one per row, stamped by bench/harness.py) go to --out; tables to stdout.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import sys
-import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kernels import grouped_gemm as gg  # noqa: E402
-from kernels import moe_route as mr  # noqa: E402
-from nanopara.moe import MoEConfig, MoEMLP  # noqa: E402
-
-
-def make_timer(device, reps):
-    """ms of fn: median of triton's do_bench on CUDA; on CPU (smoke: the script runs, the numbers mean nothing) the
-    mean of `reps` calls."""
-    if device == "cuda":
-        import triton
-        return lambda fn: triton.testing.do_bench(fn, return_mode="median")
-
-    def cpu_timer(fn):
-        t = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - t) / reps * 1e3
-    return cpu_timer
+import harness as H
+from kernels import grouped_gemm as gg
+from kernels import moe_route as mr
+from nanopara.moe import MoEConfig, MoEMLP
 
 
 def copy_bandwidth(device):
@@ -78,7 +54,7 @@ def layer_fwd_bwd(m, x, impl, dtype):
     m.impl = impl
     m.zero_grad(set_to_none=True)
     xl = x.detach().clone().requires_grad_()
-    with torch.autocast(x.device.type, dtype=dtype, enabled=dtype != torch.float32):
+    with H.amp(x.device, "bf16" if dtype == torch.bfloat16 else "fp32")():
         y = m(xl)
     y.backward(torch.linspace(-1, 1, y.numel(), device=y.device).view_as(y).to(y.dtype))
     return [y.detach()] + [xl.grad] + [p.grad.clone() for p in m.parameters()]
@@ -206,7 +182,7 @@ def layer(args, timer):
             m.impl = "triton" if impl == "triton_tma" else impl
 
             def step():
-                with torch.autocast(args.device, dtype=args.dtype, enabled=args.dtype != torch.float32):
+                with H.amp(args.device, "bf16" if args.dtype == torch.bfloat16 else "fp32")():
                     y = m(x)
                 y.backward(dy)
             flag = gg.TMA
@@ -260,9 +236,9 @@ def parse(argv=None):
 
 def main(argv=None):
     args = parse(argv)
-    timer = make_timer(args.device, reps=1)
-    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (interpreter)"
-    print(f"{device_name}, torch {torch.__version__}, {datetime.date.today()}")
+    timer = lambda fn: H.bench_ms(fn, args.device, reps=1)  # noqa: E731
+    print(H.banner(f"bench_moe C={args.C} E={args.E} top-{args.k} {args.dtype_name}"
+                   + (" (Triton interpreter)" if args.smoke else "")), flush=True)
     sections = args.sections.split(",")
     args.tma = tma_rows(args)
     rows = []
@@ -274,10 +250,7 @@ def main(argv=None):
         rows += moves(args, timer, copy_bandwidth(args.device))
     if "layer" in sections:
         rows += layer(args, timer)
-    if args.out:
-        with open(args.out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(dict(r, device=device_name, date=str(datetime.date.today()))) + "\n")
+    H.append_jsonl(args.out, rows)
     return rows
 
 

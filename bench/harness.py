@@ -95,10 +95,8 @@ def solo_mesh(device) -> Mesh:
 
 
 def amp(device, dtype: str = "auto"):
-    """train.py's autocast (nanopara.trainer.autocast) for a device without a Config: bf16 on GPU, none on CPU."""
-    cfg = Config()
-    cfg.train.dtype = dtype
-    return autocast(cfg, torch.device(device))[0]
+    """train.py's autocast (nanopara.trainer.autocast) for a dtype name: auto = bf16 on GPU, none (fp32) on CPU."""
+    return autocast(dtype, torch.device(device))[0]
 
 
 def mfu(cfg: Config, n_params: int, tokens_per_s: float, n_gpu: int, device) -> float:
