@@ -6,9 +6,11 @@
     torchrun --nproc_per_node=8 train.py --parallel.pp=2 --parallel.tp=2 --train.tokens_per_step=524288  # 3D, m=8
     make train NGPU=8 ARGS="--train.steps=100"                  # the same through make
 
-Every key is listed by nanopara/config.py; unknown keys and bad values stop the run before any work. Parallelism is
-applied from outside the model by nanopara/parallel.py in DESIGN.md's order (TP -> CP -> PP -> activation
-checkpointing -> DP/ZeRO). Checkpoints and resume: nanopara/checkpoint.py; the per-step log: nanopara/report.py.
+Every key is listed by nanopara/config.py (`python train.py --help`); unknown keys and bad values stop the run
+before any work. Parallelism is applied from outside the model by nanopara/parallel.py, in the order its docstring
+gives (TP -> CP -> EP -> PP -> activation checkpointing -> FP8 -> DP/ZeRO), and returns the Trainer
+(nanopara/trainer.py): the one step object this loop calls. Checkpoints: nanopara/checkpoint.py; the log:
+nanopara/report.py.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nanopara import checkpoint, evals, sft
+from nanopara import checkpoint, evals, runguard, sft
 from nanopara.cli import describe, help_text, parse_args
 from nanopara.config import Config, ConfigError
 from nanopara.data import TokenLoader, default_mirror, find_shards, get_tokenizer
@@ -42,6 +44,20 @@ def git_rev() -> str:
 
 
 def write_run_info(cfg: Config, mesh: Mesh) -> None:
+    """config.json and run_info.txt into the run directory (rank 0), and `latest` beside it pointing at this run
+    (runs/latest -> tiny for --out_dir=runs/tiny): `make sample` and `make plot` read runs/latest by default. A
+    relative symlink, replaced atomically (a new link under a temporary name, renamed over the old one); a
+    `latest` that is not a symlink is left alone."""
+    out = os.path.normpath(os.path.abspath(cfg.out_dir))
+    link = os.path.join(os.path.dirname(out), "latest")
+    if os.path.basename(out) != "latest" and (os.path.islink(link) or not os.path.exists(link)):
+        tmp = f"{link}.tmp{os.getpid()}"
+        try:
+            os.symlink(os.path.basename(out), tmp)
+            os.replace(tmp, link)
+        except OSError:  # a file system without symlinks: the run goes on without the link
+            if os.path.islink(tmp):
+                os.remove(tmp)
     with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
         f.write(describe(cfg))
     info = [f"git {git_rev()}", f"torch {torch.__version__}", f"mesh world={mesh.world} {mesh.sizes}",
@@ -96,14 +112,19 @@ def build_model(cfg: Config, resuming: bool, log) -> GPT:
     return model
 
 
-def find_resume(cfg: Config, log) -> str | None:
-    """--resume: the checkpoint to continue from (checkpoint.find_resume), checked against this run's model shape
-    and step count before any model work; None for a fresh run."""
+def find_resume(cfg: Config, mesh: Mesh, log) -> str | None:
+    """--resume: the checkpoint to continue from, ckpt/latest or else the newest that verifies (checkpoint.find_resume:
+    each rank hashes its share of the shards), checked against this run's model shape and step count before any
+    model work. None for a fresh run, and for --resume in a directory that holds no checkpoint yet (said)."""
     if not cfg.resume:
         return None
-    path, why = checkpoint.find_resume(cfg.out_dir)
-    if why:
-        log(f"warning: {why}")
+    try:
+        path, note = checkpoint.find_resume(cfg.out_dir, mesh)
+    except checkpoint.NoCheckpoint:
+        log(f"--resume: {cfg.out_dir} holds no checkpoint yet: starting from step 0")
+        return None
+    if note:
+        log(f"warning: {note}")
     saved_step = checkpoint.check_model_matches(path, vars(cfg.model))["step"]
     if saved_step >= cfg.train.steps:
         raise ConfigError(f"--resume: {path} is at step {saved_step} and --train.steps={cfg.train.steps}: "
@@ -194,52 +215,62 @@ def train(cfg: Config) -> dict:
                       cfg.parallel.timeout_s, ep=cfg.parallel.ep)
     log = print if mesh.is_main else (lambda *a, **k: None)
     accum = check_layout(cfg, mesh.world, mesh.device.type)  # micro-steps per optimizer step
-    checkpoint.prepare_run_dir(cfg.out_dir, cfg.resume, cfg.overwrite, mesh.is_main)
-    loader, val_loader = build_loaders(cfg, mesh, log)
-    eval_data = load_evals(cfg)  # train.eval_every: HellaSwag items (nanopara/evals.py)
-    resume_path = find_resume(cfg, log)
-    model = build_model(cfg, resume_path is not None, log)
-    n_params = model.num_params()
-    trainer = parallelize(model, mesh, cfg)  # nanopara/parallel.py: the one step object, whatever the layout
-    if trainer.pipeline is not None:
-        model = None  # each rank keeps its stage (trainer.model): the rest of the GPT goes
-    start = checkpoint.restore_training(resume_path, mesh, trainer, loader) if resume_path else 0
-    metrics = Metrics(cfg.out_dir, mesh.is_main)
-    start_log(cfg, mesh, trainer, metrics, n_params, resume_path, start)
-    reporter = StepReporter(metrics, mesh, trainer.scaler, tokens_per_step=accum * t.micro_batch * t.seq_len * mesh.dp,
-                            log_every=t.log_every, flops_per_token=flops_per_token(cfg.model, n_params, t.seq_len),
-                            last_step=t.steps - 1, max_bad_steps=t.max_bad_steps, defer=not trainer.scaler.enabled)
+    with runguard.RunGuard(cfg.out_dir, mesh) as guard:  # rank 0 holds out_dir's lock; SIGTERM/SIGINT: save, stop
+        checkpoint.prepare_run_dir(cfg.out_dir, cfg.resume, cfg.overwrite, mesh.is_main)
+        loader, val_loader = build_loaders(cfg, mesh, log)
+        eval_data = load_evals(cfg)  # train.eval_every: HellaSwag items (nanopara/evals.py)
+        resume_path = find_resume(cfg, mesh, log)
+        model = build_model(cfg, resume_path is not None, log)
+        n_params = model.num_params()
+        trainer = parallelize(model, mesh, cfg)  # nanopara/parallel.py: the one step object, whatever the layout
+        if trainer.pipeline is not None:
+            model = None  # each rank keeps its stage (trainer.model): the rest of the GPT goes
+        start = checkpoint.restore_training(resume_path, mesh, trainer, loader) if resume_path else 0
+        metrics = Metrics(cfg.out_dir, mesh.is_main)
+        start_log(cfg, mesh, trainer, metrics, n_params, resume_path, start)
+        reporter = StepReporter(metrics, mesh, trainer.scaler,
+                                tokens_per_step=accum * t.micro_batch * t.seq_len * mesh.dp, log_every=t.log_every,
+                                flops_per_token=flops_per_token(cfg.model, n_params, t.seq_len),
+                                last_step=t.steps - 1, max_bad_steps=t.max_bad_steps, defer=not trainer.scaler.enabled)
 
-    for step in range(start, t.steps):
-        reporter.begin_step()
-        lr = lr_at(step, t)
-        batches = [next(loader) for _ in range(accum)]
-        loss = trainer.forward_backward(batches, token_weights(batches, loader, mesh))  # SFT masks: else None
-        norm = trainer.step(lr, sync=not reporter.defer)  # a NaN loss gives a NaN norm: the update is skipped
-        reporter.end_step(step, lr, loss, norm, must_report=step == t.steps - 1, extra=trainer.moe_stats)
-        between_steps(step, cfg, mesh, trainer, model, loader, val_loader, eval_data, metrics, reporter, log)
+        for step in range(start, t.steps):
+            reporter.begin_step()
+            lr = lr_at(step, t)
+            batches = [next(loader) for _ in range(accum)]
+            loss = trainer.forward_backward(batches, token_weights(batches, loader, mesh))  # SFT masks: else None
+            norm = trainer.step(lr, sync=not reporter.defer)  # a NaN loss gives a NaN norm: the update is skipped
+            reporter.end_step(step, lr, loss, norm, must_report=step == t.steps - 1, extra=trainer.moe_stats)
+            between_steps(step, cfg, mesh, trainer, model, loader, val_loader, eval_data, metrics, reporter, log,
+                          guard)
 
-    text = ""
-    if t.sample_tokens > 0 and model is None:  # pp > 1: no rank holds the whole model
-        log(f"sample: skipped under pipeline parallel; python sample.py --out_dir={cfg.out_dir} reads the checkpoint")
-    elif t.sample_tokens > 0:
-        text = sample(model, mesh.device, t.sample_tokens, cfg.seed, trainer.amp)
-        log(f"sample:\n{text}")
-    trainer.close()  # before the process group goes: a captured NCCL kernel blocks its destruction
-    mesh.destroy()
-    return {"losses": reporter.losses, "steps": t.steps, "start": start, "sample": text}
+        text = ""
+        if t.sample_tokens > 0 and model is None:  # pp > 1: no rank holds the whole model
+            log(f"sample: skipped under pipeline parallel; python sample.py --out_dir={cfg.out_dir} reads the "
+                f"checkpoint")
+        elif t.sample_tokens > 0:
+            text = sample(model, mesh.device, t.sample_tokens, cfg.seed, trainer.amp)
+            log(f"sample:\n{text}")
+        trainer.close()  # before the process group goes: a captured NCCL kernel blocks its destruction
+        mesh.destroy()
+        return {"losses": reporter.losses, "steps": t.steps, "start": start, "sample": text}
 
 
-def between_steps(step, cfg, mesh, trainer, model, loader, val_loader, eval_data, metrics, reporter, log) -> None:
-    """What runs after optimizer step `step` at its interval: validation, HellaSwag, a sample, a checkpoint."""
+def between_steps(step, cfg, mesh, trainer, model, loader, val_loader, eval_data, metrics, reporter, log,
+                  guard) -> None:
+    """What runs after optimizer step `step`: first whether every rank stops here (SIGTERM/SIGINT on any rank:
+    runguard.py), then at their intervals validation, HellaSwag, a sample, a checkpoint. A stop saves a checkpoint
+    and leaves with 128 + the signal number. A failed save is a warning, but at the last step an error."""
     t, last = cfg.train, step == cfg.train.steps - 1
-    do_val = val_loader is not None and ((step + 1) % t.val_every == 0 or last)
-    do_sample = t.sample_every > 0 and (step + 1) % t.sample_every == 0 and not last and model is not None
-    do_save = (cfg.ckpt.every > 0 and (step + 1) % cfg.ckpt.every == 0) or (last and cfg.ckpt.final)
-    do_eval = bool(eval_data) and ((step + 1) % t.eval_every == 0 or last)
-    if not (do_val or do_sample or do_save or do_eval):
+    signum = 0 if last else guard.agree_stop()  # (a collective every step; at the last step the run ends anyway)
+    do_val = not signum and val_loader is not None and ((step + 1) % t.val_every == 0 or last)
+    do_sample = (not signum and t.sample_every > 0 and (step + 1) % t.sample_every == 0 and not last
+                 and model is not None)
+    do_save = ((cfg.ckpt.every > 0 and ((step + 1) % cfg.ckpt.every == 0 or signum))
+               or ((last or signum) and cfg.ckpt.final))
+    do_eval = not signum and bool(eval_data) and ((step + 1) % t.eval_every == 0 or last)
+    if not (do_val or do_sample or do_save or do_eval or signum):
         return
-    reporter.pause()
+    reporter.pause()  # the deferred step is reported (a non-finite streak may stop the run here)
     if do_eval:
         run_evals(model, eval_data, cfg, mesh, trainer.amp, metrics, step)
     if do_val:
@@ -248,15 +279,24 @@ def between_steps(step, cfg, mesh, trainer, model, loader, val_loader, eval_data
         metrics.log({"step": step, "val_loss": vl}, f"step {step:5d} | val_loss {vl:.4f}")
     if do_sample:
         log(f"sample at step {step}:\n{sample(model, mesh.device, t.sample_tokens, cfg.seed, trainer.amp)}")
+    saved = "nothing saved (ckpt.every=0 and ckpt.final=false)"
     if do_save:
         try:
             path = checkpoint.save_training(cfg.out_dir, step + 1, mesh, trainer, loader,
                                             {"config": cfg.to_dict(), "git": git_rev()}, cfg.ckpt.keep)
-            log(f"saved checkpoint {path}")
-        except checkpoint.CheckpointError as e:  # the run goes on: the next save may succeed
+            saved = f"saved checkpoint {path}; continue with --resume"
+            if not signum:
+                log(f"saved checkpoint {path}")
+        except checkpoint.CheckpointError as e:  # nothing was published: `latest` names the last good checkpoint
             if last:
                 raise
-            log(f"warning: {e}; training goes on and the next save tries again")
+            saved = str(e)
+            if not signum:
+                log(f"warning: {e}; training goes on and the next save tries again")
+    if signum:
+        trainer.close()  # as at the end of train(): before the process group goes
+        mesh.destroy()
+        guard.stop(step, signum, saved, log)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -1,7 +1,7 @@
 """Tests for kernels/attention.py: the Triton flash attention against attention_ref.
 
 On CPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1) in fp32 and fp16 (bf16 dots are
-broken in the interpreter, shared/TRITON_CPU.md); bf16 at real sizes runs in the `gpu` tests.
+broken in the interpreter, notes/triton_cpu.md); bf16 at real sizes runs in the `gpu` tests.
 Shapes are small and awkward: T not a multiple of the interpreter tiles (BLOCK 64 x 32), odd B*H, Tq != Tk.
 """
 import pytest

@@ -5,7 +5,7 @@ CPU: the Triton kernels run in the interpreter at small awkward sizes (37 tokens
 empty experts, one expert holding everything, k > 1, dropped tokens). Routing is integer work: equal to the
 reference exactly. Float results are judged against float64 oracles: fp32 paths differ by summation order only
 (observed <= ~2e-6 relative), fp16 by the rounding of stored intermediates. tl.dot on bf16 is wrong in the
-interpreter (shared/TRITON_CPU.md), so GEMMs are tested in fp32/fp16 here and in bf16 on the GPU (`-m gpu`).
+interpreter (notes/triton_cpu.md), so GEMMs are tested in fp32/fp16 here and in bf16 on the GPU (`-m gpu`).
 """
 import copy
 import math
