@@ -1,10 +1,10 @@
 """FP8 on one GPU: GEMMs, quantization kernels and the FP8 linear against cuBLAS and bf16, in one run.
 
-    python bench/bench_fp8.py [--quick] [--only gemm,quant,linear] [--accum fast|precise|both] [--out FILE]
+    python bench/bench_fp8.py [--quick] [--only gemm,quant,linear] [--accum fast|precise|both] [--out F.jsonl]
     python bench/bench_fp8.py --ptxas [--quick] [--json]   # no GPU: every GEMM tile and quantization kernel,
                                                            # compiled for sm_90a: registers, spills, wgmma, TMA
 
-Sections (each prints a table; every row also goes to --out as one JSON line, with the GPU name and date):
+Sections (each prints a table; every row also goes to --out as one JSON line, stamped by bench/harness.py):
   parity  the Triton GEMM per scaling mode against fp8_matmul_ref, and every quantization kernel bit-exact against
           fp8_quantize_ref, on the GPU (the hardware fp8 cast; the CPU tests check the interpreter's)
   gemm    TFLOP/s at 8192^3 and at the training GEMMs of gpt_1b (8 x 1024 tokens, C = 2048) and gpt2_124m
@@ -31,7 +31,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import harness as H
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # (model, tokens per micro-step, C); its Linears (out, in): c_attn (3C, C), attn.c_proj (C, C), c_fc (4C, C),
@@ -55,14 +55,7 @@ def gemm_shapes(quick):
 
 
 def _bench(fn, grad_to_none=None):
-    import triton
-    return triton.testing.do_bench(fn, warmup=10, rep=50, grad_to_none=grad_to_none, return_mode="median")
-
-
-def _emit(out, row):
-    if out:
-        out.write(json.dumps(dict(row, gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"))) + "\n")
-        out.flush()
+    return H.bench_ms(fn, grad_to_none=grad_to_none)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -148,8 +141,8 @@ def parity(out):
                 r = fp8_matmul_ref(a, b, sa, sb, bias, torch.float32)
                 err = ((y - r).abs().max() / r.abs().max()).item()
                 print(f"  gemm {mode}{' 1x128 B' if wgrad else ''} {M}x{N}x{K} fast_accum={fast}: {err:.2e}")
-                _emit(out, dict(section="parity", mode=mode, M=M, N=N, K=K, fast_accum=fast, rel_err=err))
-    _emit(out, dict(section="parity", quant_mismatches=bad))
+                H.append_jsonl(out, dict(section="parity", mode=mode, M=M, N=N, K=K, fast_accum=fast, rel_err=err))
+    H.append_jsonl(out, dict(section="parity", quant_mismatches=bad))
 
 
 def gemm(out, quick, accum):
@@ -186,7 +179,7 @@ def gemm(out, quick, accum):
                   f"{g('cublas_row_tflops'):6.0f} {g('row_vs_cublas_row'):4.2f}x | {g('block_tflops'):6.0f} "
                   f"{g('block_vs_cublas_row'):4.2f}x {g('cublas_block_tflops'):6.0f} "
                   f"{g('block_vs_cublas_block'):4.2f}x")
-            _emit(out, row)
+            H.append_jsonl(out, row)
     print("goals: tensor and row >= 0.90x cuBLAS (same scaling); block >= 0.80x cuBLAS rowwise. cuBLAS blockwise: "
           "NaN = unavailable in this torch (reason in the JSON line); wgrad's 1x128 x 1x128 has no cuBLAS column")
 
@@ -226,7 +219,7 @@ def quant(out, quick):
         us = _bench(fn) * 1e3
         gbs = nbytes / us / 1e3
         print(f"{name:>34} {f'{shape[0]}x{shape[1]}':>14} {us:8.1f} {gbs:6.0f} {100 * gbs / copy:5.0f}%")
-        _emit(out, dict(section="quant", kernel=name, shape=list(shape), us=us, gbs=gbs, pct_copy=100 * gbs / copy,
+        H.append_jsonl(out, dict(section="quant", kernel=name, shape=list(shape), us=us, gbs=gbs, pct_copy=100 * gbs / copy,
                         copy_gbs=copy))
     print("bytes = what must move: input reads (2 for the two-pass kernels), fp8 outputs (2 with the transpose); "
           "scales not counted")
@@ -247,7 +240,7 @@ def linear(out, quick):
             def step(lin, state=None):
                 if state is not None:
                     state.step()
-                with torch.autocast("cuda", dtype=torch.bfloat16):
+                with H.amp("cuda")():
                     y = lin(x)
                 y.backward(dy)
             params = [x, base.weight, base.bias]  # grads set to None before each call: no accumulation adds
@@ -263,7 +256,7 @@ def linear(out, quick):
                 row.update({f"{mode}_ms": t, f"{mode}_speedup": t16 / t, f"{mode}_cast_speedup": t16 / tc})
                 cells.append(f"{t:9.3f} {t16 / t:4.2f}x {t16 / tc:6.2f}x")
             print(f"{f'{model} {name} ({M}, {N}, {K})':>34} {t16:8.3f} | " + " | ".join(cells))
-            _emit(out, row)
+            H.append_jsonl(out, row)
     print("x = bf16 ms / fp8 ms with the weight cast reused (micro-batches 2.. of a step); +cast x: cast every call")
 
 
@@ -367,14 +360,12 @@ def main():
         rows = ptxas_report(args.quick, sys.stderr if args.json else sys.stdout)
         if args.json:
             print(json.dumps(rows))
-        if args.out:
-            with open(args.out, "a") as f:
-                f.writelines(json.dumps(r) + "\n" for r in rows)
+        H.append_jsonl(args.out, rows)
         return
     if not torch.cuda.is_available():
         raise SystemExit("the benchmark needs a CUDA GPU (CPU: pytest tests/test_fp8.py; --ptxas compiles without one)")
-    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | {time.strftime('%Y-%m-%d %H:%M')}")
-    out = open(args.out, "a") if args.out else None
+    print(H.banner("bench_fp8 " + args.only), flush=True)
+    out = args.out
     sections = args.only.split(",")
     t0 = time.time()
     if "parity" in sections:
@@ -386,8 +377,6 @@ def main():
     if "linear" in sections:
         linear(out, args.quick)
     print(f"\n{time.time() - t0:.0f} s")
-    if out:
-        out.close()
 
 
 if __name__ == "__main__":

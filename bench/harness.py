@@ -172,12 +172,12 @@ def timed(step, steps: int, warmup: int = 0, mesh: Mesh | None = None, device=No
     return dict(zip(("step_s", "median_s", "min_s", "max_s", "peak_gb"), vals), times=times, last=last)
 
 
-def bench_ms(fn, device="cuda", reps: int = 3) -> float:
-    """ms of one call of fn: the median of Triton's do_bench on CUDA; on CPU (smoke runs, numbers that mean
-    nothing) the mean of `reps` calls."""
+def bench_ms(fn, device="cuda", reps: int = 3, grad_to_none=None) -> float:
+    """ms of one call of fn: the median of Triton's do_bench on CUDA (grad_to_none: tensors whose .grad it resets
+    before each call); on CPU (smoke runs, numbers that mean nothing) the mean of `reps` calls."""
     if torch.device(device).type == "cuda":
         import triton
-        return triton.testing.do_bench(fn, return_mode="median")
+        return triton.testing.do_bench(fn, grad_to_none=grad_to_none, return_mode="median")
     t0 = time.perf_counter()
     for _ in range(reps):
         fn()
