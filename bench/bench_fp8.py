@@ -219,8 +219,8 @@ def quant(out, quick):
         us = _bench(fn) * 1e3
         gbs = nbytes / us / 1e3
         print(f"{name:>34} {f'{shape[0]}x{shape[1]}':>14} {us:8.1f} {gbs:6.0f} {100 * gbs / copy:5.0f}%")
-        H.append_jsonl(out, dict(section="quant", kernel=name, shape=list(shape), us=us, gbs=gbs, pct_copy=100 * gbs / copy,
-                        copy_gbs=copy))
+        H.append_jsonl(out, dict(section="quant", kernel=name, shape=list(shape), us=us, gbs=gbs,
+                                 pct_copy=100 * gbs / copy, copy_gbs=copy))
     print("bytes = what must move: input reads (2 for the two-pass kernels), fp8 outputs (2 with the transpose); "
           "scales not counted")
 
