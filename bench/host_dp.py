@@ -3,30 +3,24 @@
     torchrun --nproc_per_node=2 bench/host_dp.py [--repeats 60]
 
 GPT-2 124M's structure (12 blocks, 148 parameter tensors, 48 Linear weights with gradient destinations) at toy
-widths (n_embd 48, T 8, B 1), so a backward is nearly all per-op and per-hook Python/C++ overhead. Communication is
-switched off (each engine's `_launch` returns a finished stand-in), so the rows compare what the engine's own
-host work adds to a forward and a backward: SingleDevice (no hooks), DDP and ZeRO-2 with and without gradient
-destinations (`ddp:dest`, `zero2:nodest`). Medians of the timed forwards and backwards, rank 0. On a GPU these costs
-hide behind the kernels unless the step is host-bound (small micro-batches); see bench_dp.py's `host ms` for the
-GPU-side measure.
+widths (n_embd 48, T 8, B 1), so a backward is nearly all per-op and per-hook Python/C++ overhead. Each engine is
+built by parallel.parallelize; its communication is switched off (`_launch` returns a finished stand-in), so the
+rows compare what the engine's own host work adds to a forward and a backward: SingleDevice (no hooks), DDP and
+ZeRO-2 with and without gradient destinations (`ddp:dest`, `zero2:nodest`). Medians of the timed forwards and
+backwards, rank 0. On a GPU these costs hide behind the kernels unless the step is host-bound (small micro-
+batches); see bench_dp.py's `host ms` for the GPU-side measure.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import sys
+import statistics
 import time
 
 import torch
-import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from nanopara.config import Config, ModelConfig  # noqa: E402
-from nanopara.dp import SingleDevice  # noqa: E402
-from nanopara.mesh import Mesh  # noqa: E402
-from nanopara.model import GPT  # noqa: E402
-from nanopara.parallel import build_engine  # noqa: E402
+import harness as H
+from nanopara.mesh import Mesh
 
 
 class _Done:
@@ -48,23 +42,20 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(1)
     mesh = Mesh.build(dp=int(os.environ.get("WORLD_SIZE", 1)), device="cpu")
-    cfg = Config(device="cpu", seed=0)
-    cfg.model = ModelConfig(n_layer=12, n_head=12, n_embd=48, block_size=16, vocab_size=64, vocab_multiple=1,
-                            kernels="torch")
+    model = {"model.n_layer": 12, "model.n_head": 12, "model.n_embd": 48, "model.block_size": 16,
+             "model.vocab_size": 64, "model.vocab_multiple": 1, "model.kernels": "torch", "train.seq_len": 8,
+             "train.micro_batch": 1, "train.tokens_per_step": 0}
     x = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(0))
     modes = ["single", "ddp", "ddp:dest", "zero2", "zero2:nodest"] if mesh.dp > 1 else ["single"]
     for mode in modes + modes:  # twice: the second pass shows the spread
         base, _, variant = mode.partition(":")
-        cfg.parallel.zero = 2 if base == "zero2" else 0
-        torch.manual_seed(0)
-        model = GPT(cfg.model)
-        engine = SingleDevice(model, mesh, cfg) if base == "single" else build_engine(model, mesh, cfg)
+        cfg = H.make_cfg("tiny", {**model, "parallel.zero": 2 if base == "zero2" else 0})
+        trainer, _ = H.build_trainer(cfg, H.solo_mesh(mesh.device) if base == "single" else mesh)
+        engine = trainer.engine
         if base != "single":
             _no_comm(engine)
-        if variant == "nodest":
-            engine._set_grad_dests([])
-        if variant == "dest":  # DDP's are off by default (parallel.grad_dests=auto)
-            engine._set_grad_dests(engine.params)
+        if variant in ("nodest", "dest"):  # DDP's are off by default (parallel.grad_dests=auto)
+            engine._set_grad_dests([] if variant == "nodest" else engine.params)
         fwd, bwd = [], []
         for _ in range(args.repeats):
             t0 = time.perf_counter()
@@ -73,11 +64,10 @@ def main():
             engine.backward(loss)
             fwd.append(t1 - t0)
             bwd.append(time.perf_counter() - t1)
-            engine.step(0.0)  # zero the grads / reset the buckets as a training step would
-        fwd, bwd = sorted(fwd[10:]), sorted(bwd[10:])
+            trainer.step(0.0)  # zero the grads / reset the buckets as a training step would
         if mesh.rank == 0:
-            print(f"{mode:>13}: forward {1e3 * fwd[len(fwd) // 2]:.2f} ms, backward {1e3 * bwd[len(bwd) // 2]:.2f} "
-                  f"ms host (medians of {len(fwd)})", flush=True)
+            print(f"{mode:>13}: forward {1e3 * statistics.median(fwd[10:]):.2f} ms, backward "
+                  f"{1e3 * statistics.median(bwd[10:]):.2f} ms host (medians of {len(fwd) - 10})", flush=True)
         engine.close()
     mesh.destroy()
 
