@@ -12,19 +12,16 @@ unless the stage is host-bound (notes/pp.md: at micro-batch 2, gpt_1b's stages i
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from nanopara.config import ModelConfig  # noqa: E402
-from nanopara.model import GPT  # noqa: E402
-from nanopara.pp import split_model  # noqa: E402
-from nanopara.zb import DeferredWeightGrads  # noqa: E402
+import harness as H
+from nanopara.config import ModelConfig
+from nanopara.model import GPT
+from nanopara.pp import split_model
+from nanopara.zb import DeferredWeightGrads
 
 
 def chunk_of(n_layer: int, split: bool):
@@ -39,10 +36,10 @@ def time_phases(n_layer: int, split: bool, repeats: int) -> dict:
     ch, d = chunk_of(n_layer, split)
     x = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))
     dy = torch.randn(1, 16, 64)
-    times = {"F": [], "B": [], "W": []}
+    times, amp = {"F": [], "B": [], "W": []}, H.amp("cpu", "bf16")
     for i in range(repeats + 5):
         t0 = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with amp():
             y = ch(x, None)
         t1 = time.perf_counter()
         if d is None:
