@@ -1,7 +1,7 @@
 """Batched generation against Hugging Face transformers' `generate`, on the same GPT-2 weights (issue #31).
 
     python3 bench/bench_generate.py [--preset gpt2_124m] [--init_from RUN_OR_BIN] [--batches 1,16,64,256]
-                                    [--prompt 32] [--new 128] [--mixed] [--out DIR]
+                                    [--prompt 32] [--new 128] [--mixed] [--out F.jsonl]
 
 A benchmark-only comparison: transformers is imported here and nowhere else (the GPU machines have it; on CPU,
 `pip install transformers` into any path on PYTHONPATH). One model, two runtimes:
@@ -17,7 +17,7 @@ A benchmark-only comparison: transformers is imported here and nowhere else (the
    mask; HF: an attention mask).
 2. Speed (bf16 autocast for ours, the HF model cast to bf16, CUDA): per batch size, B random prompts of --prompt
    tokens, --new greedy tokens each; tokens/s = B * new / wall time after one warm-up call; ratio ours / HF.
-   Goal (issue #31): at least 2x. Results as JSON (GPU, date, versions, rows) in DIR/generate.json; per row
+   Goal (issue #31): at least 2x. One JSON line per batch size (and one of parity) to --out; per row
    ours_over_hf (the best of ours) and ours_graph_over_hf. --mixed: prompt lengths drawn from [prompt/4, prompt]
    per row; ours left-padded into one batch (decode.generate on a list, rl.sample's default) and rl.sample's
    dynamic sampler (one batch per prompt length) against HF left-padded.
@@ -26,20 +26,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import json
-import os
-import sys
-import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from nanopara import decode, rl  # noqa: E402
-from nanopara.presets import PRESETS  # noqa: E402
-from nanopara.model import GPT, to_hf_state_dict  # noqa: E402
+import harness as H
+from nanopara import decode, rl
+from nanopara.model import GPT, to_hf_state_dict
 
 
 def hf_model(model: GPT):
@@ -108,23 +100,57 @@ def parity(model: GPT, hf, device, prompts=3, length=8, new=8) -> int:
 def timed(fn, device, first: dict | None = None) -> float:
     """Seconds of fn's second call; the first (warm-up: kernels, allocator, autotuning, graph capture) goes into
     first["s"] when given."""
-    def run():
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
-    t = run()
+    t = H.timed(fn, 2, device=device, each=True)["times"]
     if first is not None:
-        first["s"] = t
-    return run()
+        first["s"] = t[0]
+    return t[1]
+
+
+def runs_of(args, model, hf, B, device, amp):
+    """(name, fn) of each sampler on B prompts of --prompt tokens (--mixed: of lengths in [prompt/4, prompt])."""
+    new, graph = min(args.new, model.cfg.block_size - args.prompt), device.type == "cuda"  # (CPU: eager)
+    if args.mixed:
+        xs = mixed_prompts(B, args.prompt, model.cfg.vocab_size, B)
+        return (("ours_rl_sample", lambda: rl.sample(model, xs, new, 0.0, -1, None, amp, sampler="dynamic")),
+                ("ours_rl_sample_graph", lambda: rl.sample(model, xs, new, 0.0, -1, None, amp)),
+                ("ours_graph", lambda: decode.generate(model, xs, new, temperature=0, graph=graph)),
+                ("hf_generate", lambda: hf_generate_padded(hf, xs, new, device)))
+    x = torch.randint(0, model.cfg.vocab_size - 1, (B, args.prompt), generator=torch.Generator().manual_seed(B))
+    xd = x.to(device)
+    return (("ours_generate", lambda: model.generate(xd, new, temperature=0)),
+            ("ours_rl_sample", lambda: rl.sample(model, x.tolist(), new, 0.0, -1, None, amp, sampler="dynamic")),
+            ("ours_rl_sample_graph", lambda: rl.sample(model, x.tolist(), new, 0.0, -1, None, amp)),
+            ("ours_graph", lambda: decode.generate(model, xd, new, temperature=0, graph=graph)),
+            ("hf_generate", lambda: hf_generate(hf, xd, new)))
+
+
+def speed_row(args, model, hf, B, device, amp) -> dict:
+    new = min(args.new, model.cfg.block_size - args.prompt)
+    res = {"batch": B, "prompt_tokens": f"{max(1, args.prompt // 4)}-{args.prompt}" if args.mixed else args.prompt,
+           "new_tokens": new, "mixed": args.mixed}
+    runs = runs_of(args, model, hf, B, device, amp)
+    with torch.no_grad():
+        for name, fn in runs:
+            first = {}
+            try:
+                with (amp() if name in ("ours_generate", "ours_graph") else contextlib.nullcontext()):
+                    res[f"{name}_tokens_per_s"] = B * new / timed(fn, device, first)
+            except RuntimeError as e:  # out of memory at a large batch must not lose the other numbers
+                res[f"{name}_error"] = str(e).splitlines()[0][:200]
+            if name == "ours_graph" and "s" in first:
+                res["ours_graph_first_call_s"] = first["s"]
+    decode.clear_decoders()  # this batch's caches and graphs
+    ours = [res.get(f"{n}_tokens_per_s", 0) for n, _ in runs if n.startswith("ours")]
+    if max(ours) and res.get("hf_generate_tokens_per_s"):
+        res["ours_over_hf"] = max(ours) / res["hf_generate_tokens_per_s"]
+        if res.get("ours_graph_tokens_per_s"):
+            res["ours_graph_over_hf"] = res["ours_graph_tokens_per_s"] / res["hf_generate_tokens_per_s"]
+    return res
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", default="gpt2_124m", choices=sorted(PRESETS))
+    ap.add_argument("--preset", default="gpt2_124m", choices=sorted(H.PRESETS))
     ap.add_argument("--init_from", default="", help="a run of this trainer or a GPT-2 .bin (default: random init)")
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--prompt", type=int, default=32)
@@ -132,75 +158,33 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--mixed", action="store_true", help="prompt lengths drawn from [prompt/4, prompt] per row: "
                     "ours left-padded in one batch (and rl.sample's old per-length batches) vs HF left-padded")
-    ap.add_argument("--out", default="")
+    ap.add_argument("--out", default="", help="append JSON lines here")
     args = ap.parse_args()
     import transformers
     device = torch.device(args.device)
-    cfg = PRESETS[args.preset]().model
     torch.manual_seed(0)
-    model = GPT(cfg)
+    model = GPT(H.PRESETS[args.preset]().model)
     if args.init_from:
         from nanopara.sft import init_from
         init_from(model, args.init_from)
     model = model.to(device).eval()
     hf = hf_model(model).to(device)
-    mismatched = parity(model, hf, device)
-    print(f"parity (fp32, greedy): {mismatched} of 3 rows differ", flush=True)
-    mismatched_mixed = parity_mixed(model, hf, device)
-    print(f"parity, left-padded prompts of 9, 2 and 5 tokens (fp32, greedy): {mismatched_mixed} of 3 rows differ",
-          flush=True)
-    amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else contextlib.nullcontext
+    print(H.banner(f"bench_generate {args.preset}, transformers {transformers.__version__}"), flush=True)
+    head = {"section": "parity", "preset": args.preset, "init_from": args.init_from, "mixed": args.mixed,
+            "transformers": transformers.__version__, "rows_differing": parity(model, hf, device),
+            "mixed_rows_differing": parity_mixed(model, hf, device)}
+    print(f"parity (fp32, greedy): {head['rows_differing']} of 3 rows differ; left-padded prompts of 9, 2 and 5 "
+          f"tokens: {head['mixed_rows_differing']} of 3", flush=True)
+    amp = H.amp(device)
     if device.type == "cuda":
         hf = hf.to(torch.bfloat16)
-    new = min(args.new, cfg.block_size - args.prompt)
     rows = []
     for B in [int(b) for b in args.batches.split(",")]:
-        x = torch.randint(0, cfg.vocab_size - 1, (B, args.prompt), generator=torch.Generator().manual_seed(B))
-        xd = x.to(device)
-        res = {"batch": B, "prompt_tokens": args.prompt, "new_tokens": new}
-        graph = device.type == "cuda"  # CUDA graphs need CUDA: on CPU the same static-cache path runs eagerly
-        if args.mixed:
-            res["prompt_tokens"] = f"{max(1, args.prompt // 4)}-{args.prompt}"
-            xs = mixed_prompts(B, args.prompt, cfg.vocab_size, B)
-            runs = (("ours_rl_sample", lambda: rl.sample(model, xs, new, 0.0, -1, None, amp, sampler="dynamic")),
-                    ("ours_rl_sample_graph", lambda: rl.sample(model, xs, new, 0.0, -1, None, amp)),
-                    ("ours_graph", lambda: decode.generate(model, xs, new, temperature=0, graph=graph)),
-                    ("hf_generate", lambda: hf_generate_padded(hf, xs, new, device)))
-        else:
-            runs = (("ours_generate", lambda: model.generate(xd, new, temperature=0)),
-                    ("ours_rl_sample", lambda: rl.sample(model, x.tolist(), new, 0.0, -1, None, amp,
-                                                         sampler="dynamic")),
-                    ("ours_rl_sample_graph", lambda: rl.sample(model, x.tolist(), new, 0.0, -1, None, amp)),
-                    ("ours_graph", lambda: decode.generate(model, xd, new, temperature=0, graph=graph)),
-                    ("hf_generate", lambda: hf_generate(hf, xd, new)))
-        with torch.no_grad():
-            for name, fn in runs:
-                first = {}
-                try:
-                    with (amp() if name in ("ours_generate", "ours_graph") else contextlib.nullcontext()):
-                        res[f"{name}_tokens_per_s"] = B * new / timed(fn, device, first)
-                except RuntimeError as e:  # out of memory at a large batch must not lose the other numbers
-                    res[f"{name}_error"] = str(e).splitlines()[0][:200]
-                if name == "ours_graph" and "s" in first:
-                    res["ours_graph_first_call_s"] = first["s"]
-        decode.clear_decoders()  # this batch's caches and graphs
-        ours = [res.get(f"{n}_tokens_per_s", 0) for n, _ in runs if n.startswith("ours")]
-        if max(ours) and res.get("hf_generate_tokens_per_s"):
-            res["ours_over_hf"] = max(ours) / res["hf_generate_tokens_per_s"]
-            if res.get("ours_graph_tokens_per_s"):
-                res["ours_graph_over_hf"] = res["ours_graph_tokens_per_s"] / res["hf_generate_tokens_per_s"]
-        rows.append(res)
-        print(f"batch {B:4d}: " + " | ".join(f"{k} {v:,.2f}" if isinstance(v, float) else f"{k} {v}"
-                                            for k, v in res.items() if k != "batch"), flush=True)
-    out = {"bench": "generate", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
-           "transformers": transformers.__version__, "preset": args.preset, "init_from": args.init_from,
-           "parity_rows_differing": mismatched, "parity_mixed_rows_differing": mismatched_mixed, "mixed": args.mixed,
-           "rows": rows}
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "generate.json"), "w") as f:
-            json.dump(out, f, indent=1)
+        rows.append(speed_row(args, model, hf, B, device, amp))
+        print(", ".join(f"{k} {v:,.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in rows[-1].items()),
+              flush=True)
+    H.append_jsonl(args.out, [head] + [dict(r, section="speed", preset=args.preset,
+                                            transformers=transformers.__version__) for r in rows])
 
 
 if __name__ == "__main__":

@@ -327,6 +327,26 @@ def test_bench_generate_left_padded_batches_match_hugging_face():
     assert parity_mixed(model, hf_model(model), torch.device("cpu")) == 0
 
 
+def test_bench_generate_speed_rows_on_cpu(monkeypatch):
+    """bench_generate.py's timing rows on the tiny model, Hugging Face stood in for by our own generate (the real
+    comparison needs transformers): every sampler timed, both prompt layouts, the ratio to the stand-in."""
+    import argparse
+    import torch
+    import bench_generate as G
+    import harness as H
+    from nanopara.model import GPT
+    torch.manual_seed(0)
+    model = GPT(H.PRESETS["tiny"]().model).eval()
+    monkeypatch.setattr(G, "hf_generate", lambda hf, idx, new: model.generate(idx, new, temperature=0))
+    monkeypatch.setattr(G, "hf_generate_padded", lambda hf, xs, new, device: G.decode.generate(model, xs, new, 0))
+    for mixed in (False, True):
+        args = argparse.Namespace(prompt=8, new=4, mixed=mixed)
+        row = G.speed_row(args, model, None, 2, torch.device("cpu"), H.amp("cpu"))
+        names = [n for n, _ in G.runs_of(args, model, None, 2, torch.device("cpu"), H.amp("cpu"))]
+        assert all(row[f"{n}_tokens_per_s"] > 0 for n in names), row
+        assert row["ours_over_hf"] > 0 and row["new_tokens"] == 4 and row["ours_graph_first_call_s"] > 0
+
+
 def test_bench_fp8_e2e_runs_on_cpu(tmp_path):
     """bench/bench_fp8_e2e.py's throughput and profile sections on the tiny preset (fp32, the FP8 references), through
     the Trainer: a row per mode with a throughput, the FP8 weights re-cast once per step, a profile row."""
