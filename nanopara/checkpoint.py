@@ -1,26 +1,31 @@
-"""Run directories and checkpoints: nothing written is lost, and resume always finds a complete checkpoint.
+"""Checkpoints: a save never publishes state that fails verification, and resume finds one that verifies.
 
-    <out_dir>/config.json, run_info.txt, metrics.jsonl    the run's settings, environment and log (appended)
-    <out_dir>/ckpt/step_000100/                           one complete checkpoint (renamed into place when whole)
-        meta.json                                         step, layout, config, shard sizes, write time, pp chunks
-        rank_00000.pt ...                                 each rank's model/optimizer shard, loader, RNG, scaler
-    <out_dir>/ckpt/latest                                 names the newest complete checkpoint (replaced atomically)
+    <out_dir>/ckpt/step_000100/  one checkpoint, renamed into place when whole (run directory: runguard.py)
+        meta.json                step, layout, config, each shard's size and sha256 as written, write time, pp chunks
+        rank_00000.pt ...        each rank's model/optimizer shard, loader, RNG, scaler (`sha256sum` agrees)
+    <out_dir>/ckpt/latest        names the checkpoint to resume from (replaced atomically, after its checkpoint)
 
-A new run refuses an out_dir that holds another run unless told `--resume` or `--overwrite` (`prepare_run_dir`,
-before any data or model work, which also proves the directory writable). Save: every rank writes into
-`tmp-step_N/` through temporary names, a barrier, then rank 0 writes meta.json, renames the directory into place,
-points `latest` at it and prunes the oldest checkpoints *by write time*, never the one just saved. A crash at any
-point leaves the previous checkpoint and `latest` intact. Resume (`find_resume`) takes `latest`, or, when it is
-missing, dangling, or names a checkpoint whose meta or shards are damaged (a shard's size differs from the one
-recorded), the newest complete checkpoint, and says which and why. Load: `weights_only=True`, after checking the
-layout matches this run.
+Save (collective): `save_training` refuses a state holding inf/NaN. Every rank writes `tmp-step_N/rank_R.pt`
+through a temporary name, hashing the bytes as they go, and fsyncs; the ranks exchange (error, size, sha256). Any
+rank's error, of any type (torch.save raises RuntimeError on a full disk), fails the save on every rank
+(`SaveError`): the tmp directory goes. Else rank 0 writes meta.json, checks every shard's size on disk, renames the
+directory into place, points `latest` at it, and the ranks prune to the newest `keep` checkpoints that verify (by
+write time). A crash at any point leaves the previous checkpoint and `latest` intact.
+Verify: meta complete, a shard for every rank, sizes and sha256 as recorded (a checkpoint from before checksums:
+sizes only, said). Each rank hashes its share of the shards; hashes are cached by inode, size and mtime, so a
+process hashes a file once. Resume (`find_resume`): `latest`, else the newest checkpoint that verifies, saying
+which and why; no checkpoint at all: `NoCheckpoint`. Load: `weights_only=True`, layout checked, inf/NaN refused,
+the ranks agree on the outcome. `python -m nanopara.checkpoint DIR` lists, verifies, says what a resume would use.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
 import random
 import shutil
+import sys
 import time
 
 import numpy as np
@@ -28,30 +33,50 @@ import torch
 import torch.distributed as dist
 
 from nanopara.mesh import Mesh
-
-RUN_FILES = ("metrics.jsonl", "config.json", "run_info.txt")  # what a run writes beside ckpt/
-
-
-class CheckpointError(RuntimeError):
-    """Missing, corrupt or incompatible checkpoint, or a run directory that cannot be used: one line."""
+from nanopara.runguard import (RUN_FILES, AgreedError, CheckpointError, check_out_dir, ckpt_root,  # noqa: F401
+                               prepare_run_dir, step_dirs as _step_dirs)  # (re-exported: train.py, rl.py, tests)
 
 
-def _barrier(mesh: Mesh):
-    if mesh.world > 1:
-        dist.barrier()
+class SaveError(AgreedError):
+    """A checkpoint that was not written (non-finite state, or a write error on some rank); nothing was published."""
 
 
-def _ckpt_root(out_dir) -> str:
-    return os.path.join(out_dir, "ckpt")
+class NoCheckpoint(CheckpointError):
+    """The run directory holds no checkpoint at all (no step directory, no `latest`)."""
 
 
-def _atomic_write_text(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+def _all_gather(mesh: Mesh, obj) -> list:
+    """Every rank's `obj`, in rank order (collective; [obj] in a world of one)."""
+    if mesh is None or mesh.world == 1:
+        return [obj]
+    out = [None] * mesh.world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _first_error(mesh: Mesh, err: str | None) -> str | None:
+    """The first rank's error (every rank learns it; collective)."""
+    errs = [(r, e) for r, e in enumerate(_all_gather(mesh, err)) if e]
+    return None if not errs else errs[0][1] if mesh is None or mesh.world == 1 else f"rank {errs[0][0]}: {errs[0][1]}"
+
+
+def _why(e: BaseException) -> str:
+    if isinstance(e, OSError):
+        return e.strerror or str(e)
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"  # torch's run over several lines
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def _write_synced(path: str, text: str) -> None:
+    with open(path, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def layout(mesh: Mesh) -> dict:
@@ -60,53 +85,52 @@ def layout(mesh: Mesh) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the run directory
+# checksums
 
-def _step_dirs(out_dir) -> list[str]:
-    try:  # (rank 0's writability probe in prepare_run_dir may create and remove an empty ckpt/ meanwhile)
-        return sorted(d for d in os.listdir(_ckpt_root(out_dir)) if d.startswith("step_"))
-    except (FileNotFoundError, NotADirectoryError):
-        return []
+_HASHED: dict = {}  # (device, inode, size, mtime_ns) -> sha256 of that file, as this process wrote or read it
 
 
-def prepare_run_dir(out_dir: str, resume: bool, overwrite: bool, is_main: bool) -> None:
-    """Before any data or model work: out_dir (and its ckpt/) must be a writable directory, and a new run must not
-    mix with another run's checkpoints or log. With `overwrite`, rank 0 removes those (nothing else in out_dir)."""
-    for path, what in ((out_dir, "--out_dir"), (_ckpt_root(out_dir), f"the checkpoint folder of --out_dir")):
-        if os.path.exists(path) and not os.path.isdir(path):
-            raise CheckpointError(f"{what} {path} is a file, not a directory")
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise CheckpointError(f"--out_dir {out_dir}: {parent} is a file, not a directory")
-    held = [f for f in RUN_FILES[:1] if os.path.exists(os.path.join(out_dir, f))] + _step_dirs(out_dir)
-    if held and not resume and not overwrite:
-        raise CheckpointError(f"--out_dir {out_dir} already holds a run ({', '.join(held[:3])}"
-                              f"{', ...' if len(held) > 3 else ''}): add --resume to continue it, --overwrite to "
-                              f"replace it, or choose another --out_dir")
-    if not is_main:
-        return
-    made = [p for p in (os.path.abspath(out_dir), os.path.abspath(_ckpt_root(out_dir))) if not os.path.exists(p)]
-    try:  # proven by writing (permissions alone say nothing for root, read-only mounts, /proc)
-        os.makedirs(_ckpt_root(out_dir), exist_ok=True)
-        probe = os.path.join(_ckpt_root(out_dir), f".probe-{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
-        raise CheckpointError(f"--out_dir {out_dir} is not writable: {e.strerror or e}") from None
-    finally:  # leave no trace until the run really starts (a later error must not leave an empty run behind)
-        for p in reversed(made):
-            if os.path.isdir(p) and not os.listdir(p):
-                os.rmdir(p)
-    if overwrite and os.path.isdir(_ckpt_root(out_dir)):  # (a fresh out_dir was removed again above)
-        for d in os.listdir(_ckpt_root(out_dir)):
-            p = os.path.join(_ckpt_root(out_dir), d)
-            shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
-        for f in RUN_FILES:
-            if os.path.exists(os.path.join(out_dir, f)):
-                os.remove(os.path.join(out_dir, f))
+def _key(file: str) -> tuple:
+    st = os.stat(file)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def sha256_of(file: str) -> str:
+    key = _key(file)
+    if key not in _HASHED:
+        h = hashlib.sha256()
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+        _HASHED[key] = h.hexdigest()
+    return _HASHED[key]
+
+
+class _Hashing:
+    """A binary file that hashes and counts what is written through it (torch.save writes it front to back)."""
+
+    def __init__(self, f):
+        self.f, self.h, self.n = f, hashlib.sha256(), 0
+
+    def write(self, b) -> int:
+        self.h.update(b)
+        self.n += memoryview(b).nbytes
+        return self.f.write(b)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _write_shard(state: dict, file: str) -> tuple[int, str]:
+    """(bytes, sha256) of `state` written to `file` through a temporary name, on disk (fsync) when it returns."""
+    with open(file + ".tmp", "wb") as f:
+        out = _Hashing(f)
+        torch.save(state, out)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(file + ".tmp", file)
+    _HASHED[_key(file)] = out.h.hexdigest()
+    return out.n, out.h.hexdigest()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -115,65 +139,91 @@ def prepare_run_dir(out_dir: str, resume: bool, overwrite: bool, is_main: bool) 
 def save(out_dir: str, step: int, mesh: Mesh, state: dict, meta: dict, keep: int = 2) -> str:
     """Write this rank's `state` (tensors, dicts, lists, numbers) as part of the checkpoint of `step`.
 
-    Collective over the whole mesh: every rank must call it. Returns the final directory. On failure the tmp
-    directory is removed and the previous checkpoints and `latest` are untouched.
+    Collective over the whole mesh: every rank must call it. Returns the final directory. On failure (SaveError on
+    every rank) the tmp directory is removed and the previous checkpoints and `latest` are untouched.
     """
-    root = _ckpt_root(out_dir)
+    root = ckpt_root(out_dir)
     name = f"step_{step:06d}"
     tmp_dir, final_dir = os.path.join(root, "tmp-" + name), os.path.join(root, name)
+    err = size = sha = None
     if mesh.is_main:
-        shutil.rmtree(tmp_dir, ignore_errors=True)  # leftovers of a crashed save of the same step
-        os.makedirs(tmp_dir)
-    _barrier(mesh)
-    path = os.path.join(tmp_dir, f"rank_{mesh.rank:05d}.pt")
-    error = None
-    try:
-        torch.save(state, path + ".tmp")
-        os.replace(path + ".tmp", path)
-    except OSError as e:
-        error = e
-    failed = torch.tensor([error is not None], dtype=torch.float32, device=mesh.device)
-    if mesh.world > 1:  # every rank learns that one failed, instead of waiting at a barrier forever
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-    if failed.item():
-        if mesh.is_main:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise error or OSError(f"another rank could not write its shard under {tmp_dir}")
-    if mesh.is_main:
-        sizes = {f: os.path.getsize(os.path.join(tmp_dir, f)) for f in os.listdir(tmp_dir) if f.endswith(".pt")}
-        meta = {**meta, "step": step, "layout": layout(mesh), "complete": True, "saved_at": time.time(),
-                "shard_bytes": sizes}
-        _atomic_write_text(os.path.join(tmp_dir, "meta.json"), json.dumps(meta, indent=1))
-        old = None
-        if os.path.exists(final_dir):  # re-saving a step (a resume from before it): move the old one aside first
-            old = os.path.join(root, f"old-{name}")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final_dir, old)
-        os.replace(tmp_dir, final_dir)
-        _atomic_write_text(os.path.join(root, "latest"), name + "\n")
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
-        _prune(root, keep, name)
-    _barrier(mesh)
+        try:
+            shutil.rmtree(tmp_dir, ignore_errors=True)  # leftovers of a crashed save of the same step
+            os.makedirs(tmp_dir)
+        except OSError as e:
+            err = _why(e)
+    if mesh.world > 1:
+        dist.barrier()  # the tmp directory exists
+    file = os.path.join(tmp_dir, f"rank_{mesh.rank:05d}.pt")
+    if err is None:
+        try:
+            size, sha = _write_shard(state, file)
+        except Exception as e:  # OSError, torch.save's RuntimeError on a full disk, a pickling error, ...
+            err = _why(e)
+            for f in (file + ".tmp", file):
+                shutil.rmtree(f, ignore_errors=True) if os.path.isdir(f) else os.path.exists(f) and os.remove(f)
+    written = _all_gather(mesh, (err, size, sha))  # every rank learns that one failed, none waits at a barrier
+    errs = [(r, e) for r, (e, _, _) in enumerate(written) if e]
+    err = None if not errs else errs[0][1] if mesh.world == 1 else f"rank {errs[0][0]}: {errs[0][1]}"
+    if err is None and mesh.is_main:
+        try:
+            _publish(root, name, {**meta, "step": step, "layout": layout(mesh), "complete": True,
+                                  "saved_at": time.time(),
+                                  "shard_bytes": {f"rank_{r:05d}.pt": n for r, (_, n, _) in enumerate(written)},
+                                  "shard_sha256": {f"rank_{r:05d}.pt": h for r, (_, _, h) in enumerate(written)}})
+        except Exception as e:
+            err = _why(e)
+    if err is not None and mesh.is_main:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    err = _all_gather(mesh, err)[0]  # rank 0's outcome (it knows the writers' errors too), to every rank
+    if err is not None:
+        raise SaveError(err)
+    _prune(root, keep, name, mesh)
     return final_dir
 
 
-def _prune(root: str, keep: int, just_saved: str) -> None:
-    """Keep `just_saved` and the keep-1 other complete checkpoints written most recently."""
-    others = []
-    for d in os.listdir(root):
-        if d.startswith("step_") and d != just_saved:
-            try:
-                with open(os.path.join(root, d, "meta.json")) as f:
-                    others.append((json.load(f).get("saved_at", 0.0), d))
-            except (OSError, ValueError):
-                pass  # incomplete or damaged: never counted as kept, never deleted here
-    for _, d in sorted(others)[:max(0, len(others) - (keep - 1))]:
+def _publish(root: str, name: str, meta: dict) -> None:
+    """Rank 0: meta.json into the tmp directory, every shard checked on disk, rename into place, then `latest`."""
+    tmp_dir, final_dir = os.path.join(root, "tmp-" + name), os.path.join(root, name)
+    _write_synced(os.path.join(tmp_dir, "meta.json"), json.dumps(meta, indent=1))
+    verify(tmp_dir, checksums=False)  # meta readable, a shard for every rank, each of the size written
+    _fsync_dir(tmp_dir)
+    _write_synced(os.path.join(root, "latest.tmp"), name + "\n")  # before anything moves: a full disk fails here
+    old = None
+    if os.path.exists(final_dir):  # re-saving a step (a resume from before it): move the old one aside first
+        old = os.path.join(root, f"old-{name}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final_dir, old)
+    try:
+        os.replace(tmp_dir, final_dir)
+    except OSError:
+        if old:
+            os.replace(old, final_dir)
+        raise
+    os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+    _fsync_dir(root)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _prune(root: str, keep: int, just_saved: str, mesh: Mesh) -> None:
+    """Keep `just_saved` and the keep-1 other checkpoints that verify, written most recently (collective: each rank
+    hashes its share of the shards). Damaged ones are neither counted nor deleted (the listing shows them)."""
+    others = [d for d in sorted(os.listdir(root)) if d.startswith("step_") and d != just_saved]
+    share = (mesh.rank, mesh.world)
+    views = _all_gather(mesh, {d: verify_error(os.path.join(root, d), share) for d in others})
+    if not mesh.is_main:
+        return
+    good = []
+    for d in others:
+        if all(v.get(d) is None for v in views):
+            good.append((read_meta(os.path.join(root, d)).get("saved_at", 0.0), d))
+    for _, d in sorted(good)[:max(0, len(good) - (keep - 1))]:
         shutil.rmtree(os.path.join(root, d), ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# find and load
+# verify, find and load
 
 def read_meta(path: str) -> dict:
     try:
@@ -181,70 +231,103 @@ def read_meta(path: str) -> dict:
             meta = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"checkpoint {path} has no readable meta.json ({e})") from None
-    if not meta.get("complete"):
+    if not isinstance(meta, dict) or not meta.get("complete"):
         raise CheckpointError(f"checkpoint {path} is incomplete")
     return meta
 
 
-def check_complete(path: str) -> dict:
-    """meta of the checkpoint at `path` if its meta is readable and every shard has the size recorded there."""
+def verify(path: str, share: tuple[int, int] | None = None, checksums: bool = True) -> dict:
+    """meta of the checkpoint at `path` after checking: meta.json readable and complete, a shard for every rank of
+    its layout, each of the size recorded, and of the sha256 recorded at save (only shards i with i % n == r for
+    share=(r, n); none with checksums=False; sizes only for checkpoints written before checksums)."""
     meta = read_meta(path)
-    for f, size in meta.get("shard_bytes", {}).items():
+    sizes, shas = meta.get("shard_bytes", {}), meta.get("shard_sha256")
+    n = meta["layout"].get("world") if isinstance(meta.get("layout"), dict) else 0
+    missing = [r for r in range(n if isinstance(n, int) and sizes else 0) if f"rank_{r:05d}.pt" not in sizes]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} is incomplete: meta.json lists no shard for rank {missing[0]}")
+    for i, (f, size) in enumerate(sorted(sizes.items())):
         file = os.path.join(path, f)
         if not os.path.isfile(file):
             raise CheckpointError(f"checkpoint {path} has no shard {f}")
         if os.path.getsize(file) != size:
             raise CheckpointError(f"checkpoint shard {file} is {os.path.getsize(file)} bytes, {size} were written: "
                                   f"truncated or corrupt")
+        if checksums and shas is not None and (share is None or i % share[1] == share[0]):
+            if sha256_of(file) != shas.get(f):
+                raise CheckpointError(f"checkpoint shard {file} does not match the sha256 recorded when it was "
+                                      f"written: corrupt")
     return meta
 
 
-def latest(out_dir) -> str | None:
-    """Path of the checkpoint `latest` names if it is complete, else None (see find_resume for the fallback)."""
+check_complete = verify  # (the name consolidate.py and sft.py know)
+
+
+def verify_error(path: str, share=None, checksums: bool = True) -> str | None:
     try:
-        with open(os.path.join(_ckpt_root(out_dir), "latest")) as f:
-            path = os.path.join(_ckpt_root(out_dir), f.read().strip())
-        check_complete(path)
+        verify(path, share, checksums)
+    except (CheckpointError, OSError) as e:
+        return str(e)
+    return None
+
+
+def latest(out_dir, checksums: bool = True) -> str | None:
+    """Path of the checkpoint `latest` names if it verifies, else None (see find_resume for the fallback)."""
+    try:
+        with open(os.path.join(ckpt_root(out_dir), "latest")) as f:
+            path = os.path.join(ckpt_root(out_dir), f.read().strip())
+        verify(path, checksums=checksums)
         return path
     except (OSError, CheckpointError):
         return None
 
 
-def find_resume(out_dir) -> tuple[str, str]:
-    """(checkpoint to resume from, a note saying why it was chosen if it is not the one `latest` names)."""
-    root = _ckpt_root(out_dir)
+def find_resume(out_dir, mesh: Mesh | None = None) -> tuple[str, str]:
+    """(checkpoint to resume from, a note: why it is not the one `latest` names, or that it has no checksums).
+    With `mesh` each rank hashes its share of the shards and the ranks agree (collective); else all are hashed."""
+    root = ckpt_root(out_dir)
     named, why = None, "no ckpt/latest file"
     try:
         with open(os.path.join(root, "latest")) as f:
             named = f.read().strip()
-        check_complete(os.path.join(root, named))
-        return os.path.join(root, named), ""
     except FileNotFoundError:
         pass
-    except (OSError, CheckpointError) as e:
-        why = f"ckpt/latest names {named}, which is unusable ({e})" if named else str(e)
-    for d in sorted(_step_dirs(out_dir), reverse=True):  # newest step first
-        try:
-            check_complete(os.path.join(root, d))
-            return os.path.join(root, d), f"{why}; took the newest complete checkpoint {d} instead"
-        except CheckpointError:
+    except OSError as e:
+        why = f"ckpt/latest is unreadable ({e.strerror or e})"
+    order = ([named] if named else []) + [d for d in reversed(_step_dirs(out_dir)) if d != named]  # newest first
+    if not order:
+        raise NoCheckpoint(f"no checkpoint under {root}")
+    share = None if mesh is None else (mesh.rank, mesh.world)
+    failed = []
+    for d in order:
+        path = os.path.join(root, d)
+        err = _first_error(mesh, verify_error(path, share))  # (the ranks agree)
+        if err:
+            if d == named:
+                why = f"ckpt/latest names {named}, which is unusable ({err})"
+            failed.append(f"{d}: {err}")
             continue
-    raise CheckpointError(f"--resume: no complete checkpoint under {root} ({why}); start a new run without --resume")
+        note = "" if d == named else f"{why}; took the newest complete checkpoint {d} instead"
+        if "shard_sha256" not in read_meta(path):
+            note += ("; " if note else "") + (f"{d} records no checksums (written before nanopara recorded them): "
+                                              f"verified by shard sizes only")
+        return path, note
+    raise AgreedError(f"--resume: no checkpoint under {root} verifies ({'; '.join(failed[:3])}): start over with "
+                      f"--overwrite, or move the damaged ones away")
 
 
 def load(path: str, mesh: Mesh) -> tuple[dict, dict]:
-    """(this rank's state, meta) of the checkpoint at `path`, checked against this run's layout."""
-    meta = read_meta(path)
+    """(this rank's state, meta) of the checkpoint at `path`, checked against this run's layout and its shard
+    against the size and sha256 recorded at save."""
+    meta = verify(path, share=(mesh.rank, mesh.world))  # this rank's shard is hashed (same layout)
     if meta["layout"] != layout(mesh):
         raise CheckpointError(f"checkpoint {path} was written with layout {meta['layout']} but this run is "
                               f"{layout(mesh)}; resume with the same parallel degrees")
-    file = os.path.join(path, f"rank_{mesh.rank:05d}.pt")
-    if not os.path.isfile(file):
-        raise CheckpointError(f"checkpoint {path} has no shard for rank {mesh.rank} ({file})")
+    file = os.path.join(path, f"rank_{mesh.rank:05d}.pt")  # (verify: it exists, it is whole)
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated/corrupt pickle, wrong format
-        raise CheckpointError(f"checkpoint shard {file} is corrupt or unreadable: {type(e).__name__}: {e}") from None
+        raise CheckpointError(f"checkpoint shard {file} is corrupt or unreadable: {_why(e)}") from None
     return state, meta
 
 
@@ -268,21 +351,58 @@ def set_rng_state(s: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(s["cuda"], device)
 
 
+def nonfinite(tree, name: str = "") -> list[str]:
+    """Names of the floating-point tensors and floats in `tree` (nested dicts, lists) that hold inf or NaN."""
+    names, flags = [], []
+
+    def walk(x, at):
+        if torch.is_tensor(x):
+            if x.is_floating_point() and x.numel():
+                names.append(at)
+                flags.append(torch.isfinite(x if x.element_size() > 1 else x.float()).all())  # (fp8: no isfinite)
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, f"{at}.{k}" if at else str(k))
+        elif isinstance(x, (list, tuple)):
+            for i, v in enumerate(x):
+                walk(v, f"{at}.{i}")
+        elif isinstance(x, float) and not math.isfinite(x):
+            names.append(at)
+            flags.append(torch.tensor(False))
+    walk(tree, name)
+    ok = {}
+    for dev in {f.device for f in flags}:  # one host sync per device
+        idx = [i for i, f in enumerate(flags) if f.device == dev]
+        ok.update(zip(idx, torch.stack([flags[i] for i in idx]).tolist()))
+    return [n for i, n in enumerate(names) if not ok[i]]
+
+
+def _trained_state(sd: dict) -> dict:
+    return {k: sd[k] for k in ("model", "engine", "buffers", "scaler") if k in sd}
+
+
 def save_training(out_dir: str, step: int, mesh: Mesh, trainer, loader, meta: dict, keep: int) -> str:
     """Every rank's trainer state (trainer.Trainer.state_dict: global names + slice metadata), loader position and
-    RNG streams as one checkpoint of `step`; collective."""
-    state = {**trainer.state_dict(), "loader": loader.state_dict(), "rng": rng_state(mesh.device),
-             "mesh": dict(mesh.coords)}
+    RNG streams as one checkpoint of `step`; collective. A state holding inf/NaN is not written (SaveError on every
+    rank, `latest` stays on the last good checkpoint), nor is one any rank fails to write."""
+    sd = trainer.state_dict()
+    bad = [f"{n} (rank {r})" if mesh.world > 1 else n
+           for r, names in enumerate(_all_gather(mesh, nonfinite(_trained_state(sd))[:3])) for n in names]
+    if bad:
+        prev = latest(out_dir, checksums=False)
+        raise SaveError(f"the checkpoint of step {step} was not written: non-finite values in {', '.join(bad[:3])}"
+                        f"{', ...' if len(bad) > 3 else ''}; " + (f"ckpt/latest stays on {prev}" if prev else
+                                                                  "no earlier checkpoint"))
+    state = {**sd, "loader": loader.state_dict(), "rng": rng_state(mesh.device), "mesh": dict(mesh.coords)}
     if trainer.pp_layers is not None:  # pp > 1: every chunk's global blocks
         meta = {**meta, "pp_layers": trainer.pp_layers}
     try:
         return save(out_dir, step, mesh, state, meta, keep=keep)
-    except OSError as e:
-        prev = latest(out_dir)
-        raise CheckpointError(f"could not save the checkpoint of step {step} under {_ckpt_root(out_dir)}: "
-                              f"{e.strerror or e}; "
-                              + (f"the previous checkpoint {prev} is intact" if prev else "no earlier checkpoint")
-                              ) from None
+    except SaveError as e:
+        prev = latest(out_dir, checksums=False)
+        raise SaveError(f"could not save the checkpoint of step {step} under {ckpt_root(out_dir)}: {e}; "
+                        + (f"the previous checkpoint {prev} is intact" if prev else "no earlier checkpoint")
+                        ) from None
 
 
 def check_model_matches(path: str, model_cfg: dict) -> dict:
@@ -292,21 +412,38 @@ def check_model_matches(path: str, model_cfg: dict) -> dict:
     diff = [f"model.{k}={saved[k]} (this run: {v})" for k, v in model_cfg.items()
             if k in saved and k != "kernels" and saved[k] != v]
     if diff:
-        raise CheckpointError(f"checkpoint {path} was trained with a different model: " + ", ".join(diff))
+        raise AgreedError(f"checkpoint {path} was trained with a different model: " + ", ".join(diff))
     return meta
 
 
 def restore_training(path: str, mesh: Mesh, trainer, loader) -> int:
-    """Load this rank's shard into the trainer, loader and RNGs; returns the step to continue from."""
-    state, meta = load(path, mesh)
-    if meta.get("pp_layers") != trainer.pp_layers:
-        raise CheckpointError(f"checkpoint {path} holds pipeline chunks of blocks {meta.get('pp_layers')}, this run "
-                              f"splits {trainer.pp_layers}: resume with the saved run's "
-                              f"parallel.pp_virtual and parallel.pp_layers")
+    """Load this rank's shard into the trainer, loader and RNGs; returns the step to continue from. Collective: a
+    failure on any rank (corrupt shard, non-finite values, another layout) is the same error on every rank."""
+    err = meta = None
     try:
-        trainer.load_state_dict(state)
-    except (RuntimeError, ValueError, KeyError) as e:
-        raise CheckpointError(f"checkpoint {path} does not fit this run: {e}") from None
-    loader.load_state_dict(state["loader"])
-    set_rng_state(state["rng"], mesh.device)
+        state, meta = load(path, mesh)
+        if meta.get("pp_layers") != trainer.pp_layers:
+            raise CheckpointError(f"checkpoint {path} holds pipeline chunks of blocks {meta.get('pp_layers')}, this "
+                                  f"run splits {trainer.pp_layers}: resume with the saved run's "
+                                  f"parallel.pp_virtual and parallel.pp_layers")
+        bad = nonfinite(_trained_state(state))
+        if bad:
+            raise CheckpointError(f"checkpoint {path} holds non-finite values ({', '.join(bad[:3])}): resume from an "
+                                  f"earlier one (write its name into {os.path.dirname(path)}/latest)")
+        try:
+            trainer.load_state_dict(state)
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise CheckpointError(f"checkpoint {path} does not fit this run: {e}") from None
+        loader.load_state_dict(state["loader"])
+        set_rng_state(state["rng"], mesh.device)
+    except CheckpointError as e:
+        err = str(e)
+    err = _first_error(mesh, err)
+    if err:
+        raise AgreedError(err)
     return meta["step"]
+
+
+if __name__ == "__main__":  # python -m nanopara.checkpoint DIR: list, verify, say what --resume uses (ckpt_inspect.py)
+    from nanopara.ckpt_inspect import main
+    sys.exit(main())

@@ -118,16 +118,18 @@ class StepReporter:
         else:
             dt = p["end"] - p["start"]
         loss, grad_norm, *extra = p["numbers"].tolist()
+        overflow = self.scaler.enabled and self.scaler.scale > 1.0  # fp16: an inf norm is the scaler's to halve
         self.scaler.update(math.isfinite(grad_norm))
-        if math.isfinite(loss):
-            self.bad_streak = 0
-        else:
+        if math.isfinite(loss) and (math.isfinite(grad_norm) or overflow):
+            self.bad_streak = 0 if math.isfinite(grad_norm) else self.bad_streak
+        else:  # a non-finite loss, or gradient norm: the update was skipped
             self.bad_streak += 1
-            self.metrics.log(None, f"warning: step {p['step']}: loss is {loss}; update skipped "
-                                   f"({self.bad_streak} in a row)")
+            what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {grad_norm}"
+            self.metrics.log(None, f"warning: step {p['step']}: {what}; update skipped ({self.bad_streak} in a row)")
             if self.bad_streak >= self.max_bad_steps:
-                raise TrainingError(f"loss was non-finite for {self.bad_streak} steps in a row (step {p['step']}); "
-                                    f"stopping. Lower train.lr, check the data, or use train.dtype=bf16/fp32")
+                raise TrainingError(f"loss or gradient norm was non-finite for {self.bad_streak} steps in a row (step "
+                                    f"{p['step']}); stopping. Lower train.lr, check the data, or use "
+                                    f"train.dtype=bf16/fp32")
         slow = fast = dt
         if self.mesh.world > 1:  # slowest / fastest rank: stragglers show up here
             buf = torch.tensor([dt, -dt])
