@@ -1,8 +1,8 @@
 """Loss curve of a run: `python bench/plot.py RUN_DIR [--out FILE.png]` reads RUN_DIR/metrics.jsonl.
 
 Training loss (raw and smoothed) and validation loss against tokens seen (if tokens are known) or steps.
-`python bench/plot.py DIR/post_train.json` (bench/post_train_demo.py's result; or a .jsonl of them, `--index` picks
-the line, default the last) draws SFT's held-out exact match by SFT step, then RL's held-out exact match and training
+`python bench/plot.py DIR/post_train.jsonl` (bench/post_train_demo.py's results, one a line; `--index` picks the
+line, default the last) draws SFT's held-out exact match by SFT step, then RL's held-out exact match and training
 reward by RL step.
 Needs matplotlib (the optional `plot` extra: `pip install matplotlib`; `make plot` installs it when missing).
 """

@@ -13,23 +13,19 @@ rl.py's own 20,000 training prompts (another seed: nearly all unseen by SFT) and
    steps, each scored by greedy exact match on --test_n held-out prompts: the "SFT alone" curve.
 3. RL with rl.py from the SFT checkpoint of step --rl_from (default last: then "SFT alone" is RL's start; auto: the
    first whose greedy exact match on training prompts reaches --auto_em, which helps when SFT ends near 100 %) for
-   --rl_steps of --prompts x --group completions, one run per learning rate in --rl_lr; the run reported is the one
-   with the higher training reward (never chosen on the test prompts). rl.py scores the same held-out prompts at
-   its step 0 and every --eval_every steps.
+   --rl_steps of --prompts x --group completions, one run per learning rate in --rl_lr, reported: the one of higher
+   training reward (never chosen on test prompts). rl.py scores the held-out prompts at step 0, every --eval_every.
 4. Generation: rl.sample (batched, KV cache, rows leave at EOT) on the SFT model's shape with EOT never hit, prompt
    32 tokens, 128 new, batch 1..256, bf16: tokens/s; model.generate (one batch, no stop) beside it.
-Results: DIR/post_train.json (GPU, date, the SFT curve, exact match at RL's start and end, the gain in points over
-the start and over SFT's last step, RL curves, generation tokens/s) and the runs (metrics.jsonl, logs) under
-DIR/runs; `python bench/plot.py DIR/post_train.json` draws both curves. Goal (issue 31): RL adds >= 15 points over
-SFT's last step. Measured with these defaults: 10.2 % -> 33.3 % (results/post_train_rl_scarce_h100.txt, which also
-holds the other SFT data sizes: RL's gain depends strongly on where SFT leaves the model).
+Results: one JSON line in DIR/post_train.jsonl (the SFT curve, exact match at RL's start and end, the gain in
+points over the start and over SFT's last step, RL curves, generation tokens/s), the runs under DIR/runs; `python
+bench/plot.py DIR/post_train.jsonl` draws both curves. Goal (issue 31): RL adds >= 15 points over SFT's last step.
+Measured with these defaults: 10.2 % -> 33.3 % (results/post_train_rl_scarce_h100.txt, which also holds the other
+SFT data sizes: RL's gain depends strongly on where SFT leaves the model).
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime
-import json
 import os
 import subprocess
 import sys
@@ -37,16 +33,14 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import harness as H
+from bench_generate import timed
+from nanopara import rl, tasks
+from nanopara.consolidate import full_model_state
+from nanopara.data import get_tokenizer
+from nanopara.model import GPT
 
-from nanopara import rl, tasks  # noqa: E402
-from nanopara.consolidate import full_model_state  # noqa: E402
-from nanopara.data import get_tokenizer  # noqa: E402
-from nanopara.model import GPT  # noqa: E402
-
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-from bench_generate import timed  # noqa: E402
+ROOT = H.ROOT
 
 
 def sh(argv: list[str], log: str) -> float:
@@ -60,16 +54,10 @@ def sh(argv: list[str], log: str) -> float:
     return time.time() - t0
 
 
-def read_jsonl(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 @torch.no_grad()
 def generation_speed(model: GPT, device, batches=(1, 16, 64, 256), prompt=32, new=128) -> list[dict]:
     """tokens/s of rl.sample (and model.generate) on random prompts, EOT = -1 so no row stops early."""
-    model = model.to(device).eval()
-    amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else contextlib.nullcontext
+    model, amp = model.to(device).eval(), H.amp(device)
     new = min(new, model.cfg.block_size - prompt)
     rows = []
     for B in batches:
@@ -93,10 +81,9 @@ def generation_speed(model: GPT, device, batches=(1, 16, 64, 256), prompt=32, ne
 def sft_curve(run_dir: str, every: int, steps: int, task: str, test_n: int, device) -> list[dict]:
     """Greedy exact match of each SFT checkpoint (rl.exact_match) on the held-out prompts rl.py scores and on as many
     training-split prompts (what --rl_from=auto chooses by: the held-out prompts never pick anything)."""
-    enc, out, t = get_tokenizer(), [], tasks.get_task(task)
+    enc, out, t, amp = get_tokenizer(), [], tasks.get_task(task), H.amp(device)
     held_out = tasks.make_examples(task, test_n, "test", 1337)  # rl.py's default --seed: the same prompts
     train = tasks.make_examples(task, test_n, "train", 7)
-    amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else contextlib.nullcontext
     for step in range(every, steps + 1, every):
         sd, cfg = full_model_state(os.path.join(run_dir, "ckpt", f"step_{step:06d}"))
         model = GPT(cfg)
@@ -109,7 +96,7 @@ def sft_curve(run_dir: str, every: int, steps: int, task: str, test_n: int, devi
     return out
 
 
-def main():
+def parse():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--device", default="cuda")
@@ -143,28 +130,24 @@ def main():
     if a.sft_steps % a.sft_every or (a.rl_from != "auto" and (int(a.rl_from) % a.sft_every
                                                                 or not 0 < int(a.rl_from) <= a.sft_steps)):
         raise SystemExit("--sft_steps and --rl_from must be multiples of --sft_every, rl_from <= sft_steps")
-    data, runs = os.path.join(a.out, "data"), os.path.join(a.out, "runs")
-    os.makedirs(data, exist_ok=True)
-    os.makedirs(runs, exist_ok=True)
-    device = torch.device(a.device)
-    t_start = time.time()
-    res = {"gpu": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "torch": torch.__version__, "task": a.task, "preset": a.preset, "model_keys": a.model,
-           "train_examples": a.examples, "test_n": a.test_n}
+    return a
 
-    # 1. data
+
+def prepare(a, runs: str) -> float:
+    """The task's train and validation JSONL, made into SFT shards; seconds taken."""
+    data = os.path.join(a.out, "data")
+    os.makedirs(data, exist_ok=True)
     train_jsonl, val_jsonl = os.path.join(data, "train.jsonl"), os.path.join(data, "val.jsonl")
     sh(["-m", "nanopara.tasks", a.task, f"--n={a.examples}", "--split=train", f"--out={train_jsonl}"],
        os.path.join(runs, "tasks.log"))
     sh(["-m", "nanopara.tasks", a.task, "--n=2000", "--split=test", "--seed=1", f"--out={val_jsonl}"],
        os.path.join(runs, "tasks_val.log"))
-    res["prepare_s"] = sh(["data/prepare.py", "sft", train_jsonl, "--val_jsonl", val_jsonl, "--name", "post_train",
-                           "--seq_len", "256", "--out", os.path.join(a.out, "shards"), "--force"],
-                          os.path.join(runs, "prepare.log"))
+    return sh(["data/prepare.py", "sft", train_jsonl, "--val_jsonl", val_jsonl, "--name", "post_train", "--seq_len",
+               "256", "--out", os.path.join(a.out, "shards"), "--force"], os.path.join(runs, "prepare.log"))
 
-    # 2. SFT from scratch, a checkpoint every sft_every steps, each scored on the held-out prompts
-    sft_dir = os.path.join(runs, "sft")
+
+def sft(a, res: dict, sft_dir: str, runs: str, device) -> None:
+    """SFT from scratch, a checkpoint every sft_every steps, each scored on the held-out prompts."""
     res["sft_s"] = sh(["train.py", f"--preset={a.preset}", *a.model.split(), f"--device={a.device}",
                        "--data.dataset=post_train", f"--data.data_dir={os.path.join(a.out, 'shards')}",
                        "--model.block_size=256", "--train.seq_len=256",
@@ -174,13 +157,16 @@ def main():
                        f"--train.log_every={max(1, a.sft_steps // 20)}", f"--ckpt.every={a.sft_every}",
                        f"--ckpt.keep={a.sft_steps // a.sft_every + 1}", f"--out_dir={sft_dir}", "--overwrite=true"],
                       os.path.join(runs, "sft.log"))
-    sft_recs = [r for r in read_jsonl(os.path.join(sft_dir, "metrics.jsonl")) if "loss" in r]
-    res["sft_steps"], res["sft_lr"], res["sft_loss_last"] = a.sft_steps, a.sft_lr, sft_recs[-1]["loss"]
-    res["sft_tokens_per_s_median"] = sorted(r["tokens_per_s"] for r in sft_recs)[len(sft_recs) // 2]
-    res["sft_curve"] = sft_curve(sft_dir, a.sft_every, a.sft_steps, a.task, a.test_n, device)
+    recs = [r for r in H.read_jsonl(os.path.join(sft_dir, "metrics.jsonl")) if "loss" in r]
+    res.update(sft_steps=a.sft_steps, sft_lr=a.sft_lr, sft_loss_last=recs[-1]["loss"],
+               sft_tokens_per_s_median=sorted(r["tokens_per_s"] for r in recs)[len(recs) // 2],
+               sft_curve=sft_curve(sft_dir, a.sft_every, a.sft_steps, a.task, a.test_n, device))
     res["sft_final_exact_match"] = res["sft_curve"][-1]["test_exact_match"]
 
-    # 3. RL from the SFT checkpoint of step rl_from, one run per learning rate
+
+def rl_runs(a, res: dict, sft_dir: str, runs: str) -> None:
+    """RL from the SFT checkpoint of step rl_from, one run per learning rate; the one reported is chosen by its
+    training reward (never by the held-out prompts)."""
     if a.rl_from == "auto":  # the first checkpoint that gets some training prompts right: RL needs rewards to differ
         rl_from = next((c["step"] for c in res["sft_curve"] if c["train_exact_match"] >= a.auto_em),
                        res["sft_curve"][-1]["step"])
@@ -189,27 +175,7 @@ def main():
     start = os.path.join(sft_dir, "ckpt", f"step_{rl_from:06d}")
     res["rl_from_step"], res["rl_runs"] = rl_from, []
     for lr in [float(x) for x in a.rl_lr.split(",")]:
-        rl_dir = os.path.join(runs, f"rl_lr{lr:g}")
-        secs = sh(["rl.py", f"--init={start}", f"--task={a.task}", f"--out_dir={rl_dir}", "--overwrite=1",
-                   f"--device={a.device}", f"--steps={a.rl_steps}", f"--prompts={a.prompts}", f"--group={a.group}",
-                   f"--lr={lr}", "--max_new=8", f"--test_n={a.test_n}", f"--eval_every={a.eval_every}",
-                   f"--micro={0 if a.smoke else 256}", *a.rl_args.split()], os.path.join(runs, f"rl_lr{lr:g}.log"))
-        recs = read_jsonl(os.path.join(rl_dir, "metrics.jsonl"))
-        evals, steps = [r for r in recs if "test_exact_match" in r], [r for r in recs if "reward" in r]
-        head, tail = steps[:max(1, len(steps) // 10)], steps[-max(1, len(steps) // 10):]
-        run = {"lr": lr, "rl_args": a.rl_args, "seconds": secs, "exact_match_start": evals[0]["test_exact_match"],
-               "exact_match_end": evals[-1]["test_exact_match"],
-               "train_reward_first10pct": sum(r["reward"] for r in head) / len(head),
-               "train_reward_last10pct": sum(r["reward"] for r in tail) / len(tail),
-               "curve": [{"step": r["step"], "test_exact_match": r["test_exact_match"]} for r in evals],
-               "reward": [{k: round(r[k], 4) for k in ("step", "reward", "pass_at_group", "response_len", "clip_frac")}
-                          for r in steps],
-               "step_s_median": sorted(r["step_s"] for r in steps)[len(steps) // 2],
-               "gen_tokens_per_s_median": sorted(r["gen_tokens_per_s"] for r in steps)[len(steps) // 2]}
-        res["rl_runs"].append(run)
-        print(f"RL lr {lr:g}: held-out exact match {run['exact_match_start']:.1%} -> {run['exact_match_end']:.1%}, "
-              f"train reward (first / last 10%) {run['train_reward_first10pct']:.3f} / "
-              f"{run['train_reward_last10pct']:.3f}, {secs:.0f} s", flush=True)
+        res["rl_runs"].append(rl_run(a, lr, start, runs))
     best = max(res["rl_runs"], key=lambda r: r["train_reward_last10pct"])  # chosen by training reward, not test
     res["rl_lr_chosen"] = best["lr"]
     res["exact_match_after_sft"], res["exact_match_after_rl"] = best["exact_match_start"], best["exact_match_end"]
@@ -217,19 +183,52 @@ def main():
     res["gain_points_over_sft_final"] = 100 * (best["exact_match_end"] - res["sft_final_exact_match"])
     res["goal_met"] = min(res["gain_points_over_start"], res["gain_points_over_sft_final"]) >= 15  # over SFT alone
 
-    # 4. batched generation speed on the SFT model's shape
-    sd, cfg = full_model_state(sft_dir)
+
+def rl_run(a, lr: float, start: str, runs: str) -> dict:
+    rl_dir = os.path.join(runs, f"rl_lr{lr:g}")
+    secs = sh(["rl.py", f"--init={start}", f"--task={a.task}", f"--out_dir={rl_dir}", "--overwrite=1",
+               f"--device={a.device}", f"--steps={a.rl_steps}", f"--prompts={a.prompts}", f"--group={a.group}",
+               f"--lr={lr}", "--max_new=8", f"--test_n={a.test_n}", f"--eval_every={a.eval_every}",
+               f"--micro={0 if a.smoke else 256}", *a.rl_args.split()], os.path.join(runs, f"rl_lr{lr:g}.log"))
+    recs = H.read_jsonl(os.path.join(rl_dir, "metrics.jsonl"))
+    evals, steps = [r for r in recs if "test_exact_match" in r], [r for r in recs if "reward" in r]
+    head, tail = steps[:max(1, len(steps) // 10)], steps[-max(1, len(steps) // 10):]
+    run = {"lr": lr, "rl_args": a.rl_args, "seconds": secs, "exact_match_start": evals[0]["test_exact_match"],
+           "exact_match_end": evals[-1]["test_exact_match"],
+           "train_reward_first10pct": sum(r["reward"] for r in head) / len(head),
+           "train_reward_last10pct": sum(r["reward"] for r in tail) / len(tail),
+           "curve": [{"step": r["step"], "test_exact_match": r["test_exact_match"]} for r in evals],
+           "reward": [{k: round(r[k], 4) for k in ("step", "reward", "pass_at_group", "response_len", "clip_frac")}
+                      for r in steps],
+           "step_s_median": sorted(r["step_s"] for r in steps)[len(steps) // 2],
+           "gen_tokens_per_s_median": sorted(r["gen_tokens_per_s"] for r in steps)[len(steps) // 2]}
+    print(f"RL lr {lr:g}: held-out exact match {run['exact_match_start']:.1%} -> {run['exact_match_end']:.1%}, "
+          f"train reward (first / last 10%) {run['train_reward_first10pct']:.3f} / "
+          f"{run['train_reward_last10pct']:.3f}, {secs:.0f} s", flush=True)
+    return run
+
+
+def main():
+    a = parse()
+    runs, device, t_start = os.path.join(a.out, "runs"), torch.device(a.device), time.time()
+    os.makedirs(runs, exist_ok=True)
+    print(H.banner(f"post_train_demo {a.task} {a.preset}"), flush=True)
+    res = {"task": a.task, "preset": a.preset, "model_keys": a.model, "train_examples": a.examples,
+           "test_n": a.test_n, "prepare_s": prepare(a, runs)}
+    sft_dir = os.path.join(runs, "sft")
+    sft(a, res, sft_dir, runs, device)
+    rl_runs(a, res, sft_dir, runs)
+    sd, cfg = full_model_state(sft_dir)  # batched generation speed on the SFT model's shape
     model = GPT(cfg)
     model.load_state_dict(sd)
     res["generation"] = generation_speed(model, device, batches=(1, 4) if a.smoke else (1, 16, 64, 256),
                                          new=8 if a.smoke else 128)
     res["total_s"] = time.time() - t_start
-    with open(os.path.join(a.out, "post_train.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    print(f"held-out {a.task} exact match: SFT step {rl_from} {res['exact_match_after_sft']:.1%} -> RL "
+    H.append_jsonl(os.path.join(a.out, "post_train.jsonl"), res)
+    print(f"held-out {a.task} exact match: SFT step {res['rl_from_step']} {res['exact_match_after_sft']:.1%} -> RL "
           f"{res['exact_match_after_rl']:.1%} ({res['gain_points_over_start']:+.1f} points; goal >= +15; SFT alone "
           f"at step {a.sft_steps}: {res['sft_final_exact_match']:.1%}); total {res['total_s']:.0f} s -> "
-          f"{os.path.join(a.out, 'post_train.json')}")
+          f"{os.path.join(a.out, 'post_train.jsonl')}")
 
 
 if __name__ == "__main__":
