@@ -16,16 +16,13 @@ stages) of the Gluon dK/dV kernel (kernels/attention_hopper.py BWD_CONFIGS).
 """
 import argparse
 import importlib.util
-import json
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kernels import attention as A  # noqa: E402
-from kernels import attention_hopper as new_hopper  # noqa: E402
+import harness as H
+from kernels import attention as A
+from kernels import attention_hopper as new_hopper
 
 SHAPES = [(16, 12, 1024, 64), (4, 16, 4096, 128), (8, 16, 2048, 64), (8, 16, 2048, 128)]
 
@@ -39,10 +36,10 @@ def _load(path, name):
 
 def _knob_sweep(name, values, set_value, head_dims, out_path):
     """The backward's GPU time (packed qkv inputs) per value of one knob, set by set_value(v), interleaved rounds."""
-    print(torch.cuda.get_device_name())
+    print(H.banner(f"ab_attention: {name} sweep"))
     rows = []
-    for B, H, T, D in [s for s in SHAPES if s[3] in head_dims]:
-        q, k, v = A.split_qkv(torch.randn(B, T, 3 * H * D, device="cuda", dtype=torch.bfloat16), H)
+    for B, nh, T, D in [s for s in SHAPES if s[3] in head_dims]:
+        q, k, v = A.split_qkv(torch.randn(B, T, 3 * nh * D, device="cuda", dtype=torch.bfloat16), nh)
         out, lse = A.attention_block_fwd(q, k, v, True)
         do = torch.randn_like(out)
         ms = {x: float("inf") for x in values}
@@ -50,12 +47,10 @@ def _knob_sweep(name, values, set_value, head_dims, out_path):
             for x in values:
                 set_value(x)
                 ms[x] = min(ms[x], new_hopper._graph_ms(lambda: A.attention_block_bwd(do, q, k, v, out, lse, True)))
-        rows.append(dict(gpu=torch.cuda.get_device_name(), B=B, H=H, T=T, D=D, **{f"{name}{x}_ms": ms[x] for x in ms}))
-        print(f"bwd B{B} H{H} T{T} D{D} packed: " + ", ".join(f"{name} {x}: {t:.3f} ms" for x, t in ms.items()),
+        rows.append(dict(B=B, H=nh, T=T, D=D, **{f"{name}{x}_ms": ms[x] for x in ms}))
+        print(f"bwd B{B} H{nh} T{T} D{D} packed: " + ", ".join(f"{name} {x}: {t:.3f} ms" for x, t in ms.items()),
               flush=True)
-    if out_path:
-        with open(out_path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+    H.append_jsonl(out_path, rows)
 
 
 def _dq_groups(groups, out_path):
@@ -78,7 +73,7 @@ def main():
     ap.add_argument("--dq-groups", help="comma-separated head-group sizes of the dq kernel to time (no --old)")
     ap.add_argument("--dkdv-configs", help="comma-separated BLOCK_QxNUM_BUF of the D128 dK/dV kernel (no --old)")
     ap.add_argument("--op", choices=["fwd", "bwd"], default="fwd")
-    ap.add_argument("--out", help="also write JSON lines here")
+    ap.add_argument("--out", help="append JSON lines here")
     args = ap.parse_args()
     if args.dq_groups:
         return _dq_groups([int(g) for g in args.dq_groups.split(",")], args.out)
@@ -88,14 +83,14 @@ def main():
         ap.error("--old DIR (or --dq-groups)")
     new = new_hopper if args.op == "fwd" else A
     old = _load(args.old, new.__name__.split(".")[-1])
-    print(torch.cuda.get_device_name())
+    print(H.banner(f"ab_attention {args.op}: this tree against {args.old}"))
     rows = []
-    for B, H, T, D in SHAPES:
+    for B, nh, T, D in SHAPES:
         for packed in (True, False):
             if packed:
-                q, k, v = A.split_qkv(torch.randn(B, T, 3 * H * D, device="cuda", dtype=torch.bfloat16), H)
+                q, k, v = A.split_qkv(torch.randn(B, T, 3 * nh * D, device="cuda", dtype=torch.bfloat16), nh)
             else:
-                q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                q, k, v = (torch.randn(B, nh, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             if args.op == "fwd":  # ours gets the Triton forward as its tuning candidate, as attention.py passes it
                 kw = {"old": {}, "new": {"fallback": A.attention_block_fwd_triton}}
                 calls = {name: (lambda m=m, name=name: m.attention_fwd(q, k, v, True, **kw[name]))
@@ -111,18 +106,16 @@ def main():
             for _ in range(3):
                 for name, fn in calls.items():
                     ms[name] = min(ms[name], new_hopper._graph_ms(fn))
-            key = (D, True, 1 << (T - 1).bit_length(), min(1 << (B * H - 1).bit_length(), 1024))
+            key = (D, True, 1 << (T - 1).bit_length(), min(1 << (B * nh - 1).bit_length(), 1024))
             cfg = {n: str(m._TUNED.get(key)) if args.op == "fwd" else "" for n, m in (("old", old), ("new", new))}
-            row = dict(gpu=torch.cuda.get_device_name(), op=args.op, B=B, H=H, T=T, D=D,
+            row = dict(op=args.op, B=B, H=nh, T=T, D=D,
                        layout="packed" if packed else "bhtd", old_ms=ms["old"], new_ms=ms["new"],
                        old_config=cfg["old"], new_config=cfg["new"], speedup=ms["old"] / ms["new"])
             rows.append(row)
             tag = {n: f" ({cfg[n]})" if cfg[n] else "" for n in cfg}
-            print(f"{args.op} B{B} H{H} T{T} D{D} {row['layout']:>6}: old {ms['old']:.3f} ms{tag['old']}, new "
+            print(f"{args.op} B{B} H{nh} T{T} D{D} {row['layout']:>6}: old {ms['old']:.3f} ms{tag['old']}, new "
                   f"{ms['new']:.3f} ms{tag['new']}: {row['speedup']:.3f}x", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+    H.append_jsonl(args.out, rows)
 
 
 if __name__ == "__main__":
