@@ -13,16 +13,14 @@ the (n_groups, C) partials) over its launch parameters, at the partial shapes th
 """
 import argparse
 import importlib.util
-import json
 import os
 import sys
 
 import torch
 import triton
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kernels import layernorm as ln  # noqa: E402
+import harness as H
+from kernels import layernorm as ln
 
 SHAPES = [(16384, 768, False), (32768, 768, True), (8192, 4096, False), (4096, 8192, False), (4096, 8192, True),
           (8192, 8192, False), (2048, 16384, False)]
@@ -101,9 +99,7 @@ def _dwdb_sweep(out):
         best = sorted(res.items(), key=lambda kv: kv[1])[:5]
         print(f"  dwdb {n} groups x {C}: committed (8, 256, w4) {res[(8, 256, 4)]:.2f} us; best " +
               " ".join(f"[C{k[0]} G{k[1]} w{k[2]} {t:.2f}us]" for k, t in best))
-        if out:
-            out.write(json.dumps(dict(kind="dwdb", groups=n, C=C, device=torch.cuda.get_device_name(),
-                                      us={f"{k[0]}x{k[1]}w{k[2]}": t for k, t in res.items()})) + "\n")
+        H.append_jsonl(out, dict(kind="dwdb", groups=n, C=C, us={f"{k[0]}x{k[1]}w{k[2]}": t for k, t in res.items()}))
 
 
 def main():
@@ -116,18 +112,15 @@ def main():
     ap.add_argument("--groups", default="", help="also time the backward at these row groups per SM, e.g. 1,4")
     args = ap.parse_args()
     if args.dwdb:
-        with open(args.out, "a") if args.out else open(os.devnull, "w") as out:
-            _dwdb_sweep(out)
-        return
+        return _dwdb_sweep(args.out)
     copy = ln._copy_bandwidth()
     old = _load(args.old) if args.old else None
-    print(f"{torch.cuda.get_device_name()}: copy bandwidth {copy:.0f} GB/s")
-    out = open(args.out, "a") if args.out else None
+    print(H.banner(f"sweep_layernorm: copy bandwidth {copy:.0f} GB/s"))
     for M, C, res in SHAPES:
         if args.shapes and f"{M}x{C}{'+res' if res else ''}" not in args.shapes.split(","):
             continue
         name = f"{M}x{C}{'+res' if res else ''}"
-        row = dict(shape=name, device=torch.cuda.get_device_name(), copy_gbs=copy)
+        row = dict(shape=name, copy_gbs=copy)
         for label, mod in (("new", ln), ("old", old)):
             if mod is None:
                 continue
@@ -145,10 +138,7 @@ def main():
         if args.profile:
             row["bwd_kernels_us"] = _profile(M, C, res)
             print("      bwd kernels: " + ", ".join(f"{k[:40]} {v:.1f} us" for k, v in row["bwd_kernels_us"].items()))
-        if out:
-            out.write(json.dumps(row) + "\n")
-    if out:
-        out.close()
+        H.append_jsonl(args.out, row)
 
 
 if __name__ == "__main__":
