@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import faulthandler
 import fcntl
 import os
 import shutil
@@ -250,7 +251,7 @@ class RunGuard:
 
     def __init__(self, out_dir: str, mesh):
         self.out_dir, self.mesh = out_dir, mesh
-        self.lock, self.signum, self._old = None, 0, {}
+        self.lock, self.signum, self._old, self._dump = None, 0, {}, False
         self.group = None  # host-side collectives: the default group on CPU (gloo), a gloo group beside NCCL
         if mesh.world > 1 and mesh.device.type != "cpu":
             self.group = mesh.new_group(backend="gloo")
@@ -272,14 +273,21 @@ class RunGuard:
         if self.lock is not None and self.lock.note:
             print(f"note: {self.lock.note}", flush=True)
         if threading.current_thread() is threading.main_thread():  # signal.signal works there only
+            self._dump = faulthandler.unregister(signal.SIGTERM)  # a test worker's stack dump on SIGTERM (hangs)
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._old[sig] = signal.signal(sig, self._on_signal)
+            if self._dump:  # ... stays: it dumps, then chains to the flag
+                faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
         return self
 
     def __exit__(self, *exc) -> bool:
+        if self._dump:
+            faulthandler.unregister(signal.SIGTERM)
         for sig, old in self._old.items():
             signal.signal(sig, old)
-        self._old = {}
+        if self._dump:
+            faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
+        self._old, self._dump = {}, False
         if self.lock is not None:
             self.lock.release()
             self.lock = None
