@@ -18,7 +18,7 @@ HAS_GPU := $(shell $(PY) -c "import torch; print(int(torch.cuda.is_available()))
 DEFAULT_PRESET := $(if $(filter 1,$(HAS_GPU)),gpt2_124m,tiny)
 DEFAULT_DEVICE := $(if $(filter 1,$(HAS_GPU)),cuda,cpu)
 
-.PHONY: setup train sft sample test test-gpu bench data plot lint clean carry
+.PHONY: setup train sft sample test test-gpu bench bench-all data plot lint clean
 
 # the venv is only built when PY points into it
 $(VENV)/.done: pyproject.toml
@@ -76,23 +76,14 @@ test: setup
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu tests
 
+# benchmarks on a GPU machine (bench/run_set.py), every file they write into OUT (default runs/bench):
+#   make bench [OUT=DIR]                              the kernels against PyTorch, and GPT-2 124M's step
+#   make bench-all [SET=all|kernels|e2e|layouts|fp8|moe|post_train|curves] [OUT=DIR]
 bench: setup
-	$(PY) bench/bench_gpt.py $(BENCH_ARGS)
-	$(PY) -m kernels.attention $(BENCH_ARGS)
-	-$(PY) -m kernels.attention_hopper    # Hopper only (Gluon); says so and goes on elsewhere
-	$(PY) -m kernels.layernorm $(BENCH_ARGS)
-	$(PY) -m kernels.cross_entropy $(BENCH_ARGS)
-	$(PY) -m kernels.adamw $(BENCH_ARGS)
-	$(PY) bench/bench_launch.py
+	$(PY) bench/run_set.py kernels --out $(or $(OUT),runs/bench)
 
-# what a lent GPU machine (no network) needs of the mirror, in the ignored .carry/data: the device tool's `carry`
-# takes it along; bench/gpu_suite.sh points NANOPARA_MIRROR and TIKTOKEN_CACHE_DIR there
-carry:
-	@test -n "$(MIRROR)" || { echo "make carry needs the data mirror: MIRROR=DIR (e.g. ../shared/data)"; exit 2; }
-	mkdir -p .carry/data/eval
-	cp -rf $(MIRROR)/text $(MIRROR)/tiktoken_cache .carry/data/
-	cp -rf $(MIRROR)/eval/hellaswag $(MIRROR)/eval/gsm8k .carry/data/eval/
-	chmod -R u+w .carry/data
+bench-all: setup
+	$(PY) bench/run_set.py $(or $(SET),all) --out $(or $(OUT),runs/bench)
 
 plot: setup
 	@$(PY) -c 'import matplotlib' 2>/dev/null || $(PY) -m pip install -q matplotlib

@@ -98,92 +98,103 @@ def run_state(state, tmp, train_args, timeout) -> dict:
     return row
 
 
-def main(argv=None):
-    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--child":
-        t0, result, shipped, threads = sys.argv[2:6]
-        return child(float(t0), result, shipped == "1", int(threads), sys.argv[sys.argv.index("--") + 1:])
+def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--states", default="a,a1,b,b_shipped,c,compile", help=f"comma list of {', '.join(STATES)}")
     ap.add_argument("--preset", default="gpt2_124m")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--out", help="write the rows as JSON lines here")
+    ap.add_argument("--out", help="append the rows as JSON lines here")
     ap.add_argument("--export", action="store_true", help="write a's tuned table to kernels/tuned/ and beside --out")
     ap.add_argument("--timeout", type=int, default=240, help="seconds per process")
     args = ap.parse_args(argv)
-    states = args.states.split(",")
-    unknown = set(states) - set(STATES)
+    unknown = set(args.states.split(",")) - set(STATES)
     if unknown:
         raise SystemExit(f"unknown states {sorted(unknown)}; choose from {', '.join(STATES)}")
+    return args
 
-    sys.path.insert(0, ROOT)
+
+def setup(args, H) -> tuple[str, list]:
+    """A temp folder with a random shard, train.py's arguments, and one untimed process that puts torch's libraries
+    (and their bytecode) in the OS file cache for every state."""
     import numpy as np
 
-    from nanopara.presets import PRESETS
     from nanopara.data import write_shard
-    cfg = PRESETS[args.preset]()
+    cfg = H.PRESETS[args.preset]()
     tmp = tempfile.mkdtemp(prefix="cold-start-")
     shard = os.path.join(tmp, "data", "cold_train_000.bin")
     rng = np.random.default_rng(0)
     write_shard(shard, rng.integers(0, cfg.model.vocab_size, 4 * cfg.train.micro_batch * cfg.train.seq_len + 1))
     train_args = [f"--preset={args.preset}", f"--device={args.device}", f"--data.dataset={shard}",
                   "--train.val_every=0", "--train.steps=10", "--train.log_every=1"]
-    print(f"# cold start of {args.preset} on {args.device}: seconds from process start to the end of the first "
-          f"optimizer step (temp dir {tmp})", flush=True)
+    print(H.banner(f"cold start of {args.preset}: seconds from process start to the end of the first optimizer "
+                   f"step (temp dir {tmp})"), flush=True)
     # Python's bytecode for every state alike: where site-packages holds no .pyc (read-only installs, as on our GPU
     # machines) each process would compile torch's ~2,000 modules from source, seconds that a pip install never pays
     os.environ.setdefault("PYTHONPYCACHEPREFIX", os.path.join(tmp, "pycache"))
-    # one untimed process first: the OS file cache then holds torch's libraries (and their bytecode) for every state
     t0 = time.time()
     subprocess.run([sys.executable, "-c", "import torch, triton, torch._dynamo, train; "
                     f"torch.zeros(1, device={args.device!r})"],
                    cwd=ROOT, check=True, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     print(f"# warm-up process (import torch + triton, device init): {time.time() - t0:.1f} s", flush=True)
+    return tmp, train_args
+
+
+def export(args, tmp: str, gpu: str) -> None:
+    """a's choices to kernels/tuned/<gpu slug>.json, and a copy beside --out."""
+    from kernels import tuning
+    path, n, _ = tuning.export(gpu, tuning.SHIPPED_DIR, os.path.join(tmp, "xdg_a", "nanopara", "tuned.json"))
+    print(f"# exported {n} entries to {path}", flush=True)
+    if args.out:
+        copy = os.path.join(os.path.dirname(os.path.abspath(args.out)), "tuned", os.path.basename(path))
+        os.makedirs(os.path.dirname(copy), exist_ok=True)
+        shutil.copy(path, copy)
+        print(f"# and copied to {copy}", flush=True)
+
+
+def run_states(args, tmp: str, train_args: list) -> list[dict]:
+    from kernels import tuning
     rows, gpu = [], None
+    for state in args.states.split(","):
+        table = os.path.join(tuning.SHIPPED_DIR, tuning.slug(gpu) + ".json") if gpu else None
+        if state == "b_shipped" and not (table and os.path.exists(table)):
+            print(f"# b_shipped: no shipped table for {gpu or 'this GPU'}: skipped", flush=True)
+            continue
+        row = run_state(state, tmp, train_args, args.timeout)
+        rows.append(row)
+        gpu = gpu or row.get("gpu")
+        if "error" in row:
+            print(f"# {state} failed:\n{row['error']}", flush=True)
+            continue
+        print(f"{state:>10s} {row['first_step_s']:7.1f} s  tuned {row['tuned']:3d} ({row['tune_s']:5.1f} s)"
+              f"  from store {row['from_store']:3d}", flush=True)
+        # in the order they ended: the Triton forward, tuned inside the Gluon forward's timing, comes first
+        for what, seconds in row["tunings"]:
+            print(f"{'':>12s}{seconds:6.1f} s  {what}", flush=True)
+        if state == "a" and args.export:
+            export(args, tmp, gpu)
+    return rows
+
+
+def main(argv=None):
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--child":
+        t0, result, shipped, threads = sys.argv[2:6]
+        return child(float(t0), result, shipped == "1", int(threads), sys.argv[sys.argv.index("--") + 1:])
+    args = parse(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import harness as H  # (the parent only: a child's clock counts nothing train.py would not import)
+    tmp, train_args = setup(args, H)
     try:
-        for state in states:
-            if state == "b_shipped":
-                from kernels import tuning
-                table = os.path.join(tuning.SHIPPED_DIR, tuning.slug(gpu) + ".json") if gpu else None
-                if not (table and os.path.exists(table)):
-                    print(f"# b_shipped: no shipped table for {gpu or 'this GPU'}: skipped", flush=True)
-                    continue
-            row = run_state(state, tmp, train_args, args.timeout)
-            rows.append(row)
-            gpu = gpu or row.get("gpu")
-            if "error" in row:
-                print(f"# {state} failed:\n{row['error']}", flush=True)
-            else:
-                print(f"{state:>10s} {row['first_step_s']:7.1f} s  tuned {row['tuned']:3d} ({row['tune_s']:5.1f} s)"
-                      f"  from store {row['from_store']:3d}", flush=True)
-                # in the order they ended: the Triton forward, tuned inside the Gluon forward's timing, comes first
-                for what, seconds in row["tunings"]:
-                    print(f"{'':>12s}{seconds:6.1f} s  {what}", flush=True)
-            if state == "a" and args.export and "error" not in row:
-                from kernels import tuning
-                cache = os.path.join(tmp, "xdg_a", "nanopara", "tuned.json")
-                path, n, _ = tuning.export(gpu, tuning.SHIPPED_DIR, cache)
-                print(f"# exported {n} entries to {path}", flush=True)
-                if args.out:
-                    copy = os.path.join(os.path.dirname(os.path.abspath(args.out)), "tuned", os.path.basename(path))
-                    os.makedirs(os.path.dirname(copy), exist_ok=True)
-                    shutil.copy(path, copy)
-                    print(f"# and copied to {copy}", flush=True)
+        rows = run_states(args, tmp, train_args)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
     base = next((r["first_step_s"] for r in rows if r["state"] == "compile" and "first_step_s" in r), None)
-    print(f"\n{'state':>10s} {'first step s':>12s} {'vs compile':>10s} {'tuned':>5s} {'tune s':>6s} "
-          f"{'from store':>10s}  ({gpu}, {time.strftime('%Y-%m-%d')})")
     for r in rows:
-        if "first_step_s" in r:
-            ratio = f"{r['first_step_s'] / base:10.2f}" if base else f"{'':>10s}"
-            print(f"{r['state']:>10s} {r['first_step_s']:12.1f} {ratio} {r['tuned']:5d} {r['tune_s']:6.1f} "
-                  f"{r['from_store']:10d}")
+        r.update(preset=args.preset, vs_compile=r["first_step_s"] / base if base and "first_step_s" in r else None)
+    print("\n" + H.table(rows, [("state", "state", ""), ("first_step_s", "first step s", ".1f"),
+                                ("vs_compile", "vs compile", ".2f"), ("tuned", "tuned", "d"),
+                                ("tune_s", "tune s", ".1f"), ("from_store", "from store", "d")]))
     print("tuned: tunings run in that process (tune s: their seconds); from store: choices read from the store")
-    if args.out:
-        with open(args.out, "w") as f:
-            for r in rows:
-                f.write(json.dumps(dict(r, preset=args.preset, date=time.strftime("%Y-%m-%d"))) + "\n")
+    H.append_jsonl(args.out, rows)
 
 
 if __name__ == "__main__":

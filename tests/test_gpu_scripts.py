@@ -1,65 +1,128 @@
-"""The GPU scripts (bench/gpu_suite.sh, bench/gpu_multi.sh) parse, and every section their header lists is a case
-of their dispatch (and the other way round): a broken script found here costs nothing, found on a lent GPU it
-costs a call."""
+"""bench/run_set.py, the one entry that runs a named set of benchmarks on a GPU machine (`make bench-all`): its plan
+for a given number of GPUs, and a run of a set: each job in its own process, a job that needs more GPUs than are
+visible skipped with a line that says so, one that fails or hangs reported while the others go on. A broken plan
+found here costs nothing; found on a GPU machine it costs the machine's time."""
+import ast
+import glob
 import os
-import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = ["bench/gpu_suite.sh", "bench/gpu_multi.sh"]
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import run_set  # noqa: E402
 
 
-def _sections(text: str) -> tuple[set, set]:
-    """(sections named in the header comment, sections the case statement dispatches)."""
-    header = set()
-    for line in text.splitlines():
-        if not line.startswith("#"):
-            break
-        m = re.match(r"#   (\w+)\s", line)
-        if m:
-            header.add(m.group(1))
-    cases = set()
-    for m in re.finditer(r"^ {4}([\w|]+)\)", text, re.M):
-        cases.update(m.group(1).split("|"))
-    return header, cases
+def test_layouts_plan_on_two_gpus_runs_what_fits_and_skips_the_rest(tmp_path):
+    out = str(tmp_path)
+    plan = run_set.plan("layouts", 2, out)
+    by = {s["name"]: s for s in plan}
+    runs = [s["name"] for s in plan if s["skip"] is None]
+    assert runs[:10] == ["layout_1gpu", "layout_dp2", "layout_tp2", "layout_tp2_sp", "layout_pp2_gpipe",
+                         "layout_pp2_1f1b", "layout_pp2_zb", "layout_pp2_interleaved", "layout_1gpu_16k",
+                         "layout_cp2_16k"]
+    assert runs[10:] == ["dp", "tp", "pp", "cp", "comm", "tuned"]  # every run ends with the tuning table
+    assert by["layout_dp4_zero1"]["skip"] == "needs 4 GPUs, 2 visible"
+    assert by["layout_tp2_pp2_dp2"]["skip"] == "needs 8 GPUs, 2 visible"
+    tp2 = by["layout_tp2"]["argv"]  # one bench_layout process per layout over torchrun, every row in one file
+    assert tp2[:4] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    assert tp2[4] == "bench/bench_layout.py" and tp2[tp2.index("--out") + 1] == f"{out}/layouts.jsonl"
+    assert tp2[tp2.index("--baseline") + 1] == "1gpu" and "--parallel.tp=2" in tp2 and "--preset=gpt_1b" in tp2
+    cp2 = by["layout_cp2_16k"]["argv"]
+    assert cp2[cp2.index("--baseline") + 1] == "1gpu_16k" and "--parallel.cp=2" in cp2
+    assert by["layout_1gpu"]["argv"][3] == "--nproc_per_node=1" and "--baseline" in by["layout_1gpu"]["argv"]
+    assert by["dp"]["argv"][3] == "--nproc_per_node=2" and by["tuned"]["argv"][-1] == f"{out}/tuned"
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_gpu_script_parses_and_lists_its_sections(script):
-    path = os.path.join(ROOT, script)
-    r = subprocess.run(["bash", "-n", path], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    with open(path) as f:
-        header, cases = _sections(f.read())
-    assert header, f"{script}: no sections found in the header comment"
-    assert header - cases == set(), f"{script}: listed but not dispatched: {sorted(header - cases)}"
-    assert cases - header == set(), f"{script}: dispatched but not listed: {sorted(cases - header)}"
+def test_plans_for_one_and_eight_gpus():
+    one = run_set.plan("layouts", 1, "o")
+    assert [s["name"] for s in one if s["skip"] is None] == ["layout_1gpu", "layout_1gpu_16k", "tuned"]
+    assert run_set.plan("moe", 1, "o")[1]["skip"] == "needs 2 GPUs, 1 visible"
+    eight = run_set.plan("layouts", 8, "o")
+    assert all(s["skip"] is None for s in eight)
+    assert {s["name"]: s for s in eight}["comm"]["argv"][3] == "--nproc_per_node=8"  # every visible GPU
+    none = run_set.plan("kernels", 0, "o")  # a machine without a GPU: everything but the table export skips
+    assert [s["name"] for s in none if s["skip"] is None] == ["tuned"]
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-def test_gpu_suite_rejects_an_unknown_section(tmp_path):
-    r = subprocess.run(["bash", os.path.join(ROOT, "bench/gpu_suite.sh"), "no_such_section"], cwd=ROOT,
-                       capture_output=True, text=True, env={**os.environ, "OUT": str(tmp_path)})
-    assert r.returncode == 2 and "unknown section no_such_section" in r.stdout
+def test_every_set_runs_scripts_and_modules_that_exist():
+    names = []
+    for name in run_set.ORDER:
+        for s in run_set.plan(name, 8, "/o")[:-1]:
+            names.append(s["name"])
+            argv = s["argv"]
+            if argv[:2] == ["-m", "torch.distributed.run"]:
+                argv = argv[4:]
+            if argv[0] == "-m":
+                path = os.path.join(ROOT, *argv[1].split(".")) + ".py"
+            else:
+                path = os.path.join(ROOT, argv[0])
+            assert os.path.isfile(path), (name, s["name"], path)
+            assert s["timeout_s"] > 0
+    assert len(names) == len(set(names)), "job names are their log files: unique"
+    assert [s["name"] for s in run_set.plan("all", 8, "/o")] == names + ["tuned"]
+    assert [s["name"] for s in run_set.plan("fp8", 8, "/o", only="fp8_e2e")] == ["fp8_e2e", "tuned"]
+    with pytest.raises(SystemExit, match="unknown set"):
+        run_set.plan("layoutz", 2, "/o")
+    with pytest.raises(SystemExit, match="no job nope"):
+        run_set.plan("fp8", 2, "/o", only="nope")
 
 
-@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("tar") is None, reason="needs bash and tar")
-def test_lanes_bring_every_lane_back_in_one_file_and_stop_at_the_limit(tmp_path):
-    """bench/lanes.sh: each lane's OUT and log land in OUT/lanes.tgz; a lane past LIMIT is killed (exit 124)."""
-    import tarfile
-    out = tmp_path / "out"
-    r = subprocess.run(["bash", os.path.join(ROOT, "bench/lanes.sh"), "0:echo made > $OUT/result.txt",
-                        "1,2:sleep 60", "echo gpus=${CUDA_VISIBLE_DEVICES:-all}"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120, env={**os.environ, "OUT": str(out), "LIMIT": "3", "PY": "true"})
-    assert r.returncode == 0, r.stderr
-    with tarfile.open(out / "lanes.tgz") as tar:
-        files = {m.name.lstrip("./"): m for m in tar.getmembers()}
-        read = lambda name: tar.extractfile(files[name]).read().decode()  # noqa: E731
-        assert read("lane1/result.txt") == "made\n"
-        assert "exit 0" in read("lane1/log")
-        assert "exit 124" in read("lane2/log")  # killed at LIMIT, not left to run
-        assert "gpus=all" in read("lane3/log")
+def test_a_run_goes_on_past_skipped_failed_and_hung_jobs(tmp_path, monkeypatch, capsys):
+    J = run_set.Job
+    monkeypatch.setattr(run_set, "SETS", {"demo": [
+        J("writes", 0, ["-c", "open('{out}/made.txt', 'w').write('x'); print('hello from a job')"], 60),
+        J("big", 99, ["-c", "print('never')"]),
+        J("fails", 0, ["-c", "import sys; sys.exit(3)"], 60),
+        J("hangs", 0, ["-c", "import time; time.sleep(60)"], 2),
+        J("after", 0, ["-c", "print('still ran')"], 60)]})
+    monkeypatch.setattr(run_set, "ORDER", ("demo",))
+    monkeypatch.setattr(run_set, "TUNED", J("tuned", 0, ["-c", "print('table')"], 60))
+    monkeypatch.setattr(run_set, "visible_gpus", lambda: 1)
+    steps = run_set.main(["demo", "--out", str(tmp_path)])
+    status = {s["name"]: s["status"] for s in steps}
+    assert status == {"writes": "ok", "big": "skipped: needs 99 GPUs, 1 visible", "fails": "failed (exit 3)",
+                      "hangs": "timed out after 2 s", "after": "ok", "tuned": "ok"}
+    assert (tmp_path / "made.txt").read_text() == "x"
+    assert "hello from a job" in (tmp_path / "writes.log").read_text()
+    text = capsys.readouterr().out
+    assert "set demo: 6 jobs on 1 GPUs, files to" in text and "== big: skipped: needs 99 GPUs, 1 visible" in text
+    assert "still ran" in text and "files written under" in text and "made.txt" in text
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_targets_call_the_set_runner():
+    def dry(*args):
+        r = subprocess.run(["make", "-n", *args, "PY=python3"], cwd=ROOT, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+    assert "python3 bench/run_set.py layouts --out /tmp/b" in dry("bench-all", "SET=layouts", "OUT=/tmp/b")
+    assert "python3 bench/run_set.py all --out runs/bench" in dry("bench-all")
+    assert "python3 bench/run_set.py kernels --out runs/bench" in dry("bench")
+
+
+def test_no_device_tool_machinery_left_in_the_benchmarks():
+    """One plain entry: no lanes / per-call file limits / carried folders, nothing a user's GPU machine lacks."""
+    for gone in ("gpu_suite.sh", "gpu_multi.sh", "lanes.sh"):
+        assert not os.path.exists(os.path.join(ROOT, "bench", gone))
+    for path in glob.glob(os.path.join(ROOT, "bench", "*")) + [os.path.join(ROOT, "Makefile")]:
+        with open(path) as f:
+            text = f.read()
+        for phrase in (".carry", "lanes", "at most 8 files", "device call", "make carry"):
+            assert phrase not in text, f"{os.path.relpath(path, ROOT)} mentions {phrase!r}"
+
+
+def test_bench_scripts_keep_short_docstrings_and_mains():
+    """Each bench says what it measures in one screen (docstring <= 25 lines); its main() reads in one (<= 60)."""
+    for path in sorted(glob.glob(os.path.join(ROOT, "bench", "*.py"))):
+        tree = ast.parse(open(path).read())
+        doc = ast.get_docstring(tree, clean=False) or ""
+        assert doc and len(doc.splitlines()) <= 25, f"{os.path.basename(path)}: docstring of {len(doc.splitlines())}"
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name == "main":
+                n = node.end_lineno - node.lineno + 1
+                assert n <= 60, f"{os.path.basename(path)}: main() of {n} lines"

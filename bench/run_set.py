@@ -1,0 +1,215 @@
+"""Run a named set of benchmarks on this machine's GPUs; every file they write lands in one folder.
+
+    python bench/run_set.py SET [--out DIR] [--only JOB,...] [--list]       (make bench-all SET=... OUT=...)
+
+  kernels     each kernel's parity and GB/s or TFLOP/s against PyTorch's best path (attention and its Hopper
+              kernels, LayerNorm, cross-entropy, AdamW); host cost of a launch; GPT-2 124M's training step with
+              them against PyTorch eager and torch.compile (bench_gpt). `make bench` runs this set
+  e2e         activation checkpointing: time, memory, largest batch (bench_recompute); seconds to the first
+              step from cold caches (cold_start)
+  layouts     bench_layout on gpt_1b, one row per layout: 1 GPU, dp2, tp2, tp2+sp, pp2 (gpipe, 1f1b, interleaved,
+              zb), cp2 at 16k tokens, on 4 and 8 GPUs dp and 3D rows; then engines against torch DDP (bench_dp),
+              tp (bench_tp), pp schedules and bubbles (bench_pp), cp (bench_cp), ring all-reduce vs NCCL (bench_comm)
+  fp8         FP8 GEMMs, casts and linear against cuBLAS (bench_fp8); FP8 training against bf16 and torchao
+  moe         grouped GEMM, routing and the MoE layer against PyTorch (bench_moe); expert parallel (bench_ep)
+  post_train  generation against Hugging Face (bench_generate); SFT (bench_sft); SFT then RL (post_train_demo)
+  curves      loss curves on the offline book corpus (found through NANOPARA_MIRROR or data/shards): GPT-2 124M,
+              and gpt_1b in bf16 against FP8 (bench_fp8_e2e --compare)
+  all         every set above, in that order
+Each job runs in its own process from the repo root with this Python (PY=python3 make bench-all uses python3), its
+output printed and kept in DIR/<job>.log. A job that needs more GPUs than are visible is skipped with a line that
+says so; one that fails or passes its time limit is reported and the set goes on. Every run ends with this
+machine's kernel tuning table in DIR/tuned (kernels/tuning.py --export: copy it over kernels/tuned/ so that fresh
+machines skip those tunings), then a table of the jobs and the files written. --list prints the plan only.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass
+class Job:
+    name: str
+    gpus: int       # GPUs it needs; more visible than that: it still runs on `gpus` (or on all, via {ngpu})
+    argv: list      # after the Python executable; "{out}" = the set's folder, "{ngpu}" = the GPUs visible
+    timeout_s: int = 1800
+
+
+def torchrun(n, *args) -> list:
+    return ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", *args]
+
+
+def layout(name: str, gpus: int, flags: str, preset: str = "gpt_1b", base: str = "1gpu") -> Job:
+    """One bench_layout row of `preset` at T=1024 and 32 sequences a step (unless the flags say otherwise)."""
+    common = f"--preset={preset} --train.seq_len=1024 --train.tokens_per_step=32768"
+    return Job(f"layout_{name}", gpus, torchrun(gpus, "bench/bench_layout.py", "--label", name, "--baseline", base,
+                                                 "--out", "{out}/layouts.jsonl", "--", *f"{common} {flags}".split()),
+               600)
+
+
+T16K = "--train.seq_len=16384 --model.block_size=16384 --train.micro_batch=1 --train.tokens_per_step=16384"
+PP2 = "--train.micro_batch=4 --parallel.pp=2"
+BOOKS = "--data.dataset=books --train.warmup_steps=200 --train.log_every=50 --ckpt.final=false"
+
+SETS = {
+    "kernels": [Job(f"kernel_{k}", 1, ["-m", f"kernels.{k}", "--quick", "--out", "{out}/kernels.jsonl"], 900)
+                for k in ("attention", "layernorm", "cross_entropy", "adamw")]
+    + [Job("kernel_attention_hopper", 1, ["-m", "kernels.attention_hopper"], 900),
+       Job("launch", 1, ["bench/bench_launch.py", "--out", "{out}/launch.jsonl"], 300),
+       Job("gpt", 1, ["bench/bench_gpt.py", "--profile", "--out", "{out}/gpt.jsonl"])],
+    "e2e": [Job("recompute", 1, ["bench/bench_recompute.py", "--profile", "--out", "{out}/recompute.jsonl"]),
+            Job("cold_start", 1, ["bench/cold_start.py", "--out", "{out}/cold_start.jsonl"])],
+    "layouts": [
+        layout("1gpu", 1, "--train.micro_batch=8", base=""),
+        layout("dp2", 2, "--train.micro_batch=8 --parallel.dp=2"),
+        layout("tp2", 2, "--train.micro_batch=8 --parallel.tp=2"),
+        layout("tp2_sp", 2, "--train.micro_batch=8 --parallel.tp=2 --parallel.sp=true"),
+        *[layout(f"pp2_{s}", 2, f"{PP2} --parallel.pp_schedule={s} --parallel.pp_layers=10,8") for s in ("gpipe",
+                                                                                                       "1f1b", "zb")],
+        layout("pp2_interleaved", 2, f"{PP2} --parallel.pp_schedule=interleaved --parallel.pp_virtual=2 "
+                                     "--parallel.pp_layers=5,5,5,3"),
+        layout("1gpu_16k", 1, T16K, base=""),
+        layout("cp2_16k", 2, f"{T16K} --parallel.cp=2", base="1gpu_16k"),
+        layout("dp4_zero1", 4, "--train.micro_batch=8 --parallel.dp=4 --parallel.zero=1"),
+        layout("tp2_dp2", 4, "--train.micro_batch=8 --parallel.tp=2"),
+        layout("tp2_pp2", 4, f"{PP2} --parallel.tp=2 --parallel.pp_layers=10,8"),
+        layout("dp8_zero1", 8, "--train.micro_batch=4 --parallel.dp=8 --parallel.zero=1"),
+        layout("tp2_pp2_dp2", 8, f"{PP2} --parallel.tp=2 --parallel.pp_layers=10,8 --parallel.zero=1"),
+        Job("dp", 2, torchrun("{ngpu}", "bench/bench_dp.py", "--quick", "--out", "{out}/dp.jsonl")),
+        Job("tp", 2, torchrun(2, "bench/bench_tp.py", "--preset", "gpt_1b", "--quick", "--out", "{out}/tp.jsonl")),
+        Job("pp", 2, torchrun(2, "bench/bench_pp.py", "--kernels", "auto", "--n_micro", "8,16", "--out",
+                              "{out}/pp.jsonl")),
+        Job("cp", 2, torchrun(2, "bench/bench_cp.py", "--out", "{out}/cp.jsonl")),
+        Job("comm", 2, torchrun("{ngpu}", "bench/bench_comm.py", "--quick", "--out", "{out}/comm.jsonl"), 600)],
+    "fp8": [Job("fp8", 1, ["bench/bench_fp8.py", "--quick", "--out", "{out}/fp8.jsonl"]),
+            Job("fp8_e2e", 1, ["bench/bench_fp8_e2e.py", "--profile", "--out", "{out}/fp8_e2e.jsonl"])],
+    "moe": [Job("moe", 1, ["bench/bench_moe.py", "--quick", "--out", "{out}/moe.jsonl"]),
+            Job("ep2", 2, torchrun(2, "bench/bench_ep.py", "--profile", "--out", "{out}/ep.jsonl")),
+            Job("ep4", 4, torchrun(4, "bench/bench_ep.py", "--layouts", "single,dp4,ep4,ep2", "--out",
+                                   "{out}/ep.jsonl"))],
+    "post_train": [Job("generate", 1, ["bench/bench_generate.py", "--out", "{out}/generate.jsonl"]),
+                   Job("generate_mixed", 1, ["bench/bench_generate.py", "--mixed", "--out", "{out}/generate.jsonl"]),
+                   Job("sft", 1, ["bench/bench_sft.py", "--out", "{out}/sft"]),
+                   Job("post_train", 1, ["bench/post_train_demo.py", "--out", "{out}/post_train"], 7200)],
+    "curves": [Job("prepare_books", 0, ["data/prepare.py", "books"]),
+               Job("curve_124m", 1, ["train.py", "--preset=gpt2_124m", *BOOKS.split(), "--train.micro_batch=16",
+                                     "--train.steps=3000", "--train.lr=1.2e-3", "--train.val_every=250",
+                                     "--out_dir={out}/curve_124m", "--overwrite=true"], 5400),
+               *[Job(f"curve_1b_fp8_{m}", 1, ["train.py", "--preset=gpt_1b", *BOOKS.split(), f"--train.fp8={m}",
+                                              "--train.micro_batch=8", "--train.steps=1000", "--train.val_every=250",
+                                              f"--out_dir={{out}}/curve_1b_fp8_{m}", "--overwrite=true"], 3600)
+                 for m in ("none", "tensor")],
+               Job("curve_1b_fp8_compare", 0, ["bench/bench_fp8_e2e.py", "--compare", "{out}/curve_1b_fp8_none",
+                                               "{out}/curve_1b_fp8_tensor", "--plot", "{out}/curve_1b_fp8.png",
+                                               "--out", "{out}/fp8_e2e.jsonl"], 300)],
+}
+ORDER = ("kernels", "e2e", "layouts", "fp8", "moe", "post_train", "curves")
+TUNED = Job("tuned", 0, ["-m", "kernels.tuning", "--export", "--out", "{out}/tuned"], 120)
+
+
+def plan(name: str, ngpu: int, out: str, only: str = "") -> list[dict]:
+    """The jobs of set `name` (then `tuned`) for `ngpu` visible GPUs: name, GPUs, argv, time limit, and why it is
+    skipped (None: it runs)."""
+    if name != "all" and name not in SETS:
+        raise SystemExit(f"unknown set {name!r}: choose one of {', '.join(ORDER)}, all")
+    jobs = [j for s in (ORDER if name == "all" else (name,)) for j in SETS[s]]
+    if only:
+        wanted = set(only.split(","))
+        unknown = wanted - {j.name for j in jobs}
+        if unknown:
+            raise SystemExit(f"--only: no job {', '.join(sorted(unknown))} in set {name}")
+        jobs = [j for j in jobs if j.name in wanted]
+    steps = []
+    for j in jobs + [TUNED]:
+        argv = [a.replace("{out}", out).replace("{ngpu}", str(ngpu)) for a in j.argv]
+        skip = f"needs {j.gpus} GPUs, {ngpu} visible" if j.gpus > ngpu else None
+        steps.append({"name": j.name, "gpus": j.gpus, "argv": argv, "timeout_s": j.timeout_s, "skip": skip})
+    return steps
+
+
+def run(step: dict, out: str) -> tuple[str, float]:
+    """One job in its own process group (a time limit ends torchrun and its workers too); its output printed and
+    written to OUT/<job>.log. Returns (status, seconds)."""
+    t0 = time.time()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(os.path.join(out, f"{step['name']}.log"), "w") as log:
+        proc = subprocess.Popen([sys.executable, *step["argv"]], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        late = threading.Event()
+
+        def kill():
+            late.set()
+            os.killpg(proc.pid, signal.SIGKILL)
+        timer = threading.Timer(step["timeout_s"], kill)
+        timer.start()
+        try:
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                log.write(line)
+            rc = proc.wait()
+        except KeyboardInterrupt:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+        finally:
+            timer.cancel()
+    status = f"timed out after {step['timeout_s']} s" if late.is_set() else "ok" if rc == 0 else f"failed (exit {rc})"
+    return status, time.time() - t0
+
+
+def visible_gpus() -> int:
+    try:
+        import torch
+        return torch.cuda.device_count()
+    except ImportError:
+        return 0
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("set", help=f"one of {', '.join(ORDER)}, all")
+    ap.add_argument("--out", default="runs/bench", help="the folder for every file (default runs/bench)")
+    ap.add_argument("--only", default="", help="these jobs of the set (comma-separated names; --list shows them)")
+    ap.add_argument("--list", action="store_true", help="print the plan and exit")
+    args = ap.parse_args(argv)
+    out, ngpu = os.path.abspath(args.out), visible_gpus()
+    steps = plan(args.set, ngpu, out, args.only)
+    print(f"set {args.set}: {len(steps)} jobs on {ngpu} GPUs, files to {out}", flush=True)
+    if args.list:
+        for s in steps:
+            print(f"  {s['name']:22s} {s['skip'] or 'python ' + ' '.join(s['argv'])}")
+        return steps
+    os.makedirs(out, exist_ok=True)
+    before = {f: os.path.getmtime(f) for f in _files(out)}
+    for s in steps:
+        if s["skip"]:
+            s["status"], s["seconds"] = f"skipped: {s['skip']}", 0.0
+        else:
+            print(f"\n== {s['name']}: python {' '.join(s['argv'])}", flush=True)
+            s["status"], s["seconds"] = run(s, out)
+        print(f"== {s['name']}: {s['status']}", flush=True)
+    written = sorted(f for f in _files(out) if before.get(f) != os.path.getmtime(f))
+    print(f"\nset {args.set} on {ngpu} GPUs:")
+    for s in steps:
+        print(f"  {s['name']:22s} {s['seconds']:7.0f} s  {s['status']}")
+    print(f"files written under {out}:")
+    for f in written:
+        print(f"  {os.path.relpath(f, out)}  ({os.path.getsize(f):,} bytes)")
+    return steps
+
+
+def _files(folder: str) -> list[str]:
+    return [os.path.join(d, f) for d, _, names in os.walk(folder) for f in names]
+
+
+if __name__ == "__main__":
+    done = main()
+    sys.exit(1 if any(s.get("status", "ok") != "ok" and not s["skip"] for s in done) else 0)
