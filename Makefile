@@ -1,7 +1,7 @@
 # nanopara: two commands do everything on a fresh machine
 #   make train [NGPU=N] [ARGS="--key=value ..."]    set up, prepare data if missing, train
 #   make test                                        set up, run the whole suite (GPU tests skip on CPU machines)
-#   make sample RUN=runs/default [ARGS="--prompt=..."] text from a run's newest checkpoint
+#   make sample [RUN=runs/latest] [ARGS="--prompt=..."] text from a run's newest checkpoint (runs/latest: the last run)
 # On a machine whose python already has torch/triton/tiktoken (e.g. the GPU machines): add PY=python3.
 
 VENV    ?= .venv
@@ -9,35 +9,40 @@ PY      ?= $(VENV)/bin/python
 NGPU    ?= 1
 ARGS    ?=
 DATASET ?= shakespeare
-RUN     ?= runs/default
-# local mirror of downloads (tokenizer files, corpora): ../shared/data on our machines, else the public hosts
-MIRROR  ?= $(firstword $(wildcard ../shared/data) $(NANOPARA_MIRROR))
-export NANOPARA_MIRROR := $(MIRROR)
-export TIKTOKEN_CACHE_DIR ?= $(if $(MIRROR),$(abspath $(MIRROR))/tiktoken_cache,)
-HAS_GPU := $(shell $(PY) -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null)
+# train.py points runs/latest at the run it starts (runs/tiny on CPU, runs/default on a GPU)
+RUN     ?= runs/latest
+# The data mirror (tokenizer files, corpora) is looked up in one place, nanopara/data.py's default_mirror():
+# MIRROR=DIR given here (exported as NANOPARA_MIRROR), else env NANOPARA_MIRROR, else ../shared/data beside the
+# repository, else the public hosts. tiktoken's cache is the mirror's tiktoken_cache/ (data.get_tokenizer).
+ifdef MIRROR
+export NANOPARA_MIRROR := $(abspath $(MIRROR))
+else
+MIRROR = $(shell $(PY) -c 'from nanopara.data import default_mirror as m; print(m() or "")' 2>/dev/null)
+endif
+HAS_GPU := $(shell $(PY) -W ignore -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null)
 DEFAULT_PRESET := $(if $(filter 1,$(HAS_GPU)),gpt2_124m,tiny)
 DEFAULT_DEVICE := $(if $(filter 1,$(HAS_GPU)),cuda,cpu)
 
 .PHONY: setup train sft sample test test-gpu bench bench-all data plot lint clean
 
-# the venv is only built when PY points into it
+# the venv is only built when PY is the venv's python
 $(VENV)/.done: pyproject.toml
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q torch==2.13.0 || $(VENV)/bin/pip install -q torch
 	@# a CPU build of torch brings no triton: take the version whose CPU interpreter we test against
-	$(VENV)/bin/python -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" || \
+	$(VENV)/bin/python -W ignore -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null || \
 	  $(VENV)/bin/pip install -q triton==3.6.0
 	$(VENV)/bin/pip install -q -e '.[test]'
 	touch $@
 
-setup: $(if $(findstring $(VENV)/,$(PY)),$(VENV)/.done,)
+setup: $(if $(filter $(VENV)/bin/python,$(PY)),$(VENV)/.done,)
 
 data: setup
-	$(PY) data/prepare.py $(DATASET) $(if $(MIRROR),--mirror $(MIRROR),)
+	$(PY) data/prepare.py $(DATASET)
 
 data/shards/%/.done:
-	$(PY) data/prepare.py $* $(if $(MIRROR),--mirror $(MIRROR),)
+	$(PY) data/prepare.py $*
 
 # defaults only for what ARGS leaves out (a key repeated in ARGS: the last one wins, as everywhere)
 TRAIN_ARGS = $(if $(findstring --preset=,$(ARGS)),,--preset=$(DEFAULT_PRESET)) \
@@ -46,7 +51,7 @@ TRAIN_ARGS = $(if $(findstring --preset=,$(ARGS)),,--preset=$(DEFAULT_PRESET)) \
 train: setup
 	@ds=$$(echo "$(ARGS)" | sed -n 's/.*--data.dataset=\([^ ]*\).*/\1/p'); ds=$${ds:-$(DATASET)}; \
 	  case "$$ds" in *.bin|*/*|*\**) ;; *) ls data/shards/$$ds/*train*.bin >/dev/null 2>&1 || \
-	    $(PY) data/prepare.py $$ds $(if $(MIRROR),--mirror $(MIRROR),) || exit 1;; esac
+	    $(PY) data/prepare.py $$ds || exit 1;; esac
 ifeq ($(NGPU),1)
 	$(PY) train.py $(TRAIN_ARGS)
 else

@@ -75,6 +75,9 @@ class StepReporter:
         self.host_group = mesh.new_group(backend="gloo") if mesh.world > 1 and self.cuda else None
         self.pending, self.losses, self.bad_streak = None, [], 0
         self.prev_end = None  # the previous step's end (CUDA event or host time); None after a pause
+        if mesh.world > 1:  # said once, so the step lines stay short
+            metrics.log(None, f"step times: the slowest of {mesh.world} ranks (tok/s follows it); in brackets the "
+                              f"fastest rank's, so a gap shows a straggler")
 
     def begin_step(self):
         if self.prev_end is None:  # at the start or after a pause: time this step from now
@@ -147,10 +150,20 @@ class StepReporter:
         rec.update(zip(p["extra"], extra))
         line = None
         if p["step"] % self.log_every == 0 or p["step"] == self.last_step:
-            line = (f"step {p['step']:5d} | loss {loss:.4f} | lr {p['lr']:.2e} | norm {grad_norm:.3f} | "
-                    f"{tok_s:,.0f} tok/s | {tflops:.1f} TFLOP/s | MFU {rec['mfu'] * 100:.1f}% | mem {mem:.2f} GB | "
-                    f"{slow * 1e3:.0f} ms (fastest {fast * 1e3:.0f})")
+            line = self.line(p["step"], loss, p["lr"], grad_norm, tok_s, tflops, rec["mfu"], mem, slow, fast)
         self.metrics.log(rec, line)
+
+    def line(self, step, loss, lr, grad_norm, tok_s, tflops, mfu, mem, slow, fast) -> str:
+        """The step's log line: GPU-only fields (TFLOP/s, MFU) only on a GPU; on CPU, memory is the host's peak
+        RSS; the fastest rank's time only where there are several (the header line says what it means)."""
+        parts = [f"step {step:5d}", f"loss {loss:.4f}", f"lr {lr:.2e}", f"norm {grad_norm:.3f}", f"{tok_s:,.0f} tok/s"]
+        if self.cuda:
+            parts += [f"{tflops:.1f} TFLOP/s"] + ([f"MFU {mfu * 100:.1f}%"] if self.peak else [])
+            parts.append(f"mem {mem:.2f} GB")
+        else:
+            parts.append(f"rss {mem:.2f} GB")
+        parts.append(f"{slow * 1e3:.0f} ms" + (f" (fastest {fast * 1e3:.0f})" if self.mesh.world > 1 else ""))
+        return " | ".join(parts)
 
 
 def read_metrics(path) -> tuple[list[dict], list[dict]]:
