@@ -16,8 +16,6 @@ RUN     ?= runs/latest
 # repository, else the public hosts. tiktoken's cache is the mirror's tiktoken_cache/ (data.get_tokenizer).
 ifdef MIRROR
 export NANOPARA_MIRROR := $(abspath $(MIRROR))
-else
-MIRROR = $(shell $(PY) -c 'from nanopara.data import default_mirror as m; print(m() or "")' 2>/dev/null)
 endif
 HAS_GPU := $(shell $(PY) -W ignore -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null)
 DEFAULT_PRESET := $(if $(filter 1,$(HAS_GPU)),gpt2_124m,tiny)
