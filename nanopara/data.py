@@ -46,7 +46,7 @@ def default_mirror():
     """The offline data mirror (tokenizer files, corpora, eval sets), in the one order everything uses: env
     NANOPARA_MIRROR (the Makefile's MIRROR=DIR sets it), else ../shared/data beside the repository if it exists,
     else None (the public hosts). Callers: get_tokenizer (its tiktoken_cache/), data/prepare.py (whose --mirror DIR
-    comes first), the Makefile (make carry)."""
+    comes first)."""
     if os.environ.get("NANOPARA_MIRROR"):
         return os.environ["NANOPARA_MIRROR"]
     beside = os.path.join(REPO_ROOT, "..", "shared", "data")
