@@ -417,31 +417,20 @@ def check_model_matches(path: str, model_cfg: dict) -> dict:
 
 
 def restore_training(path: str, mesh: Mesh, trainer, loader) -> int:
-    """Load this rank's shard into the trainer, loader and RNGs; returns the step to continue from. Collective: a
-    failure on any rank (corrupt shard, non-finite values, another layout) is the same error on every rank."""
-    err = meta = None
+    """Load the checkpoint into the trainer, loader and RNGs under this run's layout, whatever layout wrote it
+    (reshard.restore; the same layout loads each rank's own shard, bit-exact); returns the step to continue from.
+    Collective: a failure on any rank (corrupt shard, non-finite values, another model) is the same error on every
+    rank."""
+    from nanopara import reshard  # (reshard.py builds on this module)
+    err = step = None
     try:
-        state, meta = load(path, mesh)
-        if meta.get("pp_layers") != trainer.pp_layers:
-            raise CheckpointError(f"checkpoint {path} holds pipeline chunks of blocks {meta.get('pp_layers')}, this "
-                                  f"run splits {trainer.pp_layers}: resume with the saved run's "
-                                  f"parallel.pp_virtual and parallel.pp_layers")
-        bad = nonfinite(_trained_state(state))
-        if bad:
-            raise CheckpointError(f"checkpoint {path} holds non-finite values ({', '.join(bad[:3])}): resume from an "
-                                  f"earlier one (write its name into {os.path.dirname(path)}/latest)")
-        try:
-            trainer.load_state_dict(state)
-        except (RuntimeError, ValueError, KeyError) as e:
-            raise CheckpointError(f"checkpoint {path} does not fit this run: {e}") from None
-        loader.load_state_dict(state["loader"])
-        set_rng_state(state["rng"], mesh.device)
+        step = reshard.restore(path, mesh, trainer, loader)
     except CheckpointError as e:
         err = str(e)
     err = _first_error(mesh, err)
     if err:
         raise AgreedError(err)
-    return meta["step"]
+    return step
 
 
 if __name__ == "__main__":  # python -m nanopara.checkpoint DIR: list, verify, say what --resume uses (ckpt_inspect.py)

@@ -29,6 +29,7 @@ from nanopara.optim import LossScaler
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+CKPT_FORMAT = 2  # the checkpoint format state_dict() writes (reshard.py reads it, and every older one)
 
 
 def autocast(dtype: str | Config, device: torch.device):
@@ -166,13 +167,14 @@ class Trainer:
         (tp_shards, ep_shards, pp_chunks), the loss scale and the model's buffers (MoE's expert_bias)."""
         sd = {"model": self.engine.model_state_dict(), "engine": self.engine.state_dict(),
               "scaler": self.scaler.state_dict(), "tp_shards": self.tp_shards, "ep_shards": self.ep_shards,
-              "buffers": model_buffers(self.engine.model)}
+              "buffers": model_buffers(self.engine.model), "ckpt_format": CKPT_FORMAT}
         if self.pp_layers is not None:  # pp > 1: this rank's chunks and their global blocks
             sd["pp_chunks"] = {c: self.pp_layers[c] for c in sorted(self.pipeline.chunks)}
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
-        """Inverse of state_dict() on the same layout (ValueError / KeyError / RuntimeError when it does not fit)."""
+        """Inverse of state_dict() on the same layout (ValueError / KeyError / RuntimeError when it does not fit);
+        another layout's checkpoint goes through reshard.restore, which builds this rank's state first."""
         self.engine.load_model_state_dict(sd["model"])
         self.engine.load_state_dict(sd["engine"])
         with torch.no_grad():
