@@ -5,11 +5,11 @@ Shard layout (llm.c's `.bin`, so shards made by llm.c and modded-nanogpt load un
     body:   n_tokens x uint16 GPT-2 token ids; documents are prefixed by EOT (50256)
 
 Loader: a shard of n tokens holds (n - 1) // T windows of T+1 tokens taken with stride T (as llm.c does), so within
-an epoch every token is a target exactly once. Epoch e visits the shards in a permutation drawn from (seed, e) and
-the windows of each shard in one drawn from (seed, e, shard); this global list is cut into global batches of
-world*B rows and rank r takes rows r*B .. (r+1)*B-1, so the ranks' batches stacked in rank order are exactly the
-world=1 loader's batch of world*B rows. Windows left over at an epoch's end are dropped. The state is (epoch,
-position) in global batches: resume depends only on the global batch. Validation: `shuffle=False`, `reset()`.
+an epoch every token is a target exactly once. Epoch e visits the shards in a permutation drawn from (seed, e), the
+windows of each in one drawn from (seed, e, shard); the epochs end to end are one stream of global samples k = 0, 1..
+(none dropped). Each call takes the next world*B and rank r rows r*B .. (r+1)*B-1, so the ranks' batches stacked are
+the world=1 loader's batch. The state is the samples consumed: the order depends on k only, so a resume may change
+world and B under the same global batch without a window seen twice or skipped (reshard.py). Validation: `reset()`.
 
     x, y = next(loader)        # (B, T) int64 CPU tensors, y[:, t] = x[:, t+1] in the token stream (or -1: masked)
 
@@ -227,9 +227,9 @@ class TokenLoader:
                 f"dataset too small: {int(n_tokens.sum())} tokens in {len(self.files)} shard(s) make {total} "
                 f"windows of seq_len+1={seq_len + 1} tokens, fewer than one global batch of world*batch_size="
                 f"{self.rows} rows; use a smaller batch or seq_len, or more data")
-        self.batches_per_epoch = total // self.rows
-        self.epoch = self.position = 0
-        self._mmaps, self._plan, self._perms = {}, None, {}
+        self.batches_per_epoch = total // self.rows  # whole batches in one epoch's windows (validation's bound)
+        self.total, self.sample = total, 0  # windows per epoch; global samples consumed (the stream's next index)
+        self._mmaps, self._plans, self._perms = {}, {}, {}
         self.masks = self._open_masks(loss_mask, n_tokens)  # None, or one uint8 memmap per shard
 
     def _open_masks(self, loss_mask, n_tokens):
@@ -264,36 +264,50 @@ class TokenLoader:
 
     def reset(self):
         """Back to the first batch of epoch 0 (validation restarts from the same tokens each time)."""
-        self.epoch = self.position = 0
+        self.sample = 0
+
+    @property
+    def epoch(self):
+        return self.sample // self.total
 
     def state_dict(self):
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "rows": self.rows,
-                "seq_len": self.T, "windows": int(self.n_windows.sum()), "shuffle": int(self.shuffle)}
+        """The global samples consumed and what the stream depends on (rows: world*B, informational)."""
+        return {"sample": self.sample, "epoch": self.epoch, "seed": self.seed, "rows": self.rows, "seq_len": self.T,
+                "windows": self.total, "shuffle": int(self.shuffle)}
 
     def load_state_dict(self, state):
+        """Continue at the saved global sample; world and B may differ from the saved loader's. A state of the
+        format before samples (epoch, position in global batches of `rows`, leftovers dropped) continues at the
+        same sample of its epoch (exact in epoch 0; later epochs lost their dropped windows)."""
         mine = self.state_dict()
-        for k in ("seed", "rows", "seq_len", "windows", "shuffle"):
+        for k in ("seed", "seq_len", "windows", "shuffle"):
             if k in state and int(state[k]) != mine[k]:
                 raise ValueError(f"loader state does not match this loader: {k}={int(state[k])} saved, {mine[k]} "
-                                 f"now (resume needs the same data, seed, seq_len and global batch world*B)")
-        if not 0 <= int(state["position"]) < self.batches_per_epoch:
-            raise ValueError(f"loader state position {state['position']} outside [0, {self.batches_per_epoch})")
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+                                 f"now (resume needs the same data, seed and seq_len)")
+        if "sample" in state:
+            sample = int(state["sample"])
+        else:
+            sample = int(state["epoch"]) * self.total + int(state["position"]) * int(state.get("rows", self.rows))
+        if sample < 0:
+            raise ValueError(f"loader state sample {sample} is negative")
+        self.sample = sample
 
-    def _epoch_plan(self):
-        """(shard order, cumulative window counts in that order) of the current epoch, cached."""
-        if self._plan is None or self._plan[0] != self.epoch:
+    def _epoch_plan(self, epoch):
+        """(shard order, cumulative window counts in that order) of `epoch`, cached (a batch spans at most two)."""
+        if epoch not in self._plans:
+            if len(self._plans) >= 2:
+                self._plans.pop(next(iter(self._plans)))
             n = len(self.files)
-            order = np.random.default_rng([self.seed, self.epoch]).permutation(n) if self.shuffle else np.arange(n)
-            self._plan = (self.epoch, order, np.cumsum(self.n_windows[order]))
-        return self._plan[1], self._plan[2]
+            order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+            self._plans[epoch] = (order, np.cumsum(self.n_windows[order]))
+        return self._plans[epoch]
 
-    def _window_perm(self, shard):
-        key = (self.epoch, shard)
+    def _window_perm(self, epoch, shard):
+        key = (epoch, shard)
         if key not in self._perms:
             if len(self._perms) >= 4:  # a batch touches at most a few shards; keep memory flat
                 self._perms.pop(next(iter(self._perms)))
-            rng = np.random.default_rng([self.seed, self.epoch, shard])
+            rng = np.random.default_rng([self.seed, epoch, shard])
             self._perms[key] = rng.permutation(int(self.n_windows[shard]))
         return self._perms[key]
 
@@ -310,22 +324,20 @@ class TokenLoader:
 
     def __next__(self):
         import torch  # here, not at the top: see the module docstring
-        order, cum = self._epoch_plan()
-        first = self.position * self.rows + self.rank * self.B
-        ks = np.arange(first, first + self.B)  # this rank's rows, as indices into the epoch's window list
-        slots = np.searchsorted(cum, ks, side="right")  # which shard (position in `order`) holds each window
+        first = self.sample + self.rank * self.B  # this rank's rows, as global sample indices
         buf = np.empty((self.B, self.T + 1), dtype=np.uint16)  # (B, T+1)
         keep = np.ones((self.B, self.T), dtype=bool) if self.masks is not None else None  # (B, T) trained targets
-        for i, (k, s) in enumerate(zip(ks, slots)):
+        for i in range(self.B):
+            epoch, k = divmod(first + i, self.total)  # k: index into the epoch's window list
+            order, cum = self._epoch_plan(epoch)
+            s = int(np.searchsorted(cum, k, side="right"))  # which shard (position in `order`) holds the window
             shard = int(order[s])
             j = int(k - (cum[s - 1] if s > 0 else 0))  # window index within the shard
-            w = int(self._window_perm(shard)[j]) if self.shuffle else j
+            w = int(self._window_perm(epoch, shard)[j]) if self.shuffle else j
             buf[i] = self._tokens(shard)[w * self.T: w * self.T + self.T + 1]
             if keep is not None:  # the mask of each target token: positions 1..T of the window
                 keep[i] = self.masks[shard][w * self.T + 1: w * self.T + self.T + 1] != 0
-        self.position += 1
-        if self.position == self.batches_per_epoch:  # wrap: next epoch reshuffles with (seed, epoch)
-            self.epoch, self.position = self.epoch + 1, 0
+        self.sample += self.rows
         x = torch.from_numpy(buf[:, :-1].astype(np.int64))  # (B, T), astype copies into a contiguous array
         y = buf[:, 1:].astype(np.int64)  # (B, T)
         if keep is not None:

@@ -15,11 +15,11 @@ that meet its shard), never the whole checkpoint. Also carried: AdamW's step, th
 loader's position in global samples (data.py: the order depends on the sample index only, so dp, cp and the
 micro-batch may change under the same global batch), and the RNG streams: rank r continues saved rank r mod the
 saved world (only dropout draws from them while training).
-Exactness: parameters and AdamW states are copied, so they are bit-equal to the saved ones under any layout. The
-continued losses are bit-equal when the new layout reduces in the same order: the same layout, or a change of ZeRO
-stage 0/1/2 at the same dp x cp (DDP and ZeRO both sum each bucket over the same ranks), or of pipeline schedule.
-Any change of dp, cp, micro-batch, tp, sp, pp degree or split, ep or ZeRO-3 sums in another order: the losses then
-agree to fp32 rounding (relative 1e-6 over a few steps; tests/test_reshard.py's matrix measures it).
+Exactness: parameters and AdamW states are copied: bit-equal to the saved ones under any layout. The continued
+losses are bit-equal where the new layout sums the same numbers in the same order (the same layout; measured too:
+DDP -> ZeRO-1 at dp 2, 1F1B -> GPipe); a change of dp, cp, micro-batch, tp, sp, pp degree or split, ep or ZeRO-3
+sums in another order, and they agree to fp32 rounding (tests/test_reshard.py). MoE's aux loss and capacity are per
+micro-batch: keep its rows per rank (train.micro_batch) for equal losses.
 Format: FORMAT is written in every shard ("ckpt_format", by Trainer.state_dict) and read from meta.json's "format"
 when there; 1 = without it. A checkpoint of a newer format is one clear error.
 """
