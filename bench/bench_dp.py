@@ -360,7 +360,7 @@ def main():
     mesh = Mesh.build(dp=-1, device=args.device)
     if not dist.is_initialized():  # one process (the dp=1 baseline): torch DDP and barriers still want a group
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=0, world_size=1,
-                                device_id=mesh.device if args.device == "cuda" else None)
+                                store=dist.HashStore(), device_id=mesh.device if args.device == "cuda" else None)
     warmup, steps = (2, 5) if args.quick else (args.warmup, args.steps)
     small, big = ("gpt2_124m", args.large) if args.device == "cuda" else ("tiny", "tiny" if args.large else "")
     rows = throughput(args, mesh, small, warmup, steps)
