@@ -1,6 +1,6 @@
 """Run a named set of benchmarks on this machine's GPUs; every file they write lands in one folder.
 
-    python bench/run_set.py SET [--out DIR] [--only JOB,...] [--list]       (make bench-all SET=... OUT=...)
+    python bench/run_set.py [SET] [--out DIR] [--only JOB,...] [--list]     (make bench-all SET=... OUT=...)
 
   kernels     each kernel's parity and GB/s or TFLOP/s against PyTorch's best path (attention and its Hopper
               kernels, LayerNorm, cross-entropy, AdamW); host cost of a launch; GPT-2 124M's training step with
@@ -175,7 +175,7 @@ def visible_gpus() -> int:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("set", help=f"one of {', '.join(ORDER)}, all")
+    ap.add_argument("set", nargs="?", default="all", help=f"one of {', '.join(ORDER)}, all (the default)")
     ap.add_argument("--out", default="runs/bench", help="the folder for every file (default runs/bench)")
     ap.add_argument("--only", default="", help="these jobs of the set (comma-separated names; --list shows them)")
     ap.add_argument("--list", action="store_true", help="print the plan and exit")
