@@ -44,13 +44,14 @@ def git_rev() -> str:
 
 
 def write_run_info(cfg: Config, mesh: Mesh) -> None:
-    """config.json and run_info.txt into the run directory (rank 0), and `latest` beside it pointing at this run
-    (runs/latest -> tiny for --out_dir=runs/tiny): `make sample` and `make plot` read runs/latest by default. A
-    relative symlink, replaced atomically (a new link under a temporary name, renamed over the old one); a
-    `latest` that is not a symlink is left alone."""
+    """config.json and run_info.txt into the run directory (rank 0), and for a run under a `runs/` folder
+    `runs/latest` pointing at it (runs/latest -> tiny for --out_dir=runs/tiny): `make sample` and `make plot` read
+    runs/latest by default. A relative symlink, replaced atomically (a new link under a temporary name, renamed
+    over the old one); a `latest` that is not a symlink is left alone; other parents get no link."""
     out = os.path.normpath(os.path.abspath(cfg.out_dir))
     link = os.path.join(os.path.dirname(out), "latest")
-    if os.path.basename(out) != "latest" and (os.path.islink(link) or not os.path.exists(link)):
+    if os.path.basename(os.path.dirname(out)) == "runs" and os.path.basename(out) != "latest" and \
+            (os.path.islink(link) or not os.path.exists(link)):
         tmp = f"{link}.tmp{os.getpid()}"
         try:
             os.symlink(os.path.basename(out), tmp)
@@ -261,7 +262,7 @@ def between_steps(step, cfg, mesh, trainer, model, loader, val_loader, eval_data
     runguard.py), then at their intervals validation, HellaSwag, a sample, a checkpoint. A stop saves a checkpoint
     and leaves with 128 + the signal number. A failed save is a warning, but at the last step an error."""
     t, last = cfg.train, step == cfg.train.steps - 1
-    signum = 0 if last else guard.agree_stop()  # (a collective every step; at the last step the run ends anyway)
+    signum = guard.agree_stop(last)  # (a collective every step; 0 at the last step: the run ends anyway)
     do_val = not signum and val_loader is not None and ((step + 1) % t.val_every == 0 or last)
     do_sample = (not signum and t.sample_every > 0 and (step + 1) % t.sample_every == 0 and not last
                  and model is not None)

@@ -189,3 +189,21 @@ def test_out_of_memory_is_one_line_with_the_way_out(shards, tmp_path, monkeypatc
     monkeypatch.setattr(GPT, "__init__", no_room)
     with pytest.raises(ConfigError, match="does not fit in host memory .*block_size=32"):
         train.main(argv(shards, tmp_path / "run2"))
+
+
+def test_runs_latest_links_the_newest_run_under_runs_only(tmp_path, monkeypatch):
+    """`make sample` / `make plot` read runs/latest: a run under a `runs/` folder points it at itself (relative,
+    replaced on the next run); a run anywhere else leaves its parent alone."""
+    from nanopara.cli import parse_args
+    from nanopara.mesh import Mesh
+    monkeypatch.chdir(tmp_path)
+    mesh = Mesh.build(device="cpu")
+    for name in ("a", "b"):
+        cfg = parse_args(["--preset=tiny", "--device=cpu", f"--out_dir=runs/{name}"])
+        os.makedirs(cfg.out_dir)
+        train.write_run_info(cfg, mesh)
+        assert os.readlink(tmp_path / "runs" / "latest") == name and (tmp_path / "runs/latest/config.json").exists()
+    cfg = parse_args(["--preset=tiny", "--device=cpu", "--out_dir=elsewhere/c"])
+    os.makedirs(cfg.out_dir)
+    train.write_run_info(cfg, mesh)
+    assert not os.path.lexists(tmp_path / "elsewhere" / "latest")
