@@ -17,7 +17,7 @@ micro-batch may change under the same global batch), and the RNG streams: rank r
 saved world (only dropout draws from them while training).
 Exactness: parameters and AdamW states are copied: bit-equal to the saved ones under any layout. The continued
 losses are bit-equal where the new layout sums the same numbers in the same order (the same layout; measured too:
-DDP -> ZeRO-1 at dp 2, 1F1B -> GPipe); a change of dp, cp, micro-batch, tp, sp, pp degree or split, ep or ZeRO-3
+DDP -> ZeRO-1/2 at dp 2, 1F1B -> GPipe); a change of dp, cp, micro-batch, tp, sp, pp degree or split, ep or ZeRO-3
 sums in another order, and they agree to fp32 rounding (tests/test_reshard.py). MoE's aux loss and capacity are per
 micro-batch: keep its rows per rank (train.micro_batch) for equal losses.
 Format: FORMAT is written in every shard ("ckpt_format", by Trainer.state_dict) and read from meta.json's "format"
@@ -205,8 +205,10 @@ def _local_state(src: Source, tgt: dict) -> dict:
 
     def part(name, key, shape):
         full = src.full(name, key)
+        if full is None and key != "param":  # AdamW never stepped it (no gradient yet): no state, as saved
+            return None
         if full is None:
-            raise CheckpointError(f"checkpoint {src.path} holds no {key} of {name}")
+            raise CheckpointError(f"checkpoint {src.path} holds no {name}")
         t = _cut(full, tp.get(name), ep.get(name)).contiguous()
         if tuple(t.shape) != tuple(shape):
             raise CheckpointError(f"checkpoint {src.path}: {name} gives this rank a part of shape "
@@ -223,7 +225,9 @@ def _local_state(src: Source, tgt: dict) -> dict:
             for name, shape, off in f["params"]:
                 a, b = max(off, lo), min(off + int(torch.Size(shape).numel()), hi)
                 for key in keys if a < b else ():  # only the parameters that meet this rank's [lo, hi)
-                    new[key][a - lo:b - lo] = part(name, key, shape).reshape(-1)[a - off:b - off]
+                    t = part(name, key, shape)
+                    if t is not None:  # (else AdamW's zeros)
+                        new[key][a - lo:b - lo] = t.reshape(-1)[a - off:b - off]
             out.append(new)
         return {**{k: v for k, v in sd.items() if k != "flats"}, "flats": out}
 
@@ -235,9 +239,10 @@ def _local_state(src: Source, tgt: dict) -> dict:
     if engine.get("format") == "flat_shard":
         new_engine = {**flats(engine, ("exp_avg", "exp_avg_sq")), "step": src.step}
     else:  # engine.py's "full" form, for every parameter the model holds
+        state = {name: {key: part(name, key, t.shape) for key in ("exp_avg", "exp_avg_sq")}
+                 for name, t in model.items()}
         new_engine = {"format": "full", "step": src.step,
-                      "state": {name: {key: part(name, key, t.shape) for key in ("exp_avg", "exp_avg_sq")}
-                                for name, t in model.items()}}
+                      "state": {name: st for name, st in state.items() if all(v is not None for v in st.values())}}
     buffers = {}
     for name, t in (tgt.get("buffers") or {}).items():
         b = src.buffer(name)

@@ -122,6 +122,8 @@ MATRIX = [  # (source layout, target layout, exact: the same reduction order, so
     ("moe ep=2 dp=2 zero=1 mb=4", "moe mb=4", False),                         # ep2 -> one process
     ("tp=2 pp=2 dp=2 sp=true zero=1 mb=4", "mb=8", False),                    # tp2 x pp2 x dp2 -> one process
     ("mb=8", "pp=2 dp=2 pp_schedule=interleaved pp_virtual=2 zero=1 mb=2", False),  # one -> interleaved x ZeRO-1
+    ("tp=2 sp=true", "dp=4 zero=3 mb=2", False),                              # tp2 + sp -> ZeRO-3 dp4
+    ("dp=2 mb=4", "dp=2 zero=2 mb=4", False),                                 # DDP -> ZeRO-2 (sums per micro-step)
 ]
 
 
@@ -214,3 +216,22 @@ def test_a_newer_checkpoint_format_is_one_clear_error():
     with pytest.raises(checkpoint.CheckpointError, match=r"checkpoint ck is of format 3 \(its shards\), newer than "
                                                          r"this nanopara reads \(format 2 and older\)"):
         reshard.check_format({}, {"ckpt_format": 3}, "ck")
+
+
+def test_a_rank_reads_only_the_tensors_its_part_meets(shards, tmp_path_factory, monkeypatch):
+    """Streaming: a ZeRO-3 rank's part (each flat's [lo, hi)) is built from the parameters that meet it, one full
+    tensor at a time, and equals what that rank saved, bit for bit."""
+    _, ckpt = source(shards, tmp_path_factory, "dp=4 zero=3 mb=2")
+    src = reshard.Source(ckpt)
+    asked, full = [], reshard.Source.full
+    monkeypatch.setattr(reshard.Source, "full", lambda self, name, key="param": asked.append(name) or
+                        full(self, name, key))
+    own = torch.load(f"{ckpt}/rank_00001.pt", weights_only=True)
+    built = reshard._local_state(src, own)
+    meets = {n for f in own["model"]["flats"] for n, shape, off in f["params"]
+             if off < f["hi"] and off + int(np.prod(shape)) > f["lo"]}
+    assert set(asked) == meets and len(meets) < len({n for n, _ in reshard.full_state(ckpt)})
+    for part in ("model", "engine"):
+        for f, g in zip(own[part]["flats"], built[part]["flats"], strict=True):
+            for key in reshard.KEYS:
+                assert key not in f or torch.equal(f[key], g[key]), (part, key)
