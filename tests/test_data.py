@@ -186,7 +186,9 @@ def test_loader_batches_are_shifted_windows(shards):
         assert all(start % T == 0 for _, start in window_ids(x))  # windows on the stride-T grid
         seen += window_ids(x)
     assert len(set(seen)) == len(seen) == len(loader) * 3  # no window twice in an epoch
-    assert loader.state_dict()["epoch"] == 1 and loader.state_dict()["position"] == 0
+    assert loader.state_dict()["sample"] == len(loader) * 3 and loader.epoch == 0  # 2 windows left in epoch 0
+    seen += window_ids(next(loader)[0])  # ... which this batch takes before epoch 1's first
+    assert len(set(seen[:n_windows])) == n_windows and loader.epoch == 1  # none dropped
 
 
 def test_loader_deterministic_from_seed(shards):
@@ -198,10 +200,10 @@ def test_loader_deterministic_from_seed(shards):
 def test_epoch_wrap_reshuffles(shards):
     loader = TokenLoader(shards, 4, 11, seed=3)
     n = len(loader)
-    first, second = batches(loader, n), batches(loader, n)
-    ids0 = [w for x, _ in first for w in window_ids(x)]
-    ids1 = [w for x, _ in second for w in window_ids(x)]
-    assert ids0 != ids1 and len(set(ids1)) == len(ids1)
+    ids = [w for x, _ in batches(loader, 2 * n + 2) for w in window_ids(x)]
+    total = loader.total  # the epochs end to end (a batch may run past an epoch's end)
+    ids0, ids1 = ids[:total], ids[total:2 * total]
+    assert ids0 != ids1 and sorted(ids0) == sorted(ids1) and len(set(ids1)) == len(ids1) == total
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -230,12 +232,15 @@ def test_exact_resume(shards):
     resumed.load_state_dict(state)
     for (xs, ys), (xr, yr) in zip(straight[N:], batches(resumed, M)):
         assert torch.equal(xs, xr) and torch.equal(ys, yr)
-    # the state is in global batches, so a 2-rank run may resume a 1-rank run with the same global batch
+    # the state is in global samples, so a 3-rank run may resume a 1-rank run, and another batch size too
     half = TokenLoader(shards, 1, T, world=3, rank=1, seed=4)
     half.load_state_dict(state)
     assert torch.equal(next(half)[0], straight[N][0][1:2])
-    with pytest.raises(ValueError, match="rows=3 saved, 4 now"):
-        TokenLoader(shards, 4, T, seed=4).load_state_dict(state)
+    wide = TokenLoader(shards, 6, T, seed=4)
+    wide.load_state_dict(state)
+    assert torch.equal(next(wide)[0], torch.cat([straight[N][0], straight[N + 1][0]]))
+    with pytest.raises(ValueError, match="seq_len=10 saved, 11 now"):
+        TokenLoader(shards, 3, 11, seed=4).load_state_dict(state)
 
 
 def test_validation_order_and_reset(shards):

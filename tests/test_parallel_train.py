@@ -182,8 +182,8 @@ PP_RUNS = {  # world -> [(name, micro_batch, extra keys)]; "*resumed" continue a
         ("zb_ac_full", 2, ["--parallel.pp=2", "--parallel.pp_schedule=zb", "--train.activation_checkpointing=full"]),
         ("interleaved_ac_selective", 2, ["--parallel.pp=2", "--parallel.pp_schedule=interleaved",
                                          "--parallel.pp_virtual=2", "--train.activation_checkpointing=selective"]),
-        # last (it fails before the run): "interleaved"'s checkpoint with another split of the blocks
-        ("wrong_split", 2, ["--parallel.pp=2", "--resume", "--train.steps=30"])],
+        # last: "interleaved"'s checkpoint (two chunks a rank) resumed under another split (one chunk a rank)
+        ("other_split", 2, ["--parallel.pp=2", "--resume", "--train.steps=30"])],
     3: [(s, 2, ["--parallel.pp=3", "--parallel.pp_layers=1,2,1", f"--parallel.pp_schedule={s}"])
         for s in ("gpipe", "1f1b", "zb")],  # m = 8: not a multiple of 3
     4: [(s, 2, ["--parallel.pp=4", f"--parallel.pp_schedule={s}"]) for s in ("gpipe", "1f1b", "zb")] +
@@ -270,7 +270,7 @@ def pp_reference(shards, tmp_path_factory):
 @pytest.mark.parametrize("world", sorted(PP_RUNS))
 def test_pp_train_matches_single_process(shards, pp_reference, tmp_path, world):
     ref_steps, ref_vals, ref_weights = pp_reference
-    dirs = {"resumed": "1f1b", "zero1_resumed": "pp2_dp2_zero1", "wrong_split": "interleaved"}
+    dirs = {"resumed": "1f1b", "zero1_resumed": "pp2_dp2_zero1", "other_split": "interleaved"}
     runs = [(name, pp_argv(shards, tmp_path / dirs.get(name, name), mb, *extra)) for name, mb, extra in PP_RUNS[world]]
     spawn(_pp_worker, world, runs, free_ports(len(runs)), str(tmp_path / "res.json"))
     res = json.loads((tmp_path / "res.json").read_text())
@@ -278,14 +278,14 @@ def test_pp_train_matches_single_process(shards, pp_reference, tmp_path, world):
         if name.endswith("resumed"):
             assert res[name] == res[dirs[name]][3:], name  # bit-exact on the same pp layout
             continue
-        if name == "wrong_split":
-            assert "holds pipeline chunks of blocks [[0], [1], [2], [3]], this run splits [[0, 1], [2, 3]]: resume " \
-                   "with the saved run's parallel.pp_virtual and parallel.pp_layers" in res[name], res[name]
+        if name == "other_split":  # reshard.py: any layout resumes (tests/test_reshard.py checks the numbers)
+            assert isinstance(res[name], list) and len(res[name]) == 10, res[name]
             continue
         if "bucket_mb=1e-4" in " ".join(args):  # rank 0, the first stage: a bucket per parameter, each reduced
             # from its last backward on, inside the pipeline; only the tied wte's after it (after sync_tied_grads)
             assert res[name + ":reductions"]["after"] == STEPS and res[name + ":reductions"]["inside"] > STEPS, name
         steps, vals = read_metrics(tmp_path / name / "metrics.jsonl")
+        steps, vals = ([r for r in rs if r["step"] < STEPS] for rs in (steps, vals))  # (other_split goes on)
         np.testing.assert_allclose(res[name], [r["loss"] for r in ref_steps], atol=ATOL, rtol=0, err_msg=name)
         # the clip factor depends on the norm: summed over stages, the tied weight counted once
         np.testing.assert_allclose([r["grad_norm"] for r in steps], [r["grad_norm"] for r in ref_steps], atol=ATOL,
