@@ -393,6 +393,23 @@ def _two_ranks(shards, out, *extra):
                                 WORLD_SIZE="2", OMP_NUM_THREADS="1")) for r in (0, 1)]
 
 
+def test_a_second_trainer_of_two_gloo_ranks_is_refused_without_waiting(shards, tmp_path):
+    out = tmp_path / "run"
+    os.makedirs(out)
+    held = runguard.RunLock(str(out))  # another trainer: rank 0 is refused, rank 1 learns it, neither waits
+    procs = _two_ranks(shards, out)
+    try:
+        outs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        held.release()
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [2, 2], outs
+    errors = [ln for _, err in outs for ln in err.splitlines() if ln.startswith("error")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: --out_dir {out} is in use by another trainer (pid "
+                                                     f"{os.getpid()}")
+
+
 @pytest.mark.timeout_s(420)
 def test_sigterm_to_one_rank_or_both_stops_two_gloo_ranks_at_the_same_step(shards, tmp_path):
     out = tmp_path / "run"
