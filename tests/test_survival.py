@@ -379,7 +379,8 @@ def test_sigterm_to_a_cli_run_saves_and_a_second_trainer_is_refused(shards, tmp_
         a.kill()
     assert a.returncode == 143 and stderr == "", stderr
     last = stdout.strip().splitlines()[-1]
-    assert last.startswith("stopped by SIGTERM after step ") and last.endswith("; continue with --resume (exit code 143)")
+    assert last.startswith("stopped by SIGTERM after step ")
+    assert last.endswith("; continue with --resume (exit code 143)")
     step = int(last.split("after step ")[1].split(":")[0])
     assert checkpoint.latest(out).endswith(f"step_{step + 1:06d}") and not (out / ".lock").exists()
     logged = [json.loads(ln)["step"] for ln in open(out / "metrics.jsonl") if '"loss"' in ln]
