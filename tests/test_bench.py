@@ -397,3 +397,17 @@ def test_host_zb_times_each_phase_of_both_paths():
     one, split = host_zb.time_phases(2, False, 2), host_zb.time_phases(2, True, 2)
     assert one["W"] == 0 and one["F"] > 0 and one["B"] > 0
     assert all(split[k] > 0 for k in ("F", "B", "W"))
+
+
+def test_compare_runs_lines_up_two_runs(tmp_path):
+    """bench/compare_runs.py (bench/ab_train.sh's table): per-step loss difference, median tok/s of steps >= 3."""
+    import compare_runs
+    for side, toks, shift in (("old", 100.0, 0.0), ("new", 110.0, 0.5)):
+        os.makedirs(tmp_path / f"{side}_r")
+        with open(tmp_path / f"{side}_r" / "metrics.jsonl", "w") as f:
+            f.write(json.dumps({"step": 0, "resumed_from": "x"}) + "\n")  # not a step line: skipped
+            for i in range(6):
+                f.write(json.dumps({"step": i, "loss": 5.0 - i + (shift if i == 4 else 0.0), "tokens_per_s":
+                                    toks if i >= 3 else 1.0, "peak_mem_gb": 1.0 + i}) + "\n")
+    r = compare_runs.compare(compare_runs.rows(str(tmp_path / "old_r")), compare_runs.rows(str(tmp_path / "new_r")))
+    assert r["steps"] == 6 and r["max_abs_loss_diff"] == 0.5 and r["ratio"] == 1.1 and r["peak_mem_gb_new"] == 6.0

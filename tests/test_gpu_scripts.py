@@ -109,7 +109,8 @@ def test_no_device_tool_machinery_left_in_the_benchmarks():
     """One plain entry: no lanes / per-call file limits / carried folders, nothing a user's GPU machine lacks."""
     for gone in ("gpu_suite.sh", "gpu_multi.sh", "lanes.sh"):
         assert not os.path.exists(os.path.join(ROOT, "bench", gone))
-    for path in glob.glob(os.path.join(ROOT, "bench", "*")) + [os.path.join(ROOT, "Makefile")]:
+    for path in [p for p in glob.glob(os.path.join(ROOT, "bench", "*")) if os.path.isfile(p)] + \
+            [os.path.join(ROOT, "Makefile")]:
         with open(path) as f:
             text = f.read()
         for phrase in (".carry", "lanes", "at most 8 files", "device call", "make carry"):
