@@ -4,8 +4,14 @@ Without a GPU, Triton kernels run in Triton's CPU interpreter: TRITON_INTERPRET 
 `import triton`, which is why it is set here, before any test module is imported. Tests marked `gpu` are
 skipped (and reported as skipped) when CUDA is absent.
 """
+import faulthandler
+import multiprocessing
 import os
+import signal
+import sys
 import tempfile
+import threading
+import time
 
 import pytest
 import torch
@@ -26,3 +32,142 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# ---- a time limit for every test ------------------------------------------------------------------------------------
+# Each phase of a test (setup, call, teardown) gets `timeout_s` seconds (the ini option; `--timeout-s=N` overrides it,
+# 0 turns it off), or N from @pytest.mark.timeout_s(N). When the limit hits, SIGALRM on the main thread prints every
+# thread's stack, ends every process the test started (a spawn's gloo workers, a train.py subprocess, and theirs) and
+# fails the test naming the limit. If the main thread is stuck in C code where no Python signal handler can run,
+# faulthandler prints the stacks a little later and exits the run: a hang fails fast either way.
+_TIMEOUT_GRACE_S = 60  # how long after the limit the hard exit waits for the soft one to have worked
+_started_key = pytest.StashKey[float]()  # when the test's setup began, in /proc's clock ticks
+
+
+def pytest_addoption(parser):
+    parser.addini("timeout_s", "each test phase's time limit in seconds (0: none); @pytest.mark.timeout_s(N) for more",
+                  default="240")
+    parser.addoption("--timeout-s", type=float, default=None, dest="timeout_s",
+                     help="each test phase's time limit in seconds, overriding the ini's timeout_s (0: none)")
+
+
+def _limit_s(item) -> float:
+    if item.config.getoption("usepdb", False):
+        return 0.0  # a debugging session waits for the person at the prompt
+    marker = item.get_closest_marker("timeout_s")
+    if marker is not None:
+        return float(marker.args[0])
+    option = item.config.getoption("timeout_s")
+    return float(option if option is not None else item.config.getini("timeout_s"))
+
+
+def _proc_stat(pid) -> list[str]:
+    """/proc/PID/stat's fields after "pid (comm)": [state, ppid, ..., starttime at 19, ...]; [] when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return []
+    return stat[stat.rindex(")") + 2:].split()
+
+
+def _now_ticks() -> float:
+    """Now, in the clock ticks since boot that /proc/PID/stat's starttime counts."""
+    try:
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0]) * os.sysconf("SC_CLK_TCK")
+    except OSError:
+        return 0.0
+
+
+def _descendants_since(ticks: float) -> set[int]:
+    """This process's descendants started since `ticks` (Linux /proc; none elsewhere): what a test started, not the
+    run's long-lived helpers such as multiprocessing's resource tracker."""
+    tree: dict[int, list[tuple[int, int]]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit() and len(fields := _proc_stat(entry)) > 19:
+            tree.setdefault(int(fields[1]), []).append((int(entry), int(fields[19])))
+    out, todo = set(), [os.getpid()]
+    while todo:
+        for child, started in tree.get(todo.pop(), []):
+            if child not in out:
+                todo.append(child)
+                if started >= ticks - 1:
+                    out.add(child)
+    return out
+
+
+def _end_processes(pids: set[int]) -> None:
+    """SIGTERM (spawned workers print their stacks on it: the other half of a hang), then SIGKILL what is left."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = set()
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+                alive.add(pid)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 3
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+            alive = {pid for pid in alive if _proc_stat(pid)[:1] not in ([], ["Z"])}
+        pids = alive
+    multiprocessing.active_children()  # reaps the multiprocessing children among them
+
+
+def _stderr_fd(config) -> int:
+    from _pytest.faulthandler import fault_handler_stderr_fd_key  # the terminal's stderr, outside capture
+    try:
+        return config.stash[fault_handler_stderr_fd_key]
+    except KeyError:
+        return sys.__stderr__.fileno()
+
+
+def _time_limited(item, phase):
+    limit = _limit_s(item)
+    if limit <= 0 or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        return (yield)
+    if phase == "setup":
+        item.stash[_started_key] = _now_ticks()
+    started = item.stash.get(_started_key, 0.0)
+
+    def on_alarm(signum, frame):
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        sys.stderr.write(f"\n+++ {item.nodeid} {phase}: over its {limit:g} s limit; every thread's stack:\n")
+        sys.stderr.flush()
+        faulthandler.dump_traceback(file=sys.stderr if _has_fd(sys.stderr) else sys.__stderr__, all_threads=True)
+        _end_processes(_descendants_since(started))
+        pytest.fail(f"Timeout: {phase} went over its {limit:g} s limit (tests/conftest.py; a slow test may take "
+                    f"more with @pytest.mark.timeout_s(N))", pytrace=True)
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, limit)
+    faulthandler.dump_traceback_later(limit + _TIMEOUT_GRACE_S, exit=True, file=_stderr_fd(item.config))
+    try:
+        return (yield)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        faulthandler.cancel_dump_traceback_later()
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _has_fd(stream) -> bool:
+    try:
+        return stream.fileno() >= 0
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _time_limited(item, "setup"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _time_limited(item, "call"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    return (yield from _time_limited(item, "teardown"))

@@ -1,11 +1,34 @@
-"""Run a function in N gloo processes on this machine (the CPU stand-in for torchrun + NCCL)."""
+"""Run a function in N gloo processes on this machine (the CPU stand-in for torchrun + NCCL).
+
+The processes come from a fork server that imported torch, numpy, train.py, nanopara and kernels once (the first
+spawn of a run starts it): a spawn then costs tens of milliseconds instead of every process importing torch anew
+(~3 s of CPU each on the 2-core machine). Each process otherwise starts as a spawned one would: the caller's
+environment (os.environ at the call, not at the server's start), working directory and sys.path, its stdout and
+stderr (so pytest captures what a worker prints, e.g. the stacks of a hang), fresh modules for anything the
+server did not import, and no state from earlier spawns (each is forked from the server, never reused).
+
+Threads: as torchrun does for several processes a machine, each process runs torch on one thread unless
+OMP_NUM_THREADS says otherwise. Two processes of two threads each on the 2-core machine made a TP step ~8x slower
+(OpenMP threads spin while waiting, taking the core the other rank needs: tp=2 x 20 steps 15-21 s -> 3 s, tp=4
+26 -> 8 s, the same losses to the bit).
+"""
 import faulthandler
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import socket
 import sys
 
+import torch
 import torch.multiprocessing as mp
+
+# what the fork server imports before it forks; a name that fails to import is skipped (the worker imports it)
+PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "numpy", "triton", "train", "tests.distributed"] + [
+    f"{pkg}.{name[:-3]}" for pkg in ("nanopara", "kernels")
+    for name in sorted(os.listdir(os.path.join(os.path.dirname(__file__), "..", pkg)))
+    if name.endswith(".py") and name != "__init__.py"]
+_SERVER_ENV = dict(os.environ)  # at import (after conftest's set-up), before any test's changes to the environment
 
 
 def free_port() -> int:
@@ -27,6 +50,44 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def _start_server() -> None:
+    """The fork server, started (once; again if it died) with the environment of the test session's start."""
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    current = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(_SERVER_ENV)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(current)
+
+
+def _forked(rank, fn, parent, env, threads, args):
+    """In the worker: become what a spawned process of the caller would be, then fn(rank, *args)."""
+    os.environ.clear()
+    os.environ.update(env)
+    if threads:
+        torch.set_num_threads(threads)
+    for fd in (1, 2):  # the caller's stdout / stderr (pytest's capture of the running test), not the server's
+        try:
+            target = os.open(f"/proc/{parent}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
+        except OSError:
+            continue
+        os.dup2(target, fd)
+        os.close(target)
+    fn(rank, *args)
+
+
+def processes(fn, nprocs: int, *args) -> None:
+    """fn(rank, *args) in nprocs forked processes, joined as torch.multiprocessing.spawn joins them (an exception in
+    one process terminates the others and is raised here)."""
+    _start_server()
+    threads = 1 if nprocs > 1 and "OMP_NUM_THREADS" not in os.environ else None  # torchrun's default
+    mp.start_processes(_forked, args=(fn, os.getpid(), dict(os.environ), threads, args), nprocs=nprocs, join=True,
+                       start_method="forkserver")
+
+
 def _entry(rank, fn, world, port, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
@@ -43,4 +104,4 @@ def _entry(rank, fn, world, port, args):
 def spawn(fn, world: int, *args, port: int | None = None) -> None:
     """fn(rank, world, *args) in `world` processes with torchrun's environment (MASTER_PORT: `port`, or a free one);
     raises if any process fails."""
-    mp.spawn(_entry, args=(fn, world, port or free_port(), args), nprocs=world, join=True)
+    processes(_entry, world, fn, world, port or free_port(), args)

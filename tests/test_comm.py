@@ -14,10 +14,9 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from nanopara.comm import all_gather_flat, ring_all_gather, ring_all_reduce, ring_reduce_scatter, zero_gathered
-from tests.distributed import spawn
+from tests.distributed import processes, spawn
 
 SIZES = (1, 7, 1001)
 
@@ -116,7 +115,7 @@ def _check(rank, n, group):
 
 
 def test_ring_collectives_match_torch():
-    mp.spawn(_entry, args=(4, _free_port(), _worker), nprocs=4, join=True)
+    processes(_entry, 4, 4, _free_port(), _worker)
 
 
 def test_group_none_is_a_no_op():

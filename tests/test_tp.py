@@ -27,7 +27,6 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from nanopara import tp as tpmod
@@ -38,6 +37,7 @@ from nanopara.mesh import Mesh
 from nanopara.model import GPT
 from nanopara.parallel import parallelize
 from nanopara.tp_linear import ColumnSP, ColumnTP, RowSP, RowTP, blocks, shard_rows, sp_gather, sp_scatter
+from tests.distributed import processes
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -76,7 +76,7 @@ def _entry(rank, fn, world, port):
 
 
 def _spawn(fn, world):
-    mp.spawn(_entry, args=(fn, world, _free_port()), nprocs=world, join=True)
+    processes(_entry, world, fn, world, _free_port())
 
 
 # ----------------------------------------------------------------------------------------------------------------
