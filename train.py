@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nanopara import checkpoint, evals, runguard, sft
+from nanopara import checkpoint, evals, reshard, runguard, sft
 from nanopara.cli import describe, help_text, parse_args
 from nanopara.config import Config, ConfigError
 from nanopara.data import TokenLoader, default_mirror, find_shards, get_tokenizer
@@ -226,7 +226,7 @@ def train(cfg: Config) -> dict:
         trainer = parallelize(model, mesh, cfg)  # nanopara/parallel.py: the one step object, whatever the layout
         if trainer.pipeline is not None:
             model = None  # each rank keeps its stage (trainer.model): the rest of the GPT goes
-        start = checkpoint.restore_training(resume_path, mesh, trainer, loader) if resume_path else 0
+        start = reshard.restore_training(resume_path, mesh, trainer, loader) if resume_path else 0
         metrics = Metrics(cfg.out_dir, mesh.is_main)
         start_log(cfg, mesh, trainer, metrics, n_params, resume_path, start)
         reporter = StepReporter(metrics, mesh, trainer.scaler,
@@ -322,14 +322,25 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"error (rank {os.environ.get('RANK', '0')}): {e}", file=sys.stderr, flush=True)
         if argv is not None:
             raise e from None
-        sys.exit(2)
+        leave(2)
     except (ConfigError, MeshError, checkpoint.CheckpointError, TrainingError, FileNotFoundError, ValueError) as e:
         rank = int(os.environ.get("RANK", "0"))
         if rank == 0 or not isinstance(e, (ConfigError, MeshError)):  # those two are the same on every rank
             print(f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
         if argv is not None:
             raise
-        sys.exit(2)
+        leave(2)
+
+
+def leave(code: int) -> None:
+    """sys.exit(code) after an error, without a live gloo group: its threads at interpreter exit can abort the
+    process (std::terminate, exit -6) after the one clear line. NCCL groups are left to the runtime."""
+    if dist.is_initialized() and dist.get_backend() == "gloo":
+        try:
+            dist.destroy_process_group()
+        except Exception:  # (exiting anyway)
+            pass
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -416,23 +416,6 @@ def check_model_matches(path: str, model_cfg: dict) -> dict:
     return meta
 
 
-def restore_training(path: str, mesh: Mesh, trainer, loader) -> int:
-    """Load the checkpoint into the trainer, loader and RNGs under this run's layout, whatever layout wrote it
-    (reshard.restore; the same layout loads each rank's own shard, bit-exact); returns the step to continue from.
-    Collective: a failure on any rank (corrupt shard, non-finite values, another model) is the same error on every
-    rank."""
-    from nanopara import reshard  # (reshard.py builds on this module)
-    err = step = None
-    try:
-        step = reshard.restore(path, mesh, trainer, loader)
-    except CheckpointError as e:
-        err = str(e)
-    err = _first_error(mesh, err)
-    if err:
-        raise AgreedError(err)
-    return step
-
-
 if __name__ == "__main__":  # python -m nanopara.checkpoint DIR: list, verify, say what --resume uses (ckpt_inspect.py)
-    from nanopara.ckpt_inspect import main
-    sys.exit(main())
+    import runpy  # (run by name: ckpt_inspect imports this module, which imports nothing back)
+    runpy.run_module("nanopara.ckpt_inspect", run_name="__main__")

@@ -14,7 +14,7 @@ blocks are split per head, so a piece is several slices); then over pp: the stag
 single-device names (pp.Stage), so they are merged, and the last stage's copy of the tied weight (lm_head.weight,
 the same values as the first stage's wte) is dropped. The vocab-parallel wte's TP padding rows are dropped to the
 model's padded vocabulary, and the result is checked key by key against the model the config builds.
-Shards are memory-mapped: the optimizer states in them are never read. full_optimizer_state: AdamW's m, v in
+Shards are memory-mapped: the optimizer states in them are never read. reshard.full_optimizer_state: AdamW's m, v in
 engine.py's "full" form, joined the same way by reshard.Source (which a resume under another layout uses).
 
 Called by sample.py; tested by tests/test_sample.py against the running engines' own gathers.
@@ -222,15 +222,3 @@ def _check_against_model(full: dict, cfg: ModelConfig, path: str) -> dict:
         out[name] = t.detach().to(torch.float32, copy=True).contiguous()  # copy: never a view of the mmap
     out["lm_head.weight"] = out["transformer.wte.weight"]
     return out
-
-
-def full_optimizer_state(ckpt_path: str) -> dict:
-    """AdamW's state of a checkpoint of any layout in engine.py's single-device "full" form ({"format": "full",
-    "step", "state": {name: {"exp_avg", "exp_avg_sq"}}}), loadable by any engine's load_state_dict."""
-    from nanopara.reshard import Source  # (reshard.py builds on this module)
-    path, _ = resolve(ckpt_path)
-    src = Source(path, checkpoint.check_complete(path))
-    with torch.device("meta"):
-        names = [n for n, _ in GPT(src.cfg).named_parameters()]  # the tied weight once
-    return {"format": "full", "step": src.step,
-            "state": {n: {k: src.full(n, k) for k in ("exp_avg", "exp_avg_sq")} for n in names}}

@@ -1,6 +1,6 @@
 """Resume under any layout: a checkpoint written by one layout loaded into a Trainer of another.
 
-    step = restore(path, mesh, trainer, loader)   # checkpoint.restore_training calls it (collective)
+    step = restore_training(path, mesh, trainer, loader)   # train.py's --resume (collective)
     for name, states in full_state(path): ...      # single-device tensors, one name at a time (tests, tools)
 
 Same layout (grid sizes, and every rank's shard in the form its Trainer holds: names, tp/ep slices, pp chunks,
@@ -309,3 +309,30 @@ def restore(path: str, mesh, trainer, loader) -> int:
     except _ODD as e:
         raise CheckpointError(f"checkpoint {path} is malformed: {type(e).__name__}: {e}") from None
     return meta["step"]
+
+
+def restore_training(path: str, mesh: Mesh, trainer, loader) -> int:
+    """Load the checkpoint into the trainer, loader and RNGs under this run's layout, whatever layout wrote it
+    (restore(); the same layout loads each rank's own shard, bit-exact); returns the step to continue from.
+    Collective: a failure on any rank (corrupt shard, non-finite values, another model) is the same error on every
+    rank."""
+    err = step = None
+    try:
+        step = restore(path, mesh, trainer, loader)
+    except CheckpointError as e:
+        err = str(e)
+    err = checkpoint._first_error(mesh, err)
+    if err:
+        raise checkpoint.AgreedError(err)
+    return step
+
+
+def full_optimizer_state(ckpt_path: str) -> dict:
+    """AdamW's state of a checkpoint of any layout in engine.py's single-device "full" form ({"format": "full",
+    "step", "state": {name: {"exp_avg", "exp_avg_sq"}}}), loadable by any engine's load_state_dict."""
+    path, _ = consolidate.resolve(ckpt_path)
+    src = Source(path, checkpoint.check_complete(path))
+    with torch.device("meta"):
+        names = [n for n, _ in GPT(src.cfg).named_parameters()]  # the tied weight once
+    return {"format": "full", "step": src.step,
+            "state": {n: {k: src.full(n, k) for k in ("exp_avg", "exp_avg_sq")} for n in names}}

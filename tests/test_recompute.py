@@ -314,7 +314,7 @@ def test_bench_max_batch_search(monkeypatch, limit, start):
     probes = []
     monkeypatch.setattr(bench_recompute, "fits", lambda *a: probes.append(a[-1]) or a[-1] <= limit)
     args = argparse.Namespace(max_batch=1024, search_frac=32)
-    lo, hi = bench_recompute.max_batch(None, None, None, args, start)
+    lo, hi = bench_recompute.max_batch(None, None, args, start)
     assert lo <= limit < hi and hi - lo <= max(1, lo // 32), (lo, hi, probes)
     assert len(probes) <= 16
 

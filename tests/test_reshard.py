@@ -20,7 +20,7 @@ import torch
 import train
 from nanopara import checkpoint, reshard
 from nanopara.cli import parse_args
-from nanopara.consolidate import full_optimizer_state
+from nanopara.reshard import full_optimizer_state
 from nanopara.data import TokenLoader, write_shard
 from nanopara.mesh import Mesh
 from nanopara.parallel import parallelize
@@ -73,7 +73,7 @@ def _target(rank, world, args, ports, path, copy_dir, out_file):
     mesh = Mesh.build(p.dp, p.pp, p.cp, p.tp, cfg.device, p.timeout_s, ep=p.ep)
     loader, _ = train.build_loaders(cfg, mesh, lambda *a: None)
     trainer = parallelize(train.build_model(cfg, True, lambda *a: None), mesh, cfg)
-    step = checkpoint.restore_training(path, mesh, trainer, loader)
+    step = reshard.restore_training(path, mesh, trainer, loader)
     checkpoint.save_training(copy_dir, step, mesh, trainer, loader, {"config": cfg.to_dict()}, keep=1)
     trainer.close()
     mesh.destroy()

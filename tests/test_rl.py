@@ -382,7 +382,7 @@ def test_demo_smoke_end_to_end_on_cpu(tmp_path):
     r = subprocess.run([sys.executable, os.path.join(root, "bench", "post_train_demo.py"), f"--out={tmp_path}",
                         "--device=cpu", "--smoke=1"], cwd=root, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    res = json.loads((tmp_path / "post_train.json").read_text())
+    res = json.loads((tmp_path / "post_train.jsonl").read_text().splitlines()[-1])  # the harness's stamped row
     assert res["task"] == "digits" and res["rl_from_step"] == res["sft_steps"] == 20
     assert [c["step"] for c in res["sft_curve"]] == [10, 20]
     assert [run["lr"] for run in res["rl_runs"]] == [1e-5, 4e-5]
