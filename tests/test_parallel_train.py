@@ -204,6 +204,10 @@ PP_RUNS = {  # world -> [(name, micro_batch, extra keys)]; "*resumed" continue a
 # grad norms alike; validation losses 1e-6; weights 2e-7 pp-only, 6e-6 with dp2, 7.3e-5 with tp2 (the same
 # 7.3e-5 as tp2 alone at this config: AdamW's m/sqrt(v) turns rounding noise in near-zero gradients into steps
 # of up to lr). Bounds: ATOL for losses and norms, PP_WEIGHT_ATOL below for weights (4x the worst).
+# Grad norms of pp x tp + sp (interleaved; pp2 x tp2 x dp2 ZeRO-1): 1.16e-4 at worst (step 9 of 20, 0.8938 vs
+# 0.8939), measured 2026-11-28 with torch 2.13.0+cpu on the tree before the Trainer (8570dda) and after alike, with
+# every loss within ATOL: their bound is PP_TP_NORM_ATOL, 2.6x that worst.
+PP_TP_NORM_ATOL = 3e-4
 PP_WEIGHT_ATOL = {False: 2.5e-5, True: 3e-4}  # without / with tp
 
 
@@ -288,8 +292,8 @@ def test_pp_train_matches_single_process(shards, pp_reference, tmp_path, world):
         steps, vals = ([r for r in rs if r["step"] < STEPS] for rs in (steps, vals))  # (other_split goes on)
         np.testing.assert_allclose(res[name], [r["loss"] for r in ref_steps], atol=ATOL, rtol=0, err_msg=name)
         # the clip factor depends on the norm: summed over stages, the tied weight counted once
-        np.testing.assert_allclose([r["grad_norm"] for r in steps], [r["grad_norm"] for r in ref_steps], atol=ATOL,
-                                   rtol=0, err_msg=name)
+        np.testing.assert_allclose([r["grad_norm"] for r in steps], [r["grad_norm"] for r in ref_steps], rtol=0,
+                                   atol=PP_TP_NORM_ATOL if "--parallel.tp=2" in args else ATOL, err_msg=name)
         if "--train.micro_batch=2" in args and "dp2" not in name:  # the single process's validation batches
             np.testing.assert_allclose([r["val_loss"] for r in vals], [r["val_loss"] for r in ref_vals], atol=ATOL,
                                        rtol=0, err_msg=name)
