@@ -3,6 +3,11 @@
 Without a GPU, Triton kernels run in Triton's CPU interpreter: TRITON_INTERPRET must be set before the first
 `import triton`, which is why it is set here, before any test module is imported. Tests marked `gpu` are
 skipped (and reported as skipped) when CUDA is absent.
+
+Also without a GPU, torch runs on one thread (OMP_NUM_THREADS=1 unless set: this process, the spawned gloo workers
+and every subprocess a test starts). The tests' tensors are tiny, and two OpenMP threads spin-wait for each other
+whenever another process holds a core: test_fp8.py's tiny_gpt_trains_in_every_mode took 6.3 s with two threads
+and 2.2 s with one on the 2-core machine at a load of ~2, and 88 s against 7 s beside two busy processes.
 """
 import faulthandler
 import multiprocessing
@@ -18,6 +23,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    if "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
 
 # kernels/tuning.py's store of tuned choices goes to a throwaway folder: tests never write the user's ~/.cache
 os.environ.setdefault("XDG_CACHE_HOME", tempfile.mkdtemp(prefix="nanopara-test-cache-"))

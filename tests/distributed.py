@@ -7,10 +7,10 @@ environment (os.environ at the call, not at the server's start), working directo
 stderr (so pytest captures what a worker prints, e.g. the stacks of a hang), fresh modules for anything the
 server did not import, and no state from earlier spawns (each is forked from the server, never reused).
 
-Threads: as torchrun does for several processes a machine, each process runs torch on one thread unless
-OMP_NUM_THREADS says otherwise. Two processes of two threads each on the 2-core machine made a TP step ~8x slower
-(OpenMP threads spin while waiting, taking the core the other rank needs: tp=2 x 20 steps 15-21 s -> 3 s, tp=4
-26 -> 8 s, the same losses to the bit).
+Threads: OMP_NUM_THREADS if set (tests/conftest.py sets 1 on CPU machines), else, as torchrun does for several
+processes a machine, one thread a process. Two processes of two threads each on the 2-core machine made a TP step
+~8x slower (OpenMP threads spin while waiting, taking the core the other rank needs: tp=2 x 20 steps 15-21 s ->
+3 s, tp=4 26 -> 8 s, the same losses to the bit).
 """
 import faulthandler
 import multiprocessing
@@ -83,7 +83,8 @@ def processes(fn, nprocs: int, *args) -> None:
     """fn(rank, *args) in nprocs forked processes, joined as torch.multiprocessing.spawn joins them (an exception in
     one process terminates the others and is raised here)."""
     _start_server()
-    threads = 1 if nprocs > 1 and "OMP_NUM_THREADS" not in os.environ else None  # torchrun's default
+    threads = os.environ.get("OMP_NUM_THREADS", "1" if nprocs > 1 else "")  # torchrun's default: 1 if several
+    threads = int(threads) if threads.isdigit() else None  # (the server's torch read its own environment)
     mp.start_processes(_forked, args=(fn, os.getpid(), dict(os.environ), threads, args), nprocs=nprocs, join=True,
                        start_method="forkserver")
 
