@@ -342,8 +342,11 @@ def test_user_errors_are_one_line(policy_dir, tmp_path, capsys, extra, fragment)
 def test_demo_generation_speed_runs_on_cpu():
     """bench/post_train_demo.py's in-process part (the rest is train.py and rl.py, tested above and elsewhere)."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("post_train_demo", os.path.join(
-        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "post_train_demo.py"))
+    import sys
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    if bench not in sys.path:  # the demo imports bench/harness.py beside it (whatever ran before this test)
+        sys.path.insert(0, bench)
+    spec = importlib.util.spec_from_file_location("post_train_demo", os.path.join(bench, "post_train_demo.py"))
     demo = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(demo)
     rows = demo.generation_speed(toy(vocab=64, block=16), torch.device("cpu"), batches=(1, 3), prompt=4, new=5)
