@@ -13,7 +13,7 @@ this rank's stage), MoE's aux-loss gradient factor and bias update (moe.py) and 
 state_dict() names every tensor by its single-device (global) name; `tp_shards` / `ep_shards` say which global
 slice of a sharded tensor this rank holds, `pp_chunks` which blocks, and ZeRO's flat shards carry their offsets
 (zero.py), so a checkpoint can be read under another layout (consolidate.py).
-Callers: train.py, eval.py (through train.py's loop), bench/, tests/test_trainer.py.
+Callers: train.py, rl.py (forward_backward's loss_fn), eval.py (evaluate), bench/, tests/test_trainer.py.
 """
 from __future__ import annotations
 
@@ -81,13 +81,17 @@ class Trainer:
         """This rank's module: the (tp/cp/ep-sharded) GPT, or under pp > 1 its pipeline stage."""
         return self.engine.model
 
-    def forward_backward(self, batches: list, weights: list | None = None) -> torch.Tensor:
+    def forward_backward(self, batches: list, weights: list | None = None, loss_fn=None) -> torch.Tensor:
         """Forwards and backwards of one optimizer step's micro-batches [(x, y)] (host or device tensors); the
         gradients are left for step(). weights: per micro-batch loss factors (train.token_weights; None = 1).
+        loss_fn(model, batch) -> 0-dim loss: a micro-batch's own loss in place of the LM loss of (x, y) (rl.py's
+        policy loss), run under the same autocast, no_sync and 1/accum, 1/(dp*cp) scaling; not under pp or graphs.
         Returns the mean loss over the micro-batches and the dp x cp ranks (0-dim, on the device, unread)."""
         if len(batches) != self.accum:
             raise ValueError(f"forward_backward got {len(batches)} micro-batches; this layout runs {self.accum} "
                              f"a step (train.tokens_per_step / (micro_batch * seq_len * dp))")
+        if loss_fn is not None and (self.pipeline is not None or self.graphed is not None):
+            raise ValueError("forward_backward(loss_fn=...) needs a layout without pipeline stages or CUDA graphs")
         scale = self.scaler.scale
         if self.cfg.model.moe_experts:  # the aux loss's gradient gets the factor the LM loss gets below
             set_aux_grad_scale(self.engine.model, scale / self.accum / self.engine.n)
@@ -96,14 +100,16 @@ class Trainer:
         else:
             loss = torch.zeros((), device=self.device)
             for micro, batch in enumerate(batches):
-                x, y = (b.to(self.device, non_blocking=True) for b in batch)
+                if loss_fn is None:
+                    x, y = (b.to(self.device, non_blocking=True) for b in batch)
                 w = 1.0 if weights is None else weights[micro]
                 if self.graphed is not None:  # one GPU or tp alone: no gradient communication to skip
                     step_loss = self.graphed(x, y)
                 else:
                     with self.engine.no_sync(micro < self.accum - 1):
                         with self.amp():
-                            _, step_loss = self.engine.model(x, y)
+                            step_loss = self.engine.model(x, y)[1] if loss_fn is None else \
+                                loss_fn(self.engine.model, batch)
                         self.engine.backward(step_loss.float() * (scale * w / self.accum))
                 loss += step_loss.detach().float() * w
             loss = loss / self.accum
