@@ -129,6 +129,8 @@ class CheckpointConfig:
     keep: int = 2                # complete checkpoints kept on disk
     final: bool = True           # save one at the end of the run
     init_from: str = ""          # start from a run/step dir of this trainer or HF GPT-2 weights (.bin/.pt)
+    async_: str = "auto"         # auto (on GPU runs, off on CPU) | true | false: training goes on while a background
+                                 # thread writes the checkpoint (nanopara/async_save.py; the final one is waited for)
 
 
 @dataclass
@@ -168,7 +170,8 @@ class Config:
                                      ("none", "full", "selective")),
                                     ("train.fp8", t.fp8, ("none", "tensor", "row", "block")),
                                     ("train.fp8_grad", t.fp8_grad, ("e5m2", "e4m3")),
-                                    ("data.loss_mask", self.data.loss_mask, ("auto", "on", "off"))):
+                                    ("data.loss_mask", self.data.loss_mask, ("auto", "on", "off")),
+                                    ("ckpt.async_", self.ckpt.async_, ("auto", "true", "false"))):
             if value not in choices:
                 raise ConfigError(f"{key} must be {'|'.join(choices)}, got {value!r}")
         if not self.out_dir.strip():
