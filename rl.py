@@ -5,21 +5,25 @@
 
 Per step: --prompts prompts (from --seed and the step) split over the data-parallel ranks, --group completions each
 after sft.prompt_ids (EOT + SFT's template), rewards from the task's checker (nanopara/tasks.py), --updates steps of
-GRPO's clipped loss (nanopara/rl.py); greedy exact match on --test_n held-out prompts every --eval_every steps.
-Writes <out_dir>/metrics.jsonl (reward, kl, ...; eval lines: test_exact_match), config.json and <out_dir>/ckpt.
+GRPO's clipped loss (nanopara/rl.py) through the Trainer of parallel.parallelize (AdamW, clipping, dp as in
+train.py); greedy exact match on --test_n held-out prompts every --eval_every steps.
+Writes <out_dir>/metrics.jsonl (reward, kl, ...; the compute spent so far in forward-token equivalents, flop_tokens;
+eval lines: test_exact_match), config.json and <out_dir>/ckpt.
 
 Keys (`--key=value`, the last one wins; --help prints this). A user error: one line on stderr, exit code 2:
   --init=PATH        the starting policy: a run, ckpt/ or step directory (any layout), or HF GPT-2 weights (.bin/.pt)
   --task=NAME        arith | digits | sort | count | gsm8k (arith); --gsm8k=PATH: GSM8K's folder (default: the mirror's)
   --train_n=N        training prompts to draw from (20000); --test_n=N held-out prompts scored (500)
+  --seed=S           sampling and the order of prompts (1337); --prompt_seed=S which --train_n prompts (1337);
+                     --test_seed=S which held-out prompts (tasks.TEST_SEED = 1337: one fixed set for every run)
   --steps=N (100)  --prompts=P per step, global (32)  --group=G completions per prompt (8)  --temperature=T (1.0)
   --max_new=N        tokens per completion, EOT included (32)
   --lr=LR (1e-5)  --warmup=N steps of linear warm-up (10)  --weight_decay=W (0)  --grad_clip=C (1.0)
-  --optim=adamw|sgd  (adamw, betas 0.9 / 0.95); --momentum=M: sgd's (0.9); --adam_eps=E (1e-8): one well above the
-                     gradients' size keeps Adam from scaling noise up to a full-lr step (notes/post_training.md)
+  --adam_eps=E       AdamW's eps (1e-8; betas 0.9 / 0.95): one well above the gradients' size keeps Adam from
+                     scaling noise up to a full-lr step (notes/post_training.md)
   --clip_eps=E       PPO ratio clip (0.2); --kl_coef=B: k3 KL penalty to the starting model, 0 = none (0)
   --updates=K        optimizer steps per batch of rollouts (1); --micro=R rows per forward in updates, 0 = all (0)
-  --eval_every=N     held-out exact match every N steps, 0 = only at the start and the end (25); --seed=S (1337)
+  --eval_every=N     held-out exact match every N steps, 0 = only at the start and the end (25)
   --out_dir=DIR (runs/rl)  --overwrite=1 replaces a run there  --save=0 skips the final checkpoint
   --device=auto|cpu|cuda  --dtype=auto|bf16|fp32 (auto: bf16 autocast on CUDA)
 """
@@ -45,8 +49,7 @@ from nanopara.data import get_tokenizer
 from nanopara.evals import EvalError
 from nanopara.mesh import Mesh, MeshError
 from nanopara.model import GPT
-from nanopara.trainer import autocast
-from nanopara.optim import param_groups
+from nanopara.parallel import parallelize
 from nanopara.report import Metrics
 from nanopara.sft import EOT, prompt_ids
 
@@ -70,9 +73,7 @@ class Args:
     lr: float = 1e-5
     warmup: int = 10
     weight_decay: float = 0.0
-    optim: str = "adamw"
     adam_eps: float = 1e-8
-    momentum: float = 0.9
     grad_clip: float = 1.0
     clip_eps: float = 0.2
     kl_coef: float = 0.0
@@ -83,6 +84,8 @@ class Args:
     overwrite: int = 0
     save: int = 1
     seed: int = 1337
+    prompt_seed: int = 1337
+    test_seed: int = tasks.TEST_SEED
     device: str = "auto"
     dtype: str = "auto"
 
@@ -96,18 +99,17 @@ def parse_args(argv: list[str]) -> Args:
     for key, lo, hi in (("lr", 0, 1), ("clip_eps", 0, 1)):
         if not lo < getattr(a, key) <= hi:
             raise RLError(f"--{key} must be in ({lo}, {hi}], got {getattr(a, key)}")
-    if a.optim not in ("adamw", "sgd"):
-        raise RLError(f"--optim must be adamw or sgd, got {a.optim!r}")
-    if not 0 < a.adam_eps < 1 or not 0 <= a.momentum < 1:
-        raise RLError(f"--adam_eps must be in (0, 1) and --momentum in [0, 1), got {a.adam_eps}, {a.momentum}")
+    if not 0 < a.adam_eps < 1:
+        raise RLError(f"--adam_eps must be in (0, 1), got {a.adam_eps}")
     for key in ("weight_decay", "grad_clip", "kl_coef"):
         if not 0 <= getattr(a, key) < float("inf"):
             raise RLError(f"--{key} must be a finite number >= 0, got {getattr(a, key)}")
     if not 1e-4 <= a.temperature < float("inf"):
         raise RLError(f"--temperature must be >= 1e-4 (RL samples; greedy gives every completion one reward), "
                       f"got {a.temperature}")
-    if not 0 <= a.seed < 2 ** 32:
-        raise RLError(f"--seed must be in [0, 2**32), got {a.seed}")
+    for key in ("seed", "prompt_seed", "test_seed"):
+        if not 0 <= getattr(a, key) < 2 ** 32:
+            raise RLError(f"--{key} must be in [0, 2**32), got {getattr(a, key)}")
     if a.task not in tasks.TASKS:
         raise RLError(f"--task: unknown task {a.task!r}, choose from {', '.join(tasks.TASKS)}")
     if a.device not in ("auto", "cpu", "cuda"):
@@ -152,12 +154,11 @@ def run(a: Args) -> dict:
         raise RLError(f"--prompts={a.prompts} must be a multiple of the {world} data-parallel ranks")
     if a.dtype == "bf16" and dev.type != "cuda":
         raise RLError("--dtype=bf16 needs --device=cuda here (CPU runs fp32)")
-    amp = autocast(a.dtype, dev)[0]  # nanopara/trainer.py: the one autocast rule (auto: bf16 on CUDA)
     prepare_run_dir(a.out_dir, resume=False, overwrite=bool(a.overwrite), is_main=mesh.is_main)
     enc = get_tokenizer()
     task = tasks.get_task(a.task)
-    train_ex = tasks.make_examples(a.task, a.train_n, "train", a.seed, a.gsm8k)
-    test_ex = tasks.make_examples(a.task, a.test_n, "test", a.seed, a.gsm8k)
+    train_ex = tasks.make_examples(a.task, a.train_n, "train", a.prompt_seed, a.gsm8k)
+    test_ex = tasks.make_examples(a.task, a.test_n, "test", a.test_seed, a.gsm8k)
     policy = load_policy(a.init)
     T, V = policy.cfg.block_size, policy.cfg.vocab_size
     if V < enc.n_vocab:
@@ -166,12 +167,11 @@ def run(a: Args) -> dict:
     longest = max(len(p) for p in train_ids + [prompt_ids(enc, ex.prompt) for ex in test_ex])
     if longest + a.max_new > T:
         raise RLError(f"a prompt of {longest} tokens + --max_new={a.max_new} exceeds the policy's context of {T}")
-    policy.to(dev).eval()  # no dropout anywhere: the first update's ratio must be exactly 1
-    ref = copy.deepcopy(policy).eval() if a.kl_coef > 0 else None
-    groups = param_groups(policy.named_parameters(), a.weight_decay)
-    opt = torch.optim.SGD(groups, lr=a.lr, momentum=a.momentum) if a.optim == "sgd" else \
-        torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), eps=a.adam_eps,
-                          fused=dev.type == "cuda")
+    ref = copy.deepcopy(policy).to(dev).eval() if a.kl_coef > 0 else None
+    trainer = parallelize(policy, mesh, rl.trainer_config(
+        policy.cfg, rows=a.prompts // world * a.group, micro=a.micro, world=world, device=dev.type, dtype=a.dtype,
+        weight_decay=a.weight_decay, eps=a.adam_eps, grad_clip=a.grad_clip))
+    policy, amp = trainer.model.eval(), trainer.amp  # no dropout anywhere: the first update's ratio must be exactly 1
     metrics = Metrics(a.out_dir, mesh.is_main)
     if mesh.is_main:
         os.makedirs(a.out_dir, exist_ok=True)
@@ -188,7 +188,7 @@ def run(a: Args) -> dict:
         return em
 
     first = held_out(0)
-    last = first
+    last, flop_tokens = first, 0.0
     for step in range(1, a.steps + 1):
         t0 = time.perf_counter()
         batch = random.Random(f"{a.seed}/{step}").sample(range(len(train_ex)), a.prompts)  # same on every rank
@@ -203,10 +203,8 @@ def run(a: Args) -> dict:
         ro = rl.make_rollout(rows, new, rl.group_advantages(rewards).flatten(), dev)
         ro.old_logp = logprobs(policy, ro, a, amp)
         ro.ref_logp = logprobs(ref, ro, a, amp) if ref is not None else None
-        for g in opt.param_groups:
-            g["lr"] = a.lr * min(1.0, step / a.warmup) if a.warmup else a.lr
-        ups = [rl.update(policy, opt, ro, clip_eps=a.clip_eps, kl_coef=a.kl_coef, temperature=a.temperature,
-                         micro=a.micro, grad_clip=a.grad_clip, group=group, world=world, amp=amp)
+        lr = a.lr * min(1.0, step / a.warmup) if a.warmup else a.lr
+        ups = [rl.update(trainer, ro, lr, clip_eps=a.clip_eps, kl_coef=a.kl_coef, temperature=a.temperature)
                for _ in range(a.updates)]
         if dev.type == "cuda":
             torch.cuda.synchronize()
@@ -214,18 +212,21 @@ def run(a: Args) -> dict:
         n_gen = sum(len(c) for c in new)
         s = rl.all_sum(torch.tensor([rewards.sum().item(), rewards.numel(), (rewards.max(1).values > 0).sum().item(),
                                      (rewards.std(1, correction=0) == 0).sum().item(), rewards.shape[0],
-                                     float(n_gen), sum(c[-1] == EOT for c in new)], dtype=torch.float64,
-                                    device=dev), group, world).tolist()
+                                     float(n_gen), sum(c[-1] == EOT for c in new), float(sum(map(len, rows)) + n_gen),
+                                     float(ro.tokens.numel())], dtype=torch.float64, device=dev), group, world).tolist()
         t_gen_max = torch.tensor([t_gen], dtype=torch.float64, device=dev)
         if world > 1:  # the slowest rank's sampling time
             dist.all_reduce(t_gen_max, op=dist.ReduceOp.MAX, group=group)
         t_gen_max = t_gen_max.item()
+        # compute in forward-token equivalents (a backward ~ 2 forwards): the sampled rows (prompt + completion),
+        # the no-grad forwards of old (and ref) log-probs and 3 x the trained tokens of every update (padding counted)
+        flop_tokens += s[7] + s[8] * (2 if ref is not None else 1) + 3 * sum(u["trained_tokens"] for u in ups)
         rec = {"step": step, "reward": s[0] / s[1], "pass_at_group": s[2] / s[4], "zero_adv_groups": s[3] / s[4],
                "response_len": s[5] / s[1], "stopped_frac": s[6] / s[1],
                "loss": ups[0]["loss"], "kl": ups[0]["kl"] if ref is not None else None,
                "clip_frac": sum(u["clip_frac"] for u in ups) / len(ups), "grad_norm": ups[-1]["grad_norm"],
-               "lr": opt.param_groups[0]["lr"], "gen_tokens_per_s": s[5] / t_gen_max, "tokens_per_s": s[5] / dt,
-               "step_s": dt}
+               "lr": lr, "gen_tokens_per_s": s[5] / t_gen_max, "tokens_per_s": s[5] / dt, "step_s": dt,
+               "flop_tokens": flop_tokens}
         metrics.log(rec, f"step {step:5d} | reward {rec['reward']:.3f} | pass@{a.group} {rec['pass_at_group']:.3f} | "
                          f"len {rec['response_len']:.1f} | kl {rec['kl'] or 0:.4f} | clip {rec['clip_frac']:.3f} | "
                          f"gen {rec['gen_tokens_per_s']:.0f} tok/s | {dt * 1000:.0f} ms")
@@ -234,8 +235,10 @@ def run(a: Args) -> dict:
     if a.save:
         save(a.out_dir, a.steps, mesh, {"model": policy.state_dict(), "mesh": dict(mesh.coords)},
              {"config": {"model": dataclasses.asdict(policy.cfg)}, "rl": dataclasses.asdict(a)}, keep=1)
-    summary = {"task": a.task, "test_exact_match_start": first, "test_exact_match_end": last, "steps": a.steps}
+    summary = {"task": a.task, "test_exact_match_start": first, "test_exact_match_end": last, "steps": a.steps,
+               "flop_tokens": flop_tokens}
     metrics.log(summary, f"held-out exact match {first:.4f} -> {last:.4f}")
+    trainer.close()
     mesh.destroy()
     return summary
 

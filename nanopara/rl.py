@@ -18,9 +18,11 @@ token, finished rows cut at EOT afterwards); otherwise (`sampler="dynamic"`) mod
 prompt length, finished rows leaving the batch. Training forwards right-pad the sequences: causal attention never
 lets a real token see the padding after it, and masks drop the rest.
 
-Data parallel: each rank samples and scores its share of the prompts (groups never straddle ranks, so advantages
-need no communication); `update` divides by the global token count and all-reduces the gradients (sum), so a step
-on N ranks equals one process's step on the same rollouts. Callers: rl.py; tests/test_rl.py; notes/post_training.md.
+The update is the Trainer's step (parallel.parallelize on `trainer_config`: AdamW, clipping, autocast and the
+data-parallel engine as in pre-training): `update` hands it policy_loss as forward_backward's loss_fn. Each rank
+samples and scores its share of the prompts (groups never straddle ranks, so advantages need no communication);
+the loss is divided by the global token count, so a step on N ranks equals one process's step on the same rollouts.
+Callers: rl.py; tests/test_rl.py; notes/post_training.md.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from nanopara import decode
+from nanopara.config import Config, ParallelConfig, TrainConfig
 from nanopara.model import keep_rows, kv_caches
 from nanopara.sft import prompt_ids
 
@@ -226,40 +229,47 @@ def all_sum(t: torch.Tensor, group=None, world: int = 1) -> torch.Tensor:
     return t
 
 
-def update(model, opt, ro: Rollout, *, clip_eps: float, kl_coef: float = 0.0, temperature: float = 1.0,
-           micro: int = 0, grad_clip: float = 1.0, group=None, world: int = 1, amp=contextlib.nullcontext) -> dict:
-    """One optimizer step on a rollout (every rank calls it with its own): the loss over micro-batches of `micro`
-    rows (0: all), divided by the global number of response tokens; gradients all-reduced (sum) over `group`."""
-    dev = ro.tokens.device
-    n_tok = all_sum(ro.mask.sum().double(), group, world).float()
-    B, micro = ro.tokens.shape[0], micro or ro.tokens.shape[0]
-    opt.zero_grad(set_to_none=True)
-    sums = {"loss": 0.0, "clipped": 0.0, "kl": 0.0}
-    for s in range(0, B, micro):
-        sl = slice(s, s + micro)
-        logp = token_logprobs(model, ro.tokens[sl], ro.mask[sl], temperature, amp)
+def trainer_config(model_cfg, *, rows: int, micro: int, world: int, device: str, dtype: str = "auto",
+                   weight_decay: float = 0.0, eps: float = 1e-8, grad_clip: float = 1.0) -> Config:
+    """The Config of the policy's Trainer (parallel.parallelize): dp = world, AdamW betas 0.9 / 0.95, and one
+    micro-step per `micro` rows of this rank's `rows` (0: all), so accum = ceil(rows / micro). A micro-step's
+    sequences are at most the context long (train.seq_len: the rollouts' lengths vary from step to step)."""
+    micro = min(micro or rows, rows)
+    accum, T = -(-rows // micro), model_cfg.block_size
+    return Config(preset="rl", device=device, model=model_cfg, parallel=ParallelConfig(dp=world),
+                  train=TrainConfig(micro_batch=micro, seq_len=T, tokens_per_step=accum * micro * T * world,
+                                    weight_decay=weight_decay, beta1=0.9, beta2=0.95, eps=eps, grad_clip=grad_clip,
+                                    dtype=dtype, val_every=0, sample_tokens=0))
+
+
+def update(trainer, ro: Rollout, lr: float, *, clip_eps: float, kl_coef: float = 0.0,
+           temperature: float = 1.0) -> dict:
+    """One optimizer step on a rollout through the Trainer (every dp rank calls it with its own): the loss of each
+    micro-batch (slices of train.micro_batch rows: trainer.accum of them) is summed over its response tokens and
+    divided by the global count N, so that after the Trainer's 1/accum and 1/(dp*cp) the gradient is that of the
+    global token mean (policy_loss's n_tokens = N / (accum * dp * cp); exactly N on one process, one micro-batch)."""
+    group, n = trainer.mesh.groups.get("dp_cp"), trainer.engine.n
+    n_tok = all_sum(ro.mask.sum().double(), group, n).float()
+    B, micro = ro.tokens.shape[0], trainer.cfg.train.micro_batch  # (trainer_config)
+    rows = [slice(s, s + micro) for s in range(0, B, micro)]
+    share = n_tok / (len(rows) * n)
+    stats = []
+
+    def loss_fn(model, sl):
+        logp = token_logprobs(model, ro.tokens[sl], ro.mask[sl], temperature)  # the Trainer's autocast is on
         ref = ro.ref_logp[sl] if ro.ref_logp is not None else None
-        loss, st = policy_loss(logp, ro.old_logp[sl], ro.adv[sl], ro.mask[sl], clip_eps, ref, kl_coef, n_tok)
-        loss.backward()
-        sums["loss"] += loss.item()
-        sums["clipped"] += st["clipped"].item()
-        sums["kl"] += st.get("kl", torch.zeros(())).item()
-    params = [p for p in model.parameters() if p.requires_grad]
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    if world > 1:  # one flat all-reduce: the DDP of this loop (a few MB to a few hundred MB per step)
-        flat = torch.cat([g.reshape(-1).float() for g in grads])
-        dist.all_reduce(flat, group=group)
-        at = 0
-        for p, g in zip(params, grads):
-            p.grad = flat[at:at + g.numel()].view_as(g).to(g.dtype)
-            at += g.numel()
-    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
-    opt.step()
-    tot = all_sum(torch.tensor([sums["loss"], sums["clipped"], sums["kl"]], dtype=torch.float64, device=dev),
-                  group, world)
-    n = max(n_tok.item(), 1.0)
-    return {"loss": tot[0].item(), "clip_frac": tot[1].item() / n, "kl": tot[2].item() / n,
-            "grad_norm": norm.item(), "response_tokens": int(n_tok.item())}
+        loss, st = policy_loss(logp, ro.old_logp[sl], ro.adv[sl], ro.mask[sl], clip_eps, ref, kl_coef, share)
+        stats.append(torch.stack([st["clipped"], st.get("kl", torch.zeros((), device=loss.device))]).double())
+        return loss
+
+    loss = trainer.forward_backward(rows, loss_fn=loss_fn).item()
+    norm = trainer.step(lr)
+    tot = all_sum(torch.stack(stats).sum(0), group, n)
+    N = max(n_tok.item(), 1.0)
+    return {"loss": loss, "clip_frac": tot[0].item() / N, "kl": tot[1].item() / N, "grad_norm": norm,
+            "response_tokens": int(n_tok.item()), "trained_tokens": int(all_sum(
+                torch.tensor(float(ro.tokens.numel()), dtype=torch.float64, device=ro.tokens.device), group,
+                n).item())}
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ starting with a space) and the answer its checker compares against.
   count   "How many times does 3 appear in 3 1 3 7 3?" -> " 3": 5-12 digits
   gsm8k   GSM8K's question -> its worked solution ("<<...>>" calculator notes removed), answer = the final number
 Splits: a synthetic example is held out (split "test") iff sha1 of its prompt is 0 mod 10 (train and test disjoint
-for every seed and n; distinct prompts from random.Random(seed)); GSM8K's are its train/test.jsonl, sampled.
+for every seed and n; distinct prompts from random.Random(seed)); GSM8K's are its train/test.jsonl, sampled. Scores
+use one held-out set, make_examples(task, n, "test", TEST_SEED), whatever the training seeds.
 Checker rules (reward 1.0 or 0.0), applied to the completion cut at the first newline ("\\n"; GSM8K: at a blank
 line or "Question:"/"User:", since its solutions span lines):
   arith, count  the first number of the text equals the answer (commas in groups of three and trailing decimal
@@ -41,6 +42,7 @@ from nanopara.data import default_mirror
 from nanopara.sft import format_prompt
 
 HELD_OUT = 10  # one synthetic prompt in 10 (by hash) is test-only
+TEST_SEED = 1337  # the held-out set every score uses (rl.py, bench/post_train_demo.py): no training seed moves it
 
 
 @dataclasses.dataclass
