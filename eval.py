@@ -18,7 +18,8 @@ Keys (`--key=value`; a repeated key: the last one wins):
                      beside it (5; 0 = none); --max_new=N tokens per answer (256)
   --out=FILE         append the results as one JSON line
 Under torchrun each data-parallel rank scores a slice and the results are all-reduced (NCCL; gloo with
---device=cpu): the numbers equal one process's with the same --batch. Mirror: env NANOPARA_MIRROR, else
+--device=cpu): the numbers equal one process's with the same --batch (the loss, which the Trainer's evaluate scores
+as train.py's val_loss, to fp32 rounding). Mirror: env NANOPARA_MIRROR, else
 ../shared/data beside the repository. Scoring rules: nanopara/evals.py. Every user error is one line on stderr and
 exit code 2; --help prints this text.
 """
@@ -28,6 +29,7 @@ import dataclasses
 import difflib
 import glob
 import json
+import math
 import os
 import sys
 import time
@@ -38,11 +40,13 @@ import torch
 from nanopara import evals
 from nanopara.checkpoint import CheckpointError
 from nanopara.cli import parse_flags
+from nanopara.config import Config, ParallelConfig, TrainConfig
 from nanopara.consolidate import full_model_state, resolve
 from nanopara.data import EOT, default_mirror, find_shards, get_tokenizer, read_shard
 from nanopara.evals import EvalError
 from nanopara.mesh import Mesh, MeshError
 from nanopara.model import GPT
+from nanopara.parallel import parallelize
 from nanopara.trainer import autocast
 
 TASKS = ("hellaswag", "loss", "gsm8k")
@@ -216,6 +220,39 @@ def table(results: dict) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# the loss task: the Trainer's evaluate
+
+def loss_task(model: GPT, streams: list, args: Args, mesh: Mesh, progress=None) -> dict:
+    """{"loss", "ppl", "loss_tokens"}: the mean next-token loss over evals.loss_batches' windows, scored by the
+    Trainer's evaluate (parallel.parallelize over the dp ranks: train.py's val_loss). evaluate averages batch means
+    over the ranks, so a call must give every rank a batch of the same size: round r hands rank k batch
+    r * world + k while whole rounds of full batches last; each batch left over (fewer than world, or the short
+    last one) is scored by one rank while the others pass none (a mean of 0), so its mean comes back / world."""
+    T = args.seq_len or model.cfg.block_size
+    batches = evals.loss_batches(streams, T, args.batch, args.limit, model.cfg.vocab_size, model.cfg.block_size)
+    cfg = Config(preset="eval", device=mesh.device.type, model=model.cfg, parallel=ParallelConfig(dp=mesh.dp),
+                 train=TrainConfig(micro_batch=args.batch, seq_len=T, dtype=args.dtype, val_every=0, sample_tokens=0))
+    trainer = parallelize(model, mesh, cfg)
+    W, rank, full = mesh.dp, mesh.dp_rank, len(batches[-1]) == args.batch
+    rounds = (len(batches) if full else len(batches) - 1) // W
+    nll, done, mine = 0.0, 0, rounds + sum(j % W == rank for j in range(rounds * W, len(batches)))
+    for r in range(rounds):
+        nll += trainer.evaluate([evals.window_batch(streams, batches[r * W + rank], T)]) * W * args.batch * T
+        done += 1
+        if progress:
+            progress(done, mine)
+    for j in range(rounds * W, len(batches)):
+        own = j % W == rank
+        nll += trainer.evaluate([evals.window_batch(streams, batches[j], T)] if own else []) * W * len(batches[j]) * T
+        done += own
+        if progress and own:
+            progress(done, mine)
+    trainer.close()
+    n = sum(map(len, batches)) * T
+    return {"loss": nll / n, "ppl": math.exp(min(nll / n, 700.0)), "loss_tokens": n}
+
+
+# ----------------------------------------------------------------------------------------------------------------
 
 def run(args: Args, mesh: Mesh) -> dict:
     tasks = list(dict.fromkeys(args.tasks.split(",")))
@@ -246,8 +283,7 @@ def run(args: Args, mesh: Mesh) -> dict:
         if task == "hellaswag":
             results.update(evals.hellaswag(model, enc, data[task], args.batch, progress=bar, **kw))
         elif task == "loss":
-            results.update(evals.loss_on_streams(model, data[task], args.seq_len or cfg.block_size, args.batch,
-                                                 args.limit, progress=bar, **kw))
+            results.update(loss_task(model, data[task], args, mesh, progress=bar))
         else:
             rows, shots = data[task]
             results.update(evals.gsm8k(model, enc, rows, shots, args.batch, args.max_new, progress=bar, **kw))

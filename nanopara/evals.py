@@ -7,7 +7,8 @@ apart from the context. acc takes the largest sum; acc_norm divides each sum by 
 acc_norm). Ties go to the lowest index. Input: llama.cpp's 6-lines-per-task text (klosax/hellaswag_text_data); a
 context that does not fit the model keeps its last tokens.
 Loss: mean next-token cross-entropy over windows of T+1 tokens taken with stride T from each token stream (a shard,
-or a text file tokenized with an EOT in front): data.py's windows, every token a target once; ppl = exp(loss).
+or a text file tokenized with an EOT in front): data.py's windows, every token a target once; ppl = exp(loss);
+loss_batches cuts them, eval.py scores them with the Trainer's evaluate (the same loss as train.py's val_loss).
 GSM8K (Cobbe et al. 2021): "Question: q\\nAnswer:" after `shots` worked examples ("<<...>>" calculator notes
 removed), greedy decoding with stops (greedy.py); exact match compares extract_number() of the completion and of
 the reference's "#### N".
@@ -26,7 +27,6 @@ import bz2
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import re
 from decimal import Decimal
@@ -34,7 +34,6 @@ from decimal import Decimal
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from nanopara.greedy import STOPS, device_of, eval_mode, greedy_complete_padded
 from nanopara.greedy import greedy_complete, stop_length  # noqa: F401  (tests/test_eval.py calls them as evals.*)
@@ -214,43 +213,26 @@ def hellaswag(model, enc, items: list, batch: int = 16, **dist_kw) -> dict:
 # loss and perplexity
 
 @torch.no_grad()
-def loss_on_streams(model, streams: list, seq_len: int, batch: int = 16, limit: int = 0, *, rank=0, world=1,
-                    group=None, amp=contextlib.nullcontext, progress=None) -> dict:
-    """{"loss", "ppl", "loss_tokens"} over the windows of each 1-D token array (a shard memmap, an encoded text);
-    limit: the first N windows. Token ids must be < the model's vocab_size."""
-    dev, V = device_of(model), model.cfg.vocab_size
-    if not 1 <= seq_len <= model.cfg.block_size:
-        raise EvalError(f"seq_len={seq_len} must be in [1, the model's context {model.cfg.block_size}]")
+def loss_batches(streams: list, seq_len: int, batch: int, limit: int, vocab_size: int, block_size: int) -> list:
+    """The loss task's windows of seq_len + 1 tokens (stride seq_len, every token a target once) of each 1-D token
+    array (a shard memmap, an encoded text), the first `limit` (0: all), in batches [[(stream, start)]] of `batch`
+    windows; eval.py scores them with the Trainer's evaluate. Token ids must be < vocab_size (EvalError)."""
+    if not 1 <= seq_len <= block_size:
+        raise EvalError(f"seq_len={seq_len} must be in [1, the model's context {block_size}]")
     windows = [(s, w * seq_len) for s, toks in enumerate(streams) for w in range(max(len(toks) - 1, 0) // seq_len)]
     windows = windows[:limit] if limit else windows
     if not windows:
         raise EvalError(f"no window of seq_len+1={seq_len + 1} tokens in {sum(map(len, streams))} tokens")
     top = max(int(np.max(t)) for t in streams if len(t))  # checked on every rank before any batch: no rank waits
-    if top >= V:                                            # in a collective for one that failed
-        raise EvalError(f"token id {top} >= the model's vocab_size {V} (data of another tokenizer?)")
-    batches = [windows[i:i + batch] for i in range(0, len(windows), batch)]
-    nll = torch.zeros(len(batches), dtype=torch.float64)
-    mine = _my_batches(len(batches), rank, world)
-    done, total = 0, sum(len(batches[k]) for k in mine if k is not None)
-    with eval_mode(model):
-        for k in mine:
-            if k is None:  # lockstep: a throwaway forward
-                with amp():
-                    model(torch.zeros(1, 1, dtype=torch.long, device=dev))
-                continue
-            buf = np.stack([np.asarray(streams[s][a:a + seq_len + 1], dtype=np.int64) for s, a in batches[k]])
-            xy = torch.from_numpy(buf).to(dev)  # (B, T+1)
-            with amp():
-                logits, _ = model(xy[:, :-1])  # (B, T, Vp)
-            for r in range(len(buf)):  # one row at a time: a float32 copy of (T, V) logits, not of the batch's
-                nll[k] += F.cross_entropy(logits[r, :, :V].float(), xy[r, 1:], reduction="none").double().sum().cpu()
-            done += len(buf)
-            if progress:
-                progress(done, total)
-    nll = _all_sum(nll, world, group, dev)
-    n = len(windows) * seq_len
-    loss = nll.sum().item() / n
-    return {"loss": loss, "ppl": math.exp(min(loss, 700.0)), "loss_tokens": n}
+    if top >= vocab_size:                                  # in a collective for one that failed
+        raise EvalError(f"token id {top} >= the model's vocab_size {vocab_size} (data of another tokenizer?)")
+    return [windows[i:i + batch] for i in range(0, len(windows), batch)]
+
+
+def window_batch(streams: list, windows: list, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, y) int64 (B, seq_len) on the host: the windows' tokens and their next tokens."""
+    xy = torch.from_numpy(np.stack([np.asarray(streams[s][a:a + seq_len + 1], dtype=np.int64) for s, a in windows]))
+    return xy[:, :-1], xy[:, 1:]
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -338,11 +338,15 @@ def test_two_gloo_ranks_equal_one_process(files, tmp_path):
     assert torch.equal(sums, want[0]) and torch.equal(ntok, want[1])
     a, b = (json.loads(p.read_text()) for p in (one, two))
     assert (a["world"], b["world"]) == (1, 2)
-    assert _numbers(a) == _numbers(b)  # exactly: the same batches, each item's result written by one rank
+    # exactly: the same batches, each item's result written by one rank; the loss to fp32 rounding (the Trainer's
+    # evaluate averages each round's fp32 batch means over the ranks)
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-6) and b["ppl"] == pytest.approx(a["ppl"], rel=1e-5)
+    assert {k: v for k, v in _numbers(a).items() if k not in ("loss", "ppl")} == \
+        {k: v for k, v in _numbers(b).items() if k not in ("loss", "ppl")}
     assert a["hellaswag_n"] == 6 and a["gsm8k_n"] == 4 and a["loss_tokens"] == 20 * 32
     assert a["gsm8k_shots"] == 1 and 0 <= a["hellaswag_acc"] <= 1
-    assert a["ppl"] == pytest.approx(math.exp(a["loss"]))
-    assert abs(a["loss"] - math.log(50257)) < 0.5  # a random model: about uniform over the vocabulary
+    assert b["ppl"] == pytest.approx(math.exp(b["loss"]))
+    assert abs(b["loss"] - math.log(50257)) < 0.5  # a random model: about uniform over the vocabulary
 
 
 def test_loss_equals_train_evaluate(tmp_path):
