@@ -183,7 +183,7 @@ def run(a: Args) -> dict:
     def held_out(step: int) -> float:
         em = rl.exact_match(policy, enc, task, test_ex, a.max_new, eot=EOT, rank=rank, world=world,
                             group=group, amp=amp)
-        metrics.log({"step": step, "test_exact_match": em, "test_n": len(test_ex)},
+        metrics.log({"step": step, "test_exact_match": em, "test_n": len(test_ex), "test_set": tasks.digest(test_ex)},
                     f"step {step:5d} | held-out exact match {em:.4f} ({len(test_ex)} {a.task} prompts)")
         return em
 

@@ -1,32 +1,39 @@
-"""SFT then RL on one GPU: held-out exact match after SFT and after GRPO, plus batched-generation tokens/s.
+"""SFT then RL (GRPO) over several seeds, from scratch or from a pre-trained base, against a continued-SFT control.
 
-    python3 bench/post_train_demo.py --out=DIR                        # ~8.5 min on one H100
-    python3 bench/post_train_demo.py --out=/tmp/x --device=cpu --smoke=1   # the logic, in ~3 min on CPU
+    python3 bench/post_train_demo.py --out=DIR                               # 3 seeds from scratch
+    python3 bench/post_train_demo.py --out=DIR --base=runs/base --pretrain_steps=2000   # from a books base
+    python3 bench/post_train_demo.py --out=DIR --report A.jsonl B.jsonl      # mean / spread and curves of rows
+    python3 bench/post_train_demo.py --out=/tmp/x --device=cpu --smoke=1     # the pipeline on CPU, tiny sizes
 
-The setting RL with verifiable rewards is for: labelled answers are scarce, prompts and a checker are not. SFT gets
---examples labelled examples (20,000 by default) and trains on them to its plateau; RL then draws its prompts from
-rl.py's own 20,000 training prompts (another seed: nearly all unseen by SFT) and learns only from the checker.
-1. Data: `python -m nanopara.tasks digits` ("What is 3 4 8 + 5 7?" -> " 4 0 5"; --task=arith writes GPT-2 BPE
-   numbers, which a model from scratch learns far later: 18.4 % after 3,000 steps with 200,000 examples) -> JSONL
-   -> `data/prepare.py sft`. Held-out prompts are disjoint from training ones by hash.
-2. SFT from scratch with train.py (--preset, default gpt2_124m; --sft_steps), a checkpoint every --sft_every
-   steps, each scored by greedy exact match on --test_n held-out prompts: the "SFT alone" curve.
-3. RL with rl.py from the SFT checkpoint of step --rl_from (default last: then "SFT alone" is RL's start; auto: the
-   first whose greedy exact match on training prompts reaches --auto_em, which helps when SFT ends near 100 %) for
-   --rl_steps of --prompts x --group completions, one run per learning rate in --rl_lr, reported: the one of higher
-   training reward (never chosen on test prompts). rl.py scores the held-out prompts at step 0, every --eval_every.
-4. Generation: rl.sample (batched, KV cache, rows leave at EOT) on the SFT model's shape with EOT never hit, prompt
-   32 tokens, 128 new, batch 1..256, bf16: tokens/s; model.generate (one batch, no stop) beside it.
-Results: one JSON line in DIR/post_train.jsonl (the SFT curve, exact match at RL's start and end, the gain in
-points over the start and over SFT's last step, RL curves, generation tokens/s), the runs under DIR/runs; `python
-bench/plot.py DIR/post_train.jsonl` draws both curves. Goal (issue 31): RL adds >= 15 points over SFT's last step.
-Measured with these defaults: 10.2 % -> 33.3 % (results/post_train_rl_scarce_h100.txt, which also holds the other
-SFT data sizes: RL's gain depends strongly on where SFT leaves the model).
+The setting RL with verifiable rewards is for: labelled answers are scarce, prompts and a checker are not. Data, made
+once: --examples labelled examples of --task (nanopara.tasks, seed 0; `digits`: "What is 3 4 8 + 5 7?" -> " 4 0 5")
+-> data/prepare.py sft. Then per seed s of --seeds (SFT's and RL's seeds both s):
+1. SFT: train.py --seed=s from scratch, or from --base (--ckpt.init_from), --sft_steps on those examples, a checkpoint
+   every --sft_every, each scored: SFT alone's curve.
+2. RL: rl.py --seed=s from SFT's last checkpoint, --rl_steps of --prompts x --group completions drawn from --train_n
+   unlabelled training prompts (--prompt_seed, the same for every seed); it learns from the checker alone.
+3. Control: train.py continues SFT from that checkpoint (at SFT's final lr, constant) for as many steps as give it
+   RL's compute: ceil(RL's flop_tokens / (3 x SFT's tokens per step)), flop_tokens being rl.py's count of
+   forward-token equivalents (its sampled tokens, no-grad forwards and 3 x its trained tokens).
+Every score is greedy exact match on one held-out set (tasks.TEST_SEED, --test_n prompts) whatever the seeds.
+--base: a train.py run directory; with --pretrain_steps=N and no checkpoint there yet, it is first pre-trained on
+`books` (data/prepare.py books: the mirror's text/) with the SFT model's shape and kept, so later runs start from it.
+--jobs=N runs N seeds at once, one process each (RL's sampling leaves a GPU mostly idle), on the visible GPUs in turn.
+Results: DIR/post_train.jsonl (harness-stamped: GPU, date, git) gets one row per seed as it finishes (curves, finals,
+gains in points, seconds), then per recipe (tag, start, task, GPU) a report row: mean, std, min, max of SFT's, RL's
+and the control's final exact match and RL's gains, computed from those seed rows; DIR/post_train.png draws every
+seed's curves. Goal (issue 46): RL above SFT and the control by a mean >= 10 points, every seed >= 5.
+Measured recipes and what decides RL's gain: notes/post_training.md.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
+import json
+import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -36,23 +43,288 @@ import torch
 import harness as H
 from bench_generate import timed
 from nanopara import rl, tasks
-from nanopara.consolidate import full_model_state
+from nanopara.config import TrainConfig
+from nanopara.consolidate import full_model_state, resolve
 from nanopara.data import get_tokenizer
 from nanopara.model import GPT
 
 ROOT = H.ROOT
+METRICS = ("sft_final_exact_match", "rl_final_exact_match", "control_final_exact_match", "gain_over_sft",
+           "gain_over_control", "gain_over_best")
 
 
-def sh(argv: list[str], log: str) -> float:
-    """Run a command from the repo root, its output into `log`; seconds taken. Fails loudly with the log's tail."""
+# ----------------------------------------------------------------------------------------------------------------
+# running the scripts
+
+def sh(a, argv: list[str], log: str) -> float:
+    """Run train.py / rl.py (argv after the Python executable) from the repo root, output into `log`: a process of
+    its own, or with --inproc=1 its main() in this one; seconds taken. Fails loudly with the log's tail."""
     t0 = time.time()
     with open(log, "w") as f:
-        r = subprocess.run([sys.executable, *argv], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, text=True)
-    if r.returncode:
+        if a.inproc:
+            code = 0
+            with contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+                try:
+                    if argv[0] == "train.py":
+                        import train
+                        train.main(argv[1:])
+                    else:
+                        import rl as rl_script
+                        code = rl_script.main(argv[1:])
+                except Exception as e:  # noqa: BLE001  (reported with the log below)
+                    print(f"{type(e).__name__}: {e}")
+                    code = 1
+        else:
+            code = subprocess.run([sys.executable, *argv], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
+    if code:
         with open(log) as f:
-            raise SystemExit(f"{' '.join(argv[:2])} failed ({r.returncode}); end of {log}:\n{f.read()[-3000:]}")
+            raise RuntimeError(f"{argv[0]} failed ({code}); end of {log}:\n{f.read()[-3000:]}")
     return time.time() - t0
 
+
+def load(path: str, device) -> GPT:
+    """The model of a checkpoint (a step directory, or a run's latest) on `device`, in eval mode."""
+    sd, cfg = full_model_state(resolve(path)[0])
+    model = GPT(cfg)
+    model.load_state_dict(sd)
+    return model.to(device).eval()
+
+
+def score(model: GPT, a, examples: list) -> float:
+    """Greedy exact match (rl.exact_match: tokens after sft.prompt_ids, the task's checker)."""
+    return rl.exact_match(model, get_tokenizer(), tasks.get_task(a.task), examples, 8, amp=H.amp(a.device))
+
+
+def ckpt_curve(run_dir: str, a, held_out: list, flop_per_step: float = 0.0) -> list[dict]:
+    """Held-out exact match of every checkpoint of a train.py run (ckpt/step_*), with its compute."""
+    out = []
+    for name in sorted(d for d in os.listdir(os.path.join(run_dir, "ckpt")) if d.startswith("step_")):
+        step = int(name[5:])
+        em = score(load(os.path.join(run_dir, "ckpt", name), a.device), a, held_out)
+        out.append({"step": step, "flop_tokens": step * flop_per_step, "test_exact_match": em})
+    return out
+
+
+def sft_argv(a, seed: int, out_dir: str, steps: int, lr: float, every: int, init: str = "",
+             const: bool = False) -> list[str]:
+    """train.py on the task's SFT shards: the model of --preset/--model at --seq_len, one micro-step of --sft_batch
+    rows a step; lr warms up over a tenth of the steps and decays (cosine) to a tenth, or with const stays."""
+    return ["train.py", f"--preset={a.preset}", *a.model.split(), f"--device={a.device}", f"--seed={seed}",
+            "--data.dataset=post_train", f"--data.data_dir={os.path.join(a.work, 'shards')}",
+            f"--model.block_size={a.seq_len}", f"--train.seq_len={a.seq_len}", f"--train.micro_batch={a.sft_batch}",
+            "--train.tokens_per_step=0", f"--train.steps={steps}", f"--train.lr={lr}", "--train.val_every=0",
+            "--train.sample_tokens=0", f"--train.log_every={max(1, steps // 20)}", f"--ckpt.every={every}",
+            f"--ckpt.keep={steps // every + 2}", f"--out_dir={out_dir}", "--overwrite=true",
+            *([f"--ckpt.init_from={init}"] if init else []),
+            *(["--train.warmup_steps=0", "--train.min_lr_frac=1"] if const else
+              [f"--train.warmup_steps={max(1, steps // 10)}"])]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# data and the pre-trained base
+
+def prepare(a) -> None:
+    """The task's labelled examples (nanopara.tasks seed 0: the same for every seed) as SFT shards under --work."""
+    data = os.path.join(a.work, "data")
+    train_jsonl, val_jsonl = (os.path.join(data, f"{a.task}_{s}.jsonl") for s in (a.examples, "val"))
+    for path, n, split, seed in ((train_jsonl, a.examples, "train", 0), (val_jsonl, 200, "test", 1)):
+        if not os.path.exists(path):  # an existing file keeps its mtime: prepare.py sees the shards are done
+            os.makedirs(data, exist_ok=True)
+            if tasks.main([a.task, f"--n={n}", f"--split={split}", f"--seed={seed}", f"--out={path}"]):
+                raise SystemExit(f"nanopara.tasks {a.task} failed")
+    spec = importlib.util.spec_from_file_location("prepare", os.path.join(ROOT, "data", "prepare.py"))
+    prep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prep)
+    prep.prepare_sft("post_train", [train_jsonl], os.path.join(a.work, "shards", "post_train"), seq_len=a.seq_len,
+                     val_jsonl=val_jsonl)
+
+
+def pretrain(a) -> dict:
+    """--base: train.py on `books` with the SFT model's shape, unless a checkpoint is there; its last val_loss."""
+    t0 = time.time()
+    try:
+        resolve(a.base)
+    except Exception:  # noqa: BLE001  (no checkpoint yet: train it)
+        if not a.pretrain_steps:
+            raise SystemExit(f"--base={a.base} holds no checkpoint: pass --pretrain_steps=N to train one") from None
+        shards = os.path.join(ROOT, "data", "shards", a.pretrain_data)  # a dataset name (else a path or glob)
+        if "/" not in a.pretrain_data and not (os.path.isdir(shards) and any("train" in f for f in os.listdir(shards))):
+            subprocess.run([sys.executable, "data/prepare.py", a.pretrain_data], cwd=ROOT, check=True)
+        os.makedirs(a.base, exist_ok=True)
+        n = a.pretrain_steps
+        sh(a, ["train.py", f"--preset={a.preset}", *a.model.split(), f"--device={a.device}", "--seed=0",
+               f"--data.dataset={a.pretrain_data}", f"--model.block_size={a.seq_len}", f"--train.seq_len={a.seq_len}",
+               f"--train.micro_batch={a.sft_batch}", "--train.tokens_per_step=0", f"--train.steps={n}",
+               f"--train.lr={a.pretrain_lr}", f"--train.warmup_steps={max(1, n // 10)}",
+               f"--train.val_every={max(1, n // 4)}", "--train.sample_tokens=0", f"--train.log_every={max(1, n // 20)}",
+               f"--out_dir={a.base}", "--overwrite=true"], os.path.join(a.work, "pretrain.log"))
+    vals = [r["val_loss"] for r in H.read_jsonl(os.path.join(a.base, "metrics.jsonl")) if "val_loss" in r]
+    return {"kind": "base", "base": a.base, "data": a.pretrain_data, "pretrain_steps": a.pretrain_steps,
+            "val_loss": vals[-1] if vals else None, "seconds": time.time() - t0}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# one seed: SFT, RL, the control
+
+def run_seed(a, seed: int) -> dict:
+    runs = os.path.join(a.work, "runs", f"{a.tag}_{'base' if a.base else 'scratch'}_s{seed}")
+    os.makedirs(runs, exist_ok=True)
+    held_out = tasks.make_examples(a.task, a.test_n, "test", tasks.TEST_SEED)
+    tok_step = a.sft_batch * a.seq_len
+    row = {"kind": "seed", **recipe(a), "seed": seed,
+           "held_out": {"seed": tasks.TEST_SEED, "n": a.test_n, "sha1": tasks.digest(held_out)}, "seconds": {}}
+    sec = row["seconds"]
+    sft_dir, t0 = os.path.join(runs, "sft"), time.time()
+    sec["sft"] = sh(a, sft_argv(a, seed, sft_dir, a.sft_steps, a.sft_lr, a.sft_every, a.base),
+                    os.path.join(runs, "sft.log"))
+    t1 = time.time()
+    row["sft_curve"] = ckpt_curve(sft_dir, a, held_out, 3 * tok_step)
+    start = os.path.join(sft_dir, "ckpt", f"step_{a.sft_steps:06d}")
+    row["sft_final_exact_match"] = row["sft_curve"][-1]["test_exact_match"]
+    with open(os.path.join(a.work, "data", f"{a.task}_{a.examples}.jsonl")) as f:
+        sft_examples = [tasks.Example(d["prompt"], d["response"], d["answer"])
+                        for d, _ in zip(map(json.loads, f), range(a.test_n))]
+    row["sft_train_exact_match"] = score(load(start, a.device), a, sft_examples)  # its own labelled examples
+    sec["score"] = time.time() - t1
+    rl_dir = os.path.join(runs, "rl")
+    sec["rl"] = sh(a, ["rl.py", f"--init={start}", f"--task={a.task}", f"--out_dir={rl_dir}", "--overwrite=1",
+                       f"--device={a.device}", f"--seed={seed}", f"--prompt_seed={a.prompt_seed}",
+                       f"--test_seed={tasks.TEST_SEED}", f"--steps={a.rl_steps}", f"--prompts={a.prompts}",
+                       f"--group={a.group}", f"--lr={a.rl_lr}", "--max_new=8", f"--train_n={a.train_n}",
+                       f"--test_n={a.test_n}", f"--eval_every={a.eval_every}", f"--micro={a.micro}", "--save=0",
+                       *a.rl_args.split()], os.path.join(runs, "rl.log"))
+    rl_results(row, H.read_jsonl(os.path.join(rl_dir, "metrics.jsonl")))
+    if a.control:  # continued SFT with RL's compute, from the same checkpoint, at SFT's final lr
+        steps = max(1, math.ceil(row["rl_flop_tokens"] / (3 * tok_step)))
+        lr = a.sft_lr * TrainConfig().min_lr_frac  # where the cosine of sft_argv ends
+        ctl_dir = os.path.join(runs, "control")
+        sec["control"] = sh(a, sft_argv(a, seed, ctl_dir, steps, lr, max(1, steps // 4), start, const=True),
+                            os.path.join(runs, "control.log"))
+        row.update(control_steps=steps, control_lr=lr, control_flop_tokens=3 * tok_step * steps,
+                   control_curve=ckpt_curve(ctl_dir, a, held_out, 3 * tok_step))
+        row["control_final_exact_match"] = row["control_curve"][-1]["test_exact_match"]
+    row.update(sft_tokens_per_step=tok_step, **gains(row))
+    sec["total"] = time.time() - t0
+    print(f"seed {seed}: held-out exact match SFT {row['sft_final_exact_match']:.1%} (its own examples "
+          f"{row['sft_train_exact_match']:.1%}) -> RL {row['rl_final_exact_match']:.1%}, control "
+          f"{row.get('control_final_exact_match', float('nan')):.1%}; RL over the best of them "
+          f"{row['gain_over_best']:+.1f} points; {sec['total']:.0f} s", flush=True)
+    return row
+
+
+def rl_results(row: dict, recs: list[dict]) -> None:
+    """RL's curve (held-out exact match by step, with compute), reward curve, finals and its compute."""
+    steps = [r for r in recs if "reward" in r]
+    flop = {0: 0.0, **{r["step"]: r["flop_tokens"] for r in steps}}
+    evals = [r for r in recs if "test_exact_match" in r]
+    every = max(1, len(steps) // 200)
+    head = steps[:max(1, len(steps) // 10)]
+    row.update(rl_curve=[{"step": r["step"], "flop_tokens": flop[r["step"]], "test_exact_match": r["test_exact_match"]}
+                         for r in evals], rl_test_set=sorted({r["test_set"] for r in evals}),
+               rl_reward=[{k: round(r[k], 4) for k in ("step", "reward", "pass_at_group")} for r in steps[::every]],
+               rl_start_reward=sum(r["reward"] for r in head) / len(head),
+               rl_start_pass_at_group=sum(r["pass_at_group"] for r in head) / len(head),
+               rl_start_exact_match=evals[0]["test_exact_match"], rl_final_exact_match=evals[-1]["test_exact_match"],
+               rl_flop_tokens=steps[-1]["flop_tokens"], rl_step_s=statistics.median(r["step_s"] for r in steps))
+
+
+def gains(row: dict) -> dict:
+    """RL's final exact match over SFT's, the control's, and the better of the two, in points."""
+    rl_em, sft = row["rl_final_exact_match"], row["sft_final_exact_match"]
+    ctl = row.get("control_final_exact_match")
+    best = sft if ctl is None else max(sft, ctl)
+    return {"gain_over_sft": 100 * (rl_em - sft), "gain_over_control": None if ctl is None else 100 * (rl_em - ctl),
+            "gain_over_best": 100 * (rl_em - best)}
+
+
+def recipe(a) -> dict:
+    """What defines a recipe: rows with the same values (and GPU) are seeds of one report."""
+    return {"tag": a.tag, "init": "base" if a.base else "scratch", "base": a.base or None, "task": a.task,
+            "preset": a.preset, "model_keys": a.model, "seq_len": a.seq_len, "examples": a.examples,
+            "sft_steps": a.sft_steps, "sft_lr": a.sft_lr, "sft_batch": a.sft_batch, "rl_steps": a.rl_steps,
+            "rl_lr": a.rl_lr, "prompts": a.prompts, "group": a.group, "train_n": a.train_n, "rl_args": a.rl_args,
+            "prompt_seed": a.prompt_seed}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the report over seeds
+
+def report(rows: list[dict]) -> list[dict]:
+    """One row per recipe (tag, start, task, GPU) of the seed rows: each metric's mean, std (n - 1), min, max and
+    values, in seed order, and whether the goal is met (gain over the better baseline: mean >= 10, min >= 5)."""
+    groups = {}
+    for r in rows:
+        if r.get("kind") == "seed":
+            groups.setdefault((r["tag"], r["init"], r["task"], r.get("gpu")), []).append(r)
+    out = []
+    for (tag, init, task, gpu), rs in groups.items():
+        rs = sorted(rs, key=lambda r: r["seed"])
+        rep = {"kind": "report", "tag": tag, "init": init, "task": task, "gpu": gpu, "seeds": [r["seed"] for r in rs],
+               "held_out": sorted({r["held_out"]["sha1"] for r in rs}),
+               "seconds_per_seed": statistics.mean(r["seconds"]["total"] for r in rs)}
+        for m in METRICS:
+            v = [r[m] for r in rs if r.get(m) is not None]
+            if v:
+                rep[m] = {"mean": statistics.mean(v), "std": statistics.stdev(v) if len(v) > 1 else 0.0,
+                          "min": min(v), "max": max(v), "values": v}
+        g = rep["gain_over_best"]
+        rep["goal_met"] = g["mean"] >= 10 and g["min"] >= 5
+        out.append(rep)
+        print(f"{tag} from {init}, {task}, {len(rs)} seeds on {gpu}: held-out exact match (%, mean ± std, min..max) "
+              f"SFT {spread(rep, 'sft_final_exact_match', 100)}, RL {spread(rep, 'rl_final_exact_match', 100)}, "
+              f"control {spread(rep, 'control_final_exact_match', 100)}; RL over the better baseline "
+              f"{spread(rep, 'gain_over_best')} points (goal: mean >= 10, every seed >= 5: "
+              f"{'met' if rep['goal_met'] else 'not met'})", flush=True)
+    return out
+
+
+def spread(rep: dict, m: str, scale: float = 1.0) -> str:
+    if m not in rep:
+        return "-"
+    s = {k: scale * rep[m][k] for k in ("mean", "std", "min", "max")}
+    return f"{s['mean']:.1f} ± {s['std']:.1f} ({s['min']:.1f}..{s['max']:.1f})"
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Per seed: SFT's curve; RL's and the control's held-out exact match by compute; RL's training reward."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("plot: matplotlib missing (pip install matplotlib)")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    seeds = sorted((r for r in rows if r.get("kind") == "seed"), key=lambda r: (r["tag"], r["init"], r["seed"]))
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
+    for i, r in enumerate(seeds):
+        c, lab = f"C{i % 10}", f"{r['tag']}/{r['init']} seed {r['seed']}"
+        sc, rc, cc, rw = (r.get(k) or [] for k in ("sft_curve", "rl_curve", "control_curve", "rl_reward"))
+        ax[0].plot([p["step"] for p in sc], [100 * p["test_exact_match"] for p in sc], "o-", color=c, label=lab)
+        ax[1].plot([p["flop_tokens"] / 1e6 for p in rc], [100 * p["test_exact_match"] for p in rc], "o-", color=c,
+                   label=f"{lab}: RL")
+        if cc:
+            xs = [0.0] + [p["flop_tokens"] / 1e6 for p in cc]
+            ys = [100 * r["sft_final_exact_match"]] + [100 * p["test_exact_match"] for p in cc]
+            ax[1].plot(xs, ys, "s--", color=c, alpha=0.6, label=f"{lab}: continued SFT")
+        ax[2].plot([p["step"] for p in rw], [100 * p["reward"] for p in rw], color=c, lw=1, label=lab)
+    for a_, (x, y) in zip(ax, (("SFT step", "held-out exact match (%)"),
+                              ("compute after SFT (M forward-token equivalents)", "held-out exact match (%)"),
+                              ("RL step", "sampled training reward (%)"))):
+        a_.set_xlabel(x)
+        a_.set_ylabel(y)
+        a_.grid(alpha=0.3)
+        a_.legend(fontsize=6)
+    reps = [r for r in rows if r.get("kind") == "report"]
+    fig.suptitle("; ".join(f"{r['tag']}/{r['init']} ({r['gpu']}): RL over best baseline "
+                           f"{r['gain_over_best']['mean']:+.1f} ± {r['gain_over_best']['std']:.1f} points, "
+                           f"{len(r['seeds'])} seeds" for r in reps) or "post-training demo", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# generation speed (--gen_speed=1)
 
 @torch.no_grad()
 def generation_speed(model: GPT, device, batches=(1, 16, 64, 256), prompt=32, new=128) -> list[dict]:
@@ -78,157 +350,118 @@ def generation_speed(model: GPT, device, batches=(1, 16, 64, 256), prompt=32, ne
     return rows
 
 
-def sft_curve(run_dir: str, every: int, steps: int, task: str, test_n: int, device) -> list[dict]:
-    """Greedy exact match of each SFT checkpoint (rl.exact_match) on the held-out prompts rl.py scores and on as many
-    training-split prompts (what --rl_from=auto chooses by: the held-out prompts never pick anything)."""
-    enc, out, t, amp = get_tokenizer(), [], tasks.get_task(task), H.amp(device)
-    held_out = tasks.make_examples(task, test_n, "test", 1337)  # rl.py's default --seed: the same prompts
-    train = tasks.make_examples(task, test_n, "train", 7)
-    for step in range(every, steps + 1, every):
-        sd, cfg = full_model_state(os.path.join(run_dir, "ckpt", f"step_{step:06d}"))
-        model = GPT(cfg)
-        model.load_state_dict(sd)
-        model.to(device).eval()
-        out.append({"step": step, "test_exact_match": rl.exact_match(model, enc, t, held_out, 8, amp=amp),
-                    "train_exact_match": rl.exact_match(model, enc, t, train, 8, amp=amp)})
-        print(f"SFT step {step}: exact match held-out {out[-1]['test_exact_match']:.1%}, train prompts "
-              f"{out[-1]['train_exact_match']:.1%}", flush=True)
-    return out
+# ----------------------------------------------------------------------------------------------------------------
 
-
-def parse():
+def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--smoke", type=int, default=0, help="1: tiny sizes, to check the pipeline on CPU")
-    p.add_argument("--task", default="digits")
-    p.add_argument("--preset", default="gpt2_124m")
-    p.add_argument("--model", default="", help="train.py model keys, e.g. '--model.n_layer=6 --model.n_embd=384'")
-    p.add_argument("--examples", type=int, default=20_000, help="labelled SFT examples (20,000: SFT plateaus near "
-                   "10 %%; 30,000 and more: near 86-96 %%, little left for RL)")
-    p.add_argument("--sft_steps", type=int, default=3000)
-    p.add_argument("--sft_every", type=int, default=1000, help="SFT checkpoints (each scored) every N steps")
-    p.add_argument("--rl_from", default="last", help="the SFT step RL starts from; last: the final one; auto: the "
-                   "first checkpoint with >= --auto_em exact match on training prompts (else the last)")
-    p.add_argument("--auto_em", type=float, default=0.25)
-    p.add_argument("--sft_lr", type=float, default=6e-4)
-    p.add_argument("--rl_steps", type=int, default=600)
-    p.add_argument("--rl_lr", default="2e-5", help="comma-separated: one RL run each from the same start")
-    p.add_argument("--rl_args", default="", help="more rl.py keys for every RL run, e.g. '--kl_coef=0.02 "
-                   "--temperature=0.7'")
-    p.add_argument("--prompts", type=int, default=64)
-    p.add_argument("--group", type=int, default=16)
-    p.add_argument("--test_n", type=int, default=1000)
-    p.add_argument("--eval_every", type=int, default=100)
-    a = p.parse_args()
+    arg = p.add_argument
+    arg("--out", required=True, help="post_train.jsonl and post_train.png go here")
+    arg("--work", default="", help="data, shards and runs (default OUT/work)")
+    arg("--report", nargs="*", default=None, help="only aggregate these jsonl files' seed rows into OUT")
+    arg("--device", default="cuda")
+    arg("--smoke", type=int, default=0, help="1: tiny sizes and a few steps, to check the pipeline on CPU")
+    arg("--inproc", type=int, default=0, help="1: train.py and rl.py inside this process (tests)")
+    arg("--seeds", default="1,2,3", help="comma-separated; each is SFT's, RL's and the control's seed")
+    arg("--jobs", type=int, default=1, help="seeds run at once, one process each")
+    arg("--child_rows", default="", help=argparse.SUPPRESS)  # --jobs: where a child process writes its rows
+    arg("--tag", default="demo", help="the recipe's name in the rows and the report")
+    arg("--task", default="digits")
+    arg("--preset", default="gpt2_124m")
+    arg("--model", default="", help="train.py model keys, e.g. '--model.n_layer=6 --model.n_embd=384'")
+    arg("--seq_len", type=int, default=256, help="SFT rows (packed examples) and the model's context")
+    arg("--examples", type=int, default=20_000, help="labelled SFT examples (the same for every seed)")
+    arg("--sft_steps", type=int, default=3000)
+    arg("--sft_every", type=int, default=1000, help="SFT checkpoints (each scored) every N steps")
+    arg("--sft_lr", type=float, default=6e-4)
+    arg("--sft_batch", type=int, default=64, help="rows of --seq_len tokens per SFT step")
+    arg("--base", default="", help="a train.py run to start SFT from (pre-trained on books if --pretrain_steps)")
+    arg("--pretrain_steps", type=int, default=0)
+    arg("--pretrain_lr", type=float, default=6e-4)
+    arg("--pretrain_data", default="books", help="the base's pre-training data (train.py --data.dataset)")
+    arg("--rl_steps", type=int, default=600)
+    arg("--rl_lr", type=float, default=2e-5)
+    arg("--prompts", type=int, default=64)
+    arg("--group", type=int, default=16)
+    arg("--micro", type=int, default=256, help="rl.py --micro: rows per forward in its updates")
+    arg("--train_n", type=int, default=20_000, help="RL's unlabelled training prompts")
+    arg("--prompt_seed", type=int, default=1337, help="which --train_n prompts (the same for every seed)")
+    arg("--rl_args", default="", help="more rl.py keys, e.g. '--kl_coef=0.02 --temperature=0.7'")
+    arg("--control", type=int, default=1, help="0: no continued-SFT control")
+    arg("--test_n", type=int, default=1000, help="held-out prompts (tasks.TEST_SEED) every score uses")
+    arg("--eval_every", type=int, default=100, help="RL's held-out scores every N steps")
+    arg("--gen_speed", type=int, default=0, help="1: batched generation tokens/s on the first seed's SFT model")
+    a = p.parse_args(argv)
     if a.smoke:
-        a.preset, a.model, a.examples = "tiny", "--model.n_layer=2", 3000
-        a.sft_steps, a.sft_every = 20, 10
-        a.rl_steps, a.rl_lr, a.prompts, a.group, a.test_n, a.eval_every = 2, "1e-5,4e-5", 4, 4, 20, 0
-    if a.rl_from == "last":
-        a.rl_from = str(a.sft_steps)
-    if a.sft_steps % a.sft_every or (a.rl_from != "auto" and (int(a.rl_from) % a.sft_every
-                                                                or not 0 < int(a.rl_from) <= a.sft_steps)):
-        raise SystemExit("--sft_steps and --rl_from must be multiples of --sft_every, rl_from <= sft_steps")
+        a.preset, a.model, a.seq_len, a.examples, a.sft_batch = "tiny", \
+            "--model.n_layer=1 --model.n_embd=32 --model.n_head=2", 64, 300, 4
+        a.sft_steps, a.sft_every, a.rl_steps, a.prompts, a.group, a.micro = 4, 2, 2, 2, 4, 0
+        a.train_n, a.test_n, a.eval_every, a.rl_lr = 50, 16, 1, 1e-3
+        a.pretrain_steps = a.pretrain_steps and 2
+    a.work = a.work or os.path.join(a.out, "work")
+    a.seeds = [int(s) for s in str(a.seeds).split(",")]
+    if a.sft_steps % a.sft_every:
+        raise SystemExit("--sft_steps must be a multiple of --sft_every")
     return a
 
 
-def prepare(a, runs: str) -> float:
-    """The task's train and validation JSONL, made into SFT shards; seconds taken."""
-    data = os.path.join(a.out, "data")
-    os.makedirs(data, exist_ok=True)
-    train_jsonl, val_jsonl = os.path.join(data, "train.jsonl"), os.path.join(data, "val.jsonl")
-    sh(["-m", "nanopara.tasks", a.task, f"--n={a.examples}", "--split=train", f"--out={train_jsonl}"],
-       os.path.join(runs, "tasks.log"))
-    sh(["-m", "nanopara.tasks", a.task, "--n=2000", "--split=test", "--seed=1", f"--out={val_jsonl}"],
-       os.path.join(runs, "tasks_val.log"))
-    return sh(["data/prepare.py", "sft", train_jsonl, "--val_jsonl", val_jsonl, "--name", "post_train", "--seq_len",
-               "256", "--out", os.path.join(a.out, "shards"), "--force"], os.path.join(runs, "prepare.log"))
+def run_jobs(a, rows_path: str) -> list[dict]:
+    """The seeds as child processes of this script, --jobs at a time, each on the next visible GPU; a child's row
+    is appended to rows_path as soon as it finishes (a later failure or time-out keeps it)."""
+    todo, running, rows = list(a.seeds), [], []
+    n_gpu = torch.cuda.device_count() if a.device == "cuda" else 0
+    while todo or running:
+        while todo and len(running) < a.jobs:
+            s = todo.pop(0)
+            child = os.path.join(a.work, f"rows_{a.tag}_s{s}.jsonl")
+            if os.path.exists(child):
+                os.remove(child)
+            env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": str(s % n_gpu)} if n_gpu > 1 else {})}
+            running.append((s, child, subprocess.Popen([sys.executable, os.path.abspath(__file__), *sys.argv[1:],
+                                                        f"--seeds={s}", "--jobs=1", f"--child_rows={child}"],
+                                                       cwd=ROOT, env=env)))
+        time.sleep(1)
+        for job in [j for j in running if j[2].poll() is not None]:
+            running.remove(job)
+            if job[2].returncode == 0:
+                new = H.read_jsonl(job[1])
+                H.append_jsonl(rows_path, new)
+                rows += new
+            else:
+                print(f"seed {job[0]} failed ({job[2].returncode}): its log above", flush=True)
+    return rows
 
 
-def sft(a, res: dict, sft_dir: str, runs: str, device) -> None:
-    """SFT from scratch, a checkpoint every sft_every steps, each scored on the held-out prompts."""
-    res["sft_s"] = sh(["train.py", f"--preset={a.preset}", *a.model.split(), f"--device={a.device}",
-                       "--data.dataset=post_train", f"--data.data_dir={os.path.join(a.out, 'shards')}",
-                       "--model.block_size=256", "--train.seq_len=256",
-                       f"--train.micro_batch={4 if a.smoke else 64}", f"--train.steps={a.sft_steps}",
-                       f"--train.lr={a.sft_lr}", f"--train.warmup_steps={max(1, a.sft_steps // 10)}",
-                       "--train.val_every=0", "--train.sample_tokens=0",
-                       f"--train.log_every={max(1, a.sft_steps // 20)}", f"--ckpt.every={a.sft_every}",
-                       f"--ckpt.keep={a.sft_steps // a.sft_every + 1}", f"--out_dir={sft_dir}", "--overwrite=true"],
-                      os.path.join(runs, "sft.log"))
-    recs = [r for r in H.read_jsonl(os.path.join(sft_dir, "metrics.jsonl")) if "loss" in r]
-    res.update(sft_steps=a.sft_steps, sft_lr=a.sft_lr, sft_loss_last=recs[-1]["loss"],
-               sft_tokens_per_s_median=sorted(r["tokens_per_s"] for r in recs)[len(recs) // 2],
-               sft_curve=sft_curve(sft_dir, a.sft_every, a.sft_steps, a.task, a.test_n, device))
-    res["sft_final_exact_match"] = res["sft_curve"][-1]["test_exact_match"]
-
-
-def rl_runs(a, res: dict, sft_dir: str, runs: str) -> None:
-    """RL from the SFT checkpoint of step rl_from, one run per learning rate; the one reported is chosen by its
-    training reward (never by the held-out prompts)."""
-    if a.rl_from == "auto":  # the first checkpoint that gets some training prompts right: RL needs rewards to differ
-        rl_from = next((c["step"] for c in res["sft_curve"] if c["train_exact_match"] >= a.auto_em),
-                       res["sft_curve"][-1]["step"])
+def main(argv=None):
+    a = parse(argv)
+    os.makedirs(a.out, exist_ok=True)
+    rows_path = a.child_rows or os.path.join(a.out, "post_train.jsonl")
+    if a.report is not None:  # aggregate rows that came back from earlier runs
+        rows = [r for f in a.report for r in H.read_jsonl(f) if r.get("kind") == "seed"]
     else:
-        rl_from = int(a.rl_from)
-    start = os.path.join(sft_dir, "ckpt", f"step_{rl_from:06d}")
-    res["rl_from_step"], res["rl_runs"] = rl_from, []
-    for lr in [float(x) for x in a.rl_lr.split(",")]:
-        res["rl_runs"].append(rl_run(a, lr, start, runs))
-    best = max(res["rl_runs"], key=lambda r: r["train_reward_last10pct"])  # chosen by training reward, not test
-    res["rl_lr_chosen"] = best["lr"]
-    res["exact_match_after_sft"], res["exact_match_after_rl"] = best["exact_match_start"], best["exact_match_end"]
-    res["gain_points_over_start"] = 100 * (best["exact_match_end"] - best["exact_match_start"])
-    res["gain_points_over_sft_final"] = 100 * (best["exact_match_end"] - res["sft_final_exact_match"])
-    res["goal_met"] = min(res["gain_points_over_start"], res["gain_points_over_sft_final"]) >= 15  # over SFT alone
-
-
-def rl_run(a, lr: float, start: str, runs: str) -> dict:
-    rl_dir = os.path.join(runs, f"rl_lr{lr:g}")
-    secs = sh(["rl.py", f"--init={start}", f"--task={a.task}", f"--out_dir={rl_dir}", "--overwrite=1",
-               f"--device={a.device}", f"--steps={a.rl_steps}", f"--prompts={a.prompts}", f"--group={a.group}",
-               f"--lr={lr}", "--max_new=8", f"--test_n={a.test_n}", f"--eval_every={a.eval_every}",
-               f"--micro={0 if a.smoke else 256}", *a.rl_args.split()], os.path.join(runs, f"rl_lr{lr:g}.log"))
-    recs = H.read_jsonl(os.path.join(rl_dir, "metrics.jsonl"))
-    evals, steps = [r for r in recs if "test_exact_match" in r], [r for r in recs if "reward" in r]
-    head, tail = steps[:max(1, len(steps) // 10)], steps[-max(1, len(steps) // 10):]
-    run = {"lr": lr, "rl_args": a.rl_args, "seconds": secs, "exact_match_start": evals[0]["test_exact_match"],
-           "exact_match_end": evals[-1]["test_exact_match"],
-           "train_reward_first10pct": sum(r["reward"] for r in head) / len(head),
-           "train_reward_last10pct": sum(r["reward"] for r in tail) / len(tail),
-           "curve": [{"step": r["step"], "test_exact_match": r["test_exact_match"]} for r in evals],
-           "reward": [{k: round(r[k], 4) for k in ("step", "reward", "pass_at_group", "response_len", "clip_frac")}
-                      for r in steps],
-           "step_s_median": sorted(r["step_s"] for r in steps)[len(steps) // 2],
-           "gen_tokens_per_s_median": sorted(r["gen_tokens_per_s"] for r in steps)[len(steps) // 2]}
-    print(f"RL lr {lr:g}: held-out exact match {run['exact_match_start']:.1%} -> {run['exact_match_end']:.1%}, "
-          f"train reward (first / last 10%) {run['train_reward_first10pct']:.3f} / "
-          f"{run['train_reward_last10pct']:.3f}, {secs:.0f} s", flush=True)
-    return run
-
-
-def main():
-    a = parse()
-    runs, device, t_start = os.path.join(a.out, "runs"), torch.device(a.device), time.time()
-    os.makedirs(runs, exist_ok=True)
-    print(H.banner(f"post_train_demo {a.task} {a.preset}"), flush=True)
-    res = {"task": a.task, "preset": a.preset, "model_keys": a.model, "train_examples": a.examples,
-           "test_n": a.test_n, "prepare_s": prepare(a, runs)}
-    sft_dir = os.path.join(runs, "sft")
-    sft(a, res, sft_dir, runs, device)
-    rl_runs(a, res, sft_dir, runs)
-    sd, cfg = full_model_state(sft_dir)  # batched generation speed on the SFT model's shape
-    model = GPT(cfg)
-    model.load_state_dict(sd)
-    res["generation"] = generation_speed(model, device, batches=(1, 4) if a.smoke else (1, 16, 64, 256),
-                                         new=8 if a.smoke else 128)
-    res["total_s"] = time.time() - t_start
-    H.append_jsonl(os.path.join(a.out, "post_train.jsonl"), res)
-    print(f"held-out {a.task} exact match: SFT step {res['rl_from_step']} {res['exact_match_after_sft']:.1%} -> RL "
-          f"{res['exact_match_after_rl']:.1%} ({res['gain_points_over_start']:+.1f} points; goal >= +15; SFT alone "
-          f"at step {a.sft_steps}: {res['sft_final_exact_match']:.1%}); total {res['total_s']:.0f} s -> "
-          f"{os.path.join(a.out, 'post_train.jsonl')}")
+        print(H.banner(f"post_train_demo {a.tag} {a.task} {a.preset} {a.model} seeds {a.seeds}"), flush=True)
+        os.makedirs(a.work, exist_ok=True)
+        prepare(a)
+        rows = []
+        if a.base:
+            base = pretrain(a)
+            if not a.child_rows:
+                H.append_jsonl(rows_path, base)
+        if a.jobs > 1 and len(a.seeds) > 1:
+            rows = run_jobs(a, rows_path)
+        else:
+            for s in a.seeds:
+                rows.append(run_seed(a, s))
+                H.append_jsonl(rows_path, rows[-1])
+        if a.gen_speed and rows:
+            model = load(os.path.join(a.work, "runs", f"{a.tag}_{rows[0]['init']}_s{rows[0]['seed']}", "sft"),
+                         a.device)  # its last checkpoint
+            H.append_jsonl(rows_path, {"kind": "generation", "rows": generation_speed(model, a.device)})
+        if a.child_rows:
+            return
+        rows = [{**H.stamp(), **r} for r in rows]
+    reps = report(rows)
+    H.append_jsonl(os.path.join(a.out, "post_train.jsonl"), reps)
+    plot(rows + reps, os.path.join(a.out, "post_train.png"))
 
 
 if __name__ == "__main__":

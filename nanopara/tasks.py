@@ -165,6 +165,11 @@ def make_examples(name: str, n: int, split: str = "train", seed: int = 0, gsm8k:
     raise ConfigError(f"task {name} has fewer than {n} distinct {split} prompts (found {len(out)})")
 
 
+def digest(examples: list[Example]) -> str:
+    """A short fingerprint of a list of examples' prompts (sha1, 12 hex digits): which held-out set a score used."""
+    return hashlib.sha1("\n".join(ex.prompt for ex in examples).encode()).hexdigest()[:12]
+
+
 def _gsm8k_examples(n: int, split: str, rng: random.Random, path: str) -> list[Example]:
     file = evals.find_eval_file(path, default_mirror(), "gsm8k", (f"{split}.jsonl",), f"GSM8K {split}",
                                 "pass --gsm8k=PATH")

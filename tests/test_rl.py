@@ -397,17 +397,39 @@ def test_user_errors_are_one_line(policy_dir, tmp_path, capsys, extra, fragment)
     assert not os.path.exists(tmp_path / "r" / "metrics.jsonl")
 
 
-def test_demo_generation_speed_runs_on_cpu():
-    """bench/post_train_demo.py's in-process part (the rest is train.py and rl.py, tested above and elsewhere)."""
+# ----------------------------------------------------------------------------------------------------------------
+# bench/post_train_demo.py: seeds, one held-out set, the control, the report
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def demo_module():
     import importlib.util
     import sys
-    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    bench = os.path.join(ROOT, "bench")
     if bench not in sys.path:  # the demo imports bench/harness.py beside it (whatever ran before this test)
         sys.path.insert(0, bench)
     spec = importlib.util.spec_from_file_location("post_train_demo", os.path.join(bench, "post_train_demo.py"))
     demo = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(demo)
-    rows = demo.generation_speed(toy(vocab=64, block=16), torch.device("cpu"), batches=(1, 3), prompt=4, new=5)
+    return demo
+
+
+def run_demo(out, *extra):
+    """The demo's smoke sizes on CPU, train.py and rl.py inside its one process; its rows."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "post_train_demo.py"), f"--out={out}",
+                        "--device=cpu", "--smoke=1", "--inproc=1", *extra], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return [json.loads(line) for line in (out / "post_train.jsonl").read_text().splitlines()]
+
+
+def test_demo_generation_speed_runs_on_cpu():
+    """bench/post_train_demo.py's generation speed (--gen_speed=1), in this process."""
+    rows = demo_module().generation_speed(toy(vocab=64, block=16), torch.device("cpu"), batches=(1, 3), prompt=4,
+                                          new=5)
     assert [r["batch"] for r in rows] == [1, 3]
     assert all(r["rl_sample_tokens_per_s"] > 0 and r["model_generate_tokens_per_s"] > 0 for r in rows), rows
 
@@ -433,21 +455,103 @@ def test_plot_draws_a_post_train_record(tmp_path):
         assert (tmp_path / png).stat().st_size > 1000
 
 
-def test_demo_smoke_end_to_end_on_cpu(tmp_path):
-    """bench/post_train_demo.py --smoke=1 (~40 s): tasks -> prepare.py sft -> train.py -> scored checkpoints -> rl.py
-    (two learning rates) -> generation speed, and the JSON the GPU runs are read from; RL starts from SFT's last
-    checkpoint by default, so its start is "SFT alone"."""
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, os.path.join(root, "bench", "post_train_demo.py"), f"--out={tmp_path}",
-                        "--device=cpu", "--smoke=1"], cwd=root, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    res = json.loads((tmp_path / "post_train.jsonl").read_text().splitlines()[-1])  # the harness's stamped row
-    assert res["task"] == "digits" and res["rl_from_step"] == res["sft_steps"] == 20
-    assert [c["step"] for c in res["sft_curve"]] == [10, 20]
-    assert [run["lr"] for run in res["rl_runs"]] == [1e-5, 4e-5]
-    assert res["exact_match_after_sft"] == res["sft_final_exact_match"]  # RL's step 0 scores SFT's last checkpoint
-    assert res["gain_points_over_start"] == res["gain_points_over_sft_final"]
-    assert res["goal_met"] == (res["gain_points_over_sft_final"] >= 15)
-    assert all(len(run["reward"]) == 2 for run in res["rl_runs"]) and len(res["generation"]) == 2
+@pytest.mark.timeout_s(180)
+def test_demo_two_seeds_one_held_out_set_a_fair_control_and_the_report(tmp_path):
+    """post_train_demo --smoke=1 --seeds=1,2 (~15 s): per seed SFT (train.py --seed), RL (rl.py --seed) and the
+    continued-SFT control; every score on the one held-out set; the control's compute = RL's to within one SFT step;
+    the report row's mean / std / min / max are those of the seed rows."""
+    import statistics
+    from nanopara import tasks
+    rows = run_demo(tmp_path, "--seeds=1,2")
+    seeds, (rep,) = [r for r in rows if r["kind"] == "seed"], [r for r in rows if r["kind"] == "report"]
+    assert [r["seed"] for r in seeds] == [1, 2] and rep["seeds"] == [1, 2]
+    held_out = tasks.make_examples("digits", 16, "test", tasks.TEST_SEED)
+    assert tasks.make_examples("digits", 16, "test", tasks.TEST_SEED) == held_out  # nothing but TEST_SEED picks it
+    runs = tmp_path / "work" / "runs"
+    losses = []
+    for r in seeds:
+        run = runs / f"demo_scratch_s{r['seed']}"
+        # the held-out prompts: one set for SFT's scores, RL's and the control's, whatever the seed
+        assert r["held_out"] == {"seed": tasks.TEST_SEED, "n": 16, "sha1": tasks.digest(held_out)}
+        assert r["rl_test_set"] == [tasks.digest(held_out)] and rep["held_out"] == [tasks.digest(held_out)]
+        # the seeds reach SFT (initial weights: its first loss) and RL (sampling)
+        losses.append(json.loads((run / "sft" / "metrics.jsonl").read_text().splitlines()[0])["loss"])
+        assert json.loads((run / "rl" / "config.json").read_text())["rl"]["seed"] == r["seed"]
+        # RL starts from SFT's last checkpoint: its step-0 score is SFT's final one
+        assert r["rl_start_exact_match"] == r["sft_final_exact_match"] == r["sft_curve"][-1]["test_exact_match"]
+        assert [c["step"] for c in r["sft_curve"]] == [2, 4]
+        # the control: continued SFT for RL's compute (forward-token equivalents), counted by train.py's steps
+        rl_steps = [json.loads(x) for x in (run / "rl" / "metrics.jsonl").read_text().splitlines()]
+        assert r["rl_flop_tokens"] == [x for x in rl_steps if "reward" in x][-1]["flop_tokens"] > 0
+        ctl = [json.loads(x) for x in (run / "control" / "metrics.jsonl").read_text().splitlines()]
+        assert len([x for x in ctl if "loss" in x and "val_loss" not in x]) == r["control_steps"]
+        tok = r["sft_tokens_per_step"]
+        assert tok == 4 * 64 and r["control_flop_tokens"] == 3 * tok * r["control_steps"]
+        assert r["rl_flop_tokens"] <= r["control_flop_tokens"] < r["rl_flop_tokens"] + 3 * tok
+        assert r["control_curve"][-1]["step"] == r["control_steps"]
+        assert r["gain_over_best"] == pytest.approx(100 * (r["rl_final_exact_match"] - max(
+            r["sft_final_exact_match"], r["control_final_exact_match"])))
+    assert losses[0] != losses[1]
+    for m in ("sft_final_exact_match", "rl_final_exact_match", "control_final_exact_match", "gain_over_best"):
+        v = [r[m] for r in seeds]
+        assert rep[m] == {"mean": statistics.mean(v), "std": statistics.stdev(v), "min": min(v), "max": max(v),
+                          "values": v}, m
+    try:
+        import matplotlib  # noqa: F401
+        assert (tmp_path / "post_train.png").stat().st_size > 1000
+    except ImportError:  # the plot extra is optional
+        pass
+
+
+def test_demo_report_of_seed_rows(tmp_path):
+    """--report: rows of several files grouped by recipe, start and GPU; mean, sample std, min, max; the goal (RL over
+    the better baseline: mean >= 10 points, every seed >= 5)."""
+    demo = demo_module()
+
+    def seed_row(seed, rl_em, gpu="H100", init="scratch"):
+        sft, ctl = 0.10, 0.12
+        r = {"kind": "seed", "tag": "t", "init": init, "task": "digits", "gpu": gpu, "seed": seed,
+             "held_out": {"sha1": "abc"}, "seconds": {"total": 100.0 + seed}, "sft_final_exact_match": sft,
+             "rl_final_exact_match": rl_em, "control_final_exact_match": ctl}
+        return {**r, **demo.gains(r)}
+    rows = [seed_row(1, 0.30), seed_row(2, 0.20), seed_row(3, 0.25), seed_row(1, 0.13, gpu="H200"),
+            seed_row(1, 0.40, init="base")]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[2:]) + json.dumps(
+        {"kind": "report", "tag": "old"}) + "\n")
+    demo.main(["--out", str(tmp_path / "rep"), "--report", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")])
+    reps = [json.loads(x) for x in (tmp_path / "rep" / "post_train.jsonl").read_text().splitlines()]
+    by = {(r["init"], r["gpu"]): r for r in reps}
+    assert set(by) == {("scratch", "H100"), ("scratch", "H200"), ("base", "H100")}
+    h100 = by[("scratch", "H100")]
+    g = h100["gain_over_best"]
+    assert h100["seeds"] == [1, 2, 3] and g["values"] == pytest.approx([18.0, 8.0, 13.0])
+    assert g["mean"] == pytest.approx(13.0) and g["std"] == pytest.approx(5.0) and (g["min"], g["max"]) == \
+        pytest.approx((8.0, 18.0))
+    assert h100["goal_met"] and not by[("scratch", "H200")]["goal_met"]  # +1 point
+    assert by[("scratch", "H200")]["gain_over_best"]["std"] == 0.0  # one seed
+    assert h100["rl_final_exact_match"]["mean"] == pytest.approx(0.25)
+
+
+@pytest.mark.timeout_s(120)
+def test_demo_from_a_pre_trained_base(tmp_path):
+    """--base with --pretrain_steps: the base is trained once (here on random-token shards), SFT starts from it
+    (train.py --ckpt.init_from), and a second run reuses the checkpoint instead of training it again."""
+    from nanopara.data import write_shard
+    import numpy as np
+    rng = np.random.default_rng(0)
+    for split, n in (("train_000001", 20000), ("val_000000", 3000)):
+        write_shard(str(tmp_path / f"pt_{split}.bin"), rng.integers(0, 50257, n))
+    base = tmp_path / "base"
+    args = [f"--base={base}", "--pretrain_steps=2", f"--pretrain_data={tmp_path}/pt_*.bin", "--seeds=1",
+            "--control=0", f"--work={tmp_path / 'work'}"]
+    rows = run_demo(tmp_path / "a", *args)
+    (b,), (s,) = [r for r in rows if r["kind"] == "base"], [r for r in rows if r["kind"] == "seed"]
+    assert b["pretrain_steps"] == 2 and b["val_loss"] > 0 and s["init"] == "base" and s["base"] == str(base)
+    sft_log = tmp_path / "work" / "runs" / "demo_base_s1" / "sft.log"
+    assert "initialised from trainer checkpoint" in sft_log.read_text()
+    mtime = (base / "metrics.jsonl").stat().st_mtime
+    run_demo(tmp_path / "b", *args)
+    assert (base / "metrics.jsonl").stat().st_mtime == mtime  # kept, not trained again
+
+

@@ -67,6 +67,15 @@ def test_digits_checker(completion, answer, want):
     assert tasks.TASKS["digits"].check(completion, answer) == want
 
 
+def test_one_held_out_set_and_its_digest():
+    """Scores use make_examples(task, n, "test", TEST_SEED): the same prompts in every run, whose digest names them
+    (rl.py logs it beside each score); another seed draws another set."""
+    a, b = (tasks.make_examples("digits", 50, "test", tasks.TEST_SEED) for _ in range(2))
+    other = tasks.make_examples("digits", 50, "test", tasks.TEST_SEED + 1)
+    assert a == b and tasks.digest(a) == tasks.digest(b) and len(tasks.digest(a)) == 12
+    assert tasks.digest(other) != tasks.digest(a) and tasks.digest(a[:49]) != tasks.digest(a)
+
+
 def test_digits_prompts_are_one_token_per_digit():
     from nanopara.data import get_tokenizer
     enc = get_tokenizer()
