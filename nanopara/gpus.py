@@ -1,0 +1,221 @@
+"""The planner's GPU table: what one GPU, its node and the fabric between nodes do, each number with its source.
+
+A GPU entry holds microbenchmark numbers only: GEMM TFLOP/s by shape class (bf16, fp8), the attention kernel's
+fwd+bwd TFLOP/s, memory-bound GB/s, host microseconds per launch and per transformer block (a tiny model whose GPU
+work is negligible, so the time is the host's), NCCL collectives and p2p by size, plus spec figures (memory, peak
+FLOP/s). Until bench/bench_calibrate.py has run on a GPU, the entries below are seeded from the kernel and comm
+benchmarks already in results/ and from published specs, each marked by `SOURCES`; where
+results/plan_gpus_<gpu>.json exists (bench_calibrate.py's output) its numbers replace the seeds. Nothing here is
+fitted to the end-to-end rows the planner is checked against (nanopara/plan_check.py).
+
+Collectives: the time of a measured (kind, group size) is interpolated in log(bytes) between measured sizes
+(linear in bytes to the latency floor below the smallest); other group sizes convert through the ring's bus
+factor (all-reduce 2(n-1)/n, reduce-scatter / all-gather / all-to-all (n-1)/n). A group that spans nodes is
+hierarchical: its k members in a node run the intra-node part, the m = n/k nodes exchange S/k bytes a GPU over
+each GPU's own NIC (`FABRIC`). Callers: nanopara/planner.py, plan_search.py, plan.py.
+"""
+from __future__ import annotations
+
+import copy
+import glob
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GEMM_CLASSES = (("xs", 512), ("s", 1536), ("m", 3072), ("l", 6144), ("xl", 1 << 62))  # by min(M, N, K) <
+MiB = 2 ** 20
+
+# Inter-node fabric, fixed from published figures before any comparison (notes/planner.md): an HGX/DGX H100 node
+# has 8 GPUs on NVSwitch and one 400 Gb/s NIC a GPU (ConnectX-7 NDR or RoCE: 50 GB/s a direction; Meta's Llama 3
+# clusters: RoCE 400 Gb/s a GPU); NCCL reaches ~90 % of the link on large messages (nccl-tests), ~10 us latency.
+FABRIC = {"gpus_per_node": 8, "nic_gbs": 50.0 * 0.9, "latency_us": 10.0}
+
+
+def gemm_class(m: int, n: int, k: int) -> str:
+    d = min(m, n, k)
+    return next(c for c, edge in GEMM_CLASSES if d < edge)
+
+
+@dataclass
+class GPU:
+    name: str
+    mem_gb: float                 # torch's total_memory, 1e9 bytes
+    peak_bf16: float              # dense tensor-core FLOP/s (MFU's denominator, report.PEAK_FLOPS)
+    peak_fp8: float
+    gemm_tflops: dict             # {"bf16": {class: TFLOP/s}, "fp8": {...}}
+    attention_tflops: dict        # {"64": .., "128": .., "128_long": ..} ours, fwd+bwd, causal FLOPs
+    membw_gbs: dict               # {"copy": .., "elementwise": ..}
+    host: dict                    # {"launch_us", "layer_us": {variant: us}, "step_us": {variant: us}}
+    comm: dict                    # {"n": {kind: [[bytes, seconds], ...]}}, measured within one node
+    host_wait_share: float = 0.0  # share of queued GPU work an eager collective makes the host wait for
+    p2p_host_wait_share: float = 0.0  # the same for a send/recv pair (pipeline, ring attention)
+    latency_us: float = 15.0      # a collective's floor within a node
+    sources: dict = field(default_factory=dict)
+
+
+_AR2 = [[32 * MiB, 0.1385e-3], [256 * MiB, 0.9036e-3], [1024 * MiB, 3.278e-3]]   # results/comm_2.json (H200)
+_AR4 = [[32 * MiB, 0.1820e-3], [256 * MiB, 1.2040e-3], [1024 * MiB, 4.530e-3]]   # results/comm_4.json (H200)
+
+
+def _derived(ar: list, n: int) -> dict:
+    """Seed rows for the other collectives from the measured all-reduce: the same bus bandwidth at each size,
+    so reduce-scatter / all-gather / all-to-all take (n-1)/n where all-reduce takes 2(n-1)/n; a send/recv pair
+    moves S each way at that bus bandwidth. Replaced by bench_calibrate's own rows."""
+    half = [[s, t / 2] for s, t in ar]
+    pair = [[s, t * n / (2 * (n - 1))] for s, t in ar]
+    return {"all_reduce": ar, "reduce_scatter": half, "all_gather": half, "all_to_all": half, "send_recv": pair}
+
+
+_HOST = {  # us; the seeds' derivation is in SOURCES["host"]
+    "launch_us": 9.0,
+    "layer_us": {"torch_kernels": 1470.0, "dense": 1950.0, "ac_full": 2325.0, "ac_selective": 2100.0,
+                 "fp8_tensor": 2350.0, "moe": 2550.0, "tp2": 2050.0, "tp2_sp": 2200.0, "dp2": 2030.0,
+                 "pp2": 1950.0, "zero3": 2500.0, "zb": 2010.0, "cp2": 2100.0},
+    "step_us": {"dense": 1500.0}}
+
+_H100 = GPU(
+    name="H100", mem_gb=85.03, peak_bf16=989e12, peak_fp8=1979e12,
+    gemm_tflops={"bf16": {"xs": 450.0, "s": 650.0, "m": 724.0, "l": 735.0, "xl": 741.0},
+                 "fp8": {"xs": 540.0, "s": 900.0, "m": 1088.0, "l": 1200.0, "xl": 1299.0}},
+    attention_tflops={"64": 256.0, "128": 397.0, "128_long": 397.0, "cudnn_128": 464.0, "sdpa_64": 154.0,
+                      "sdpa_128": 265.0},
+    membw_gbs={"copy": 3001.0, "elementwise": 0.8 * 3001.0},
+    host=copy.deepcopy(_HOST), comm={"2": _derived(_AR2, 2), "4": _derived(_AR4, 4)},
+    sources={
+        "mem_gb": "spec: H100 SXM 80 GB HBM3, 79.2 GiB as torch reports it",
+        "peak": "spec: NVIDIA H100 SXM dense bf16 989 TFLOP/s, fp8 1979 (report.PEAK_FLOPS)",
+        "gemm_tflops": "results/fp8_h100.txt (cuBLAS bf16 at gpt_1b's shapes, class m, and 8192^3, class xl; "
+                       "fp8: our Triton tensorwise kernel, what train.fp8 runs, at the same shapes), "
+                       "results/moe_h100.txt (dense cuBLAS at K or N = 768, class s); xs and l interpolated, fp8 "
+                       "xs / s assumed 1.2x / 1.4x bf16 (K <= 768 sits at the FP8 ridge): until bench_calibrate",
+        "attention_tflops": "results/attention.txt (H100 rows, GPU time by graph replay: D64 B16 T1024, D128 "
+                            "B4 T4096; SDPA's flash backend for model.kernels=torch; cuDNN D128 for other "
+                            "trainers' runs)",
+        "membw_gbs": "results/fp8_h100.txt copy 3001 GB/s; elementwise 0.8 x copy (results/sweep_layernorm.txt: "
+                     "LayerNorm kernels 66-95 % of copy)",
+        "host": "launch 9 us: compiled Triton launch (bench_launch.py, notes/e2e.md). torch_kernels 1470 us a "
+                "block: bench_dp.py's host ms (host time to issue gpt2_124m's fwd+bwd with the GPU held busy, "
+                "model.kernels=torch) 18.6 ms / 12 blocks less ~1 ms of head (results/archive/"
+                "dp_one_b32_1_h100_s8.json, H100 host). dense = torch_kernels + our ops' extra host per block "
+                "(bench_launch: attention fwd+bwd 362 vs SDPA 148 us, LayerNorm 335 vs ~200 x 2). ac_full +375, "
+                "ac_selective +150 (CPU proxy, notes/pp.md); fp8 +100 a Linear (CPU proxy, notes/fp8.md); "
+                "zero3 +550 (bench_dp.py host ms of units of 3 blocks, results/archive/dp2_zero3_units_b16.json); "
+                "zb +60 (CPU proxy: B + W over one backward, notes/pp.md); tp2 +25 us a collective, dp2 +80, cp2 +150, "
+                "moe +600: assumed. All until bench_calibrate measures them",
+        "comm": "all-reduce: results/comm_2.json, comm_4.json (NCCL 2.28.9 on H200 NVLink 4, the same NVSwitch "
+                "fabric as H100 SXM); the other collectives and p2p derived from it at equal bus bandwidth",
+        "latency_us": "assumed: NCCL small-message floor on NVLink, ~10-20 us (nccl-tests)"})
+
+_H200 = copy.deepcopy(_H100)
+_H200.name, _H200.mem_gb = "H200", 150.75
+_H200.attention_tflops = {"64": 261.0, "128": 389.0, "128_long": 389.0, "cudnn_128": 462.0, "sdpa_64": 159.0,
+                          "sdpa_128": 268.0}
+_H200.membw_gbs = {"copy": 4250.0, "elementwise": 0.8 * 4250.0}
+_H200.sources.update({
+    "mem_gb": "spec: H200 141 GB HBM3e, 143,771 MiB as nvidia-smi reports it",
+    "gemm_tflops": "the H100 figures (same GH100 compute and clocks) until bench_calibrate",
+    "attention_tflops": "results/attention.txt (H200 rows, GPU time by graph replay)",
+    "membw_gbs": "results/bench_adamw.txt: D2D copy 4250 GB/s; elementwise 0.8 x copy",
+    "comm": "results/comm_2.json, comm_4.json (measured on H200)"})
+
+SEEDS = {"H100": _H100, "H200": _H200}
+
+
+def _load(seed: GPU, path: str) -> GPU:
+    """The seed with bench_calibrate.py's measured numbers in place (its sections only; the rest stay seeds)."""
+    with open(path) as f:
+        cal = json.load(f)
+    g = copy.deepcopy(seed)
+    where = f"{os.path.relpath(path, ROOT)} ({cal.get('gpu')}, {cal.get('date')}, git {cal.get('git')})"
+    for key in ("gemm_tflops", "attention_tflops", "membw_gbs", "comm"):
+        for sub, val in cal.get(key, {}).items():
+            if val:
+                getattr(g, key)[sub] = val if not isinstance(val, dict) else {**getattr(g, key).get(sub, {}),
+                                                                               **val}
+        if cal.get(key):
+            g.sources[key] = f"measured: {where}"
+    for key in ("host_wait_share", "p2p_host_wait_share"):  # measured with the collectives
+        setattr(g, key, next((v[key] for v in cal.get("comm", {}).values() if key in v), getattr(g, key)))
+    if cal.get("host"):
+        h = cal["host"]
+        g.host["launch_us"] = h.get("launch_us", g.host["launch_us"])
+        for k in ("layer_us", "step_us", "syncs_per_layer"):
+            g.host.setdefault(k, {}).update(h.get(k, {}))
+        g.sources["host"] = f"measured: {where} (unmeasured variants keep their seeds)"
+    if "membw_gbs" in cal and "elementwise" not in cal["membw_gbs"]:
+        g.membw_gbs["elementwise"] = 0.8 * g.membw_gbs["copy"]
+    return g
+
+
+def table(results_dir: str | None = None) -> dict:
+    """{name: GPU}: the seeds, each replaced by results/plan_gpus_<name>.json's numbers where that file exists."""
+    gpus = dict(SEEDS)
+    for path in sorted(glob.glob(os.path.join(results_dir or os.path.join(ROOT, "results"), "plan_gpus_*.json"))):
+        with open(path) as f:
+            name = json.load(f).get("gpu", "")
+        key = next((k for k in SEEDS if k in name.upper()), None)
+        if key:
+            gpus[key] = _load(gpus[key], path)
+    return gpus
+
+
+def lookup(name: str, gpus: dict | None = None) -> GPU:
+    """A table entry by a name like 'H100' or torch's 'NVIDIA H100 80GB HBM3'; ValueError with the list."""
+    gpus = gpus if gpus is not None else table()
+    key = next((k for k in gpus if k.lower() in name.lower()), None)
+    if key is None:
+        raise ValueError(f"unknown GPU {name!r}: the table has {', '.join(gpus)} "
+                         f"(bench/bench_calibrate.py on another GPU adds it as results/plan_gpus_<gpu>.json)")
+    return gpus[key]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# collectives
+
+BUS = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+       "all_gather": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "send_recv": lambda n: 1.0}
+
+
+def _interp(rows: list, size: float, floor: float) -> float:
+    """Seconds at `size` bytes from measured [[bytes, seconds]] rows: log-log between rows, linear in bytes from
+    the latency floor below the smallest, at the largest row's bandwidth above it."""
+    rows = sorted(rows)
+    if size <= rows[0][0]:
+        return floor + (rows[0][1] - floor) * size / rows[0][0]
+    if size >= rows[-1][0]:
+        return rows[-1][1] * size / rows[-1][0]
+    for (s0, t0), (s1, t1) in zip(rows, rows[1:]):
+        if size <= s1:
+            f = math.log(size / s0) / math.log(s1 / s0)
+            return math.exp(math.log(t0) + f * math.log(t1 / t0))
+    return rows[-1][1]
+
+
+def intra_time(gpu: GPU, kind: str, size: float, n: int) -> float:
+    """One collective of `size` bytes (the full tensor; send_recv: bytes each way) among n GPUs of one node."""
+    if n <= 1 or size <= 0:
+        return 0.0
+    measured = sorted(int(k) for k in gpu.comm if gpu.comm[k].get(kind))
+    near = min(measured, key=lambda k: (abs(k - n), -k))
+    t = _interp(gpu.comm[str(near)][kind], size, gpu.latency_us * 1e-6)
+    return t * BUS[kind](n) / BUS[kind](near) if kind != "send_recv" else t
+
+
+def coll_time(gpu: GPU, kind: str, size: float, n: int, stride: int = 1, fabric: dict | None = None) -> float:
+    """A collective over a group of n ranks whose members sit `stride` ranks apart (the mesh puts tp innermost):
+    within a node if they fit in one, else hierarchical (intra-node part, then S/k a GPU over the NICs)."""
+    if n <= 1 or size <= 0:
+        return 0.0
+    fab = fabric or FABRIC
+    k = max(1, min(n, fab["gpus_per_node"] // max(stride, 1)))  # members of the group in one node
+    m = n // k
+    if m <= 1:
+        return intra_time(gpu, kind, size, n)
+    nic, lat = fab["nic_gbs"] * 1e9, fab["latency_us"] * 1e-6
+    if kind == "send_recv":
+        return lat + size / nic
+    if kind == "all_to_all":  # (m-1)/m of a rank's rows go to other nodes, over its own NIC
+        return intra_time(gpu, kind, size / m, k) + lat * math.log2(m) + size * (m - 1) / m / nic
+    return intra_time(gpu, kind, size, k) + lat * math.log2(m) + BUS[kind](m) * size / k / nic

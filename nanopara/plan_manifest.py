@@ -1,0 +1,178 @@
+"""Builds results/plan_manifest.jsonl, the planner's frozen set of measured end-to-end rows, from results/ files.
+
+Run once (`python -m nanopara.plan_check --build`); afterwards the manifest is the record and new rows are
+appended with their revision. One reader per benchmark format: bench_layout.py rows (their train.py flags parsed
+by nanopara/cli.py), bench_pp.py, bench_dp.py, bench_tp.py, bench_ep.py, bench_recompute.py, bench_fp8_e2e.py,
+bench_gpt.py and bench/ab_train.sh rows. What is left out and why: plan_check's docstring, and the first line of
+the manifest. Peak memory is torch's max allocated in every source here (bench/harness.py peak_gb, train.py's
+peak_mem_gb) but for the rows that recorded max reserved too (none of the step rows so far).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from nanopara.cli import parse_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RES = os.path.join(ROOT, "results")
+SKIPPED = ("left out: other trainers' baselines (torch DDP, torch.compile, torchao, nanoGPT), trees older than "
+           "their file's newest (old_*, tp2_gpt_1b_h100's machine 1, cp2_16k_h100_2's 'before' rows, fp8_e2e's block mode before the fix), "
+           "tp_overlap > 0 (not modelled), the ZB-H1 rows before zb.py, profiles and kernel rows; memory not "
+           "compared under CUDA graphs (bench_layout resets the peak after the graph's pool is allocated)")
+
+
+def _jsonl(name):
+    with open(os.path.join(RES, name)) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _json(name):
+    with open(os.path.join(RES, name)) as f:
+        return json.load(f)
+
+
+def _gpu(name: str) -> str:
+    return "H200" if "H200" in name else "H100"
+
+
+def _lay(**kw) -> dict:
+    base = dict(dp=1, tp=1, pp=1, cp=1, ep=1, zero=0, sp=False, schedule="1f1b", virtual=1, pp_layers=[],
+                micro_batch=1, ac="none", fp8="none", graph=False, kernels="triton", cp_impl="ring", sp_keep=False)
+    base.update(kw)
+    return base
+
+
+def _row(id_, source, preset, lay, seq, tokens, gpu, n_gpu, date, rev, step_ms, peak, note="", block=1024):
+    return {"id": id_, "source": source, "preset": preset, "seq": seq, "block_size": block, "tokens_per_step": tokens,
+            "layout": lay, "gpu": _gpu(gpu), "n_gpu": n_gpu, "date": str(date)[:10], "revision": rev,
+            "step_ms": step_ms, "tokens_per_s": tokens / step_ms * 1e3, "peak_gb": peak,
+            "peak_kind": "max_allocated", "note": note}
+
+
+def from_flags(flags: list, n_gpu: int) -> tuple:
+    cfg = parse_args(list(flags))
+    p, t, m = cfg.parallel, cfg.train, cfg.model
+    dp = n_gpu // (p.tp * p.pp * p.cp)
+    layers = [int(x) for x in p.pp_layers.split(",")] if p.pp_layers.strip() else []
+    lay = _lay(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, sp=p.sp, schedule=p.pp_schedule,
+               virtual=p.pp_virtual, pp_layers=layers, micro_batch=t.micro_batch, ac=t.activation_checkpointing,
+               fp8=t.fp8, graph=t.cuda_graph, kernels="torch" if m.kernels == "torch" else "triton",
+               cp_impl=p.cp_impl, sp_keep=p.sp_keep_gathered)
+    tokens = t.tokens_per_step or t.micro_batch * t.seq_len * dp
+    return cfg, lay, tokens, p.tp_overlap
+
+
+def layout_rows(name: str, skip=()) -> list:
+    out = []
+    for i, r in enumerate(_jsonl(name)):
+        if r["label"].startswith("old_") or i in skip or r.get("machine") == 1:  # machine 1: before host fixes
+            continue
+        cfg, lay, tokens, overlap = from_flags(r["flags"], r["n_gpu"])
+        if overlap:
+            continue
+        rev = f"tree {r.get('tree', '.')}" + (f", machine {r['machine']}" if "machine" in r else "")
+        peak = None if lay["graph"] else r["peak_mem_gb"]
+        out.append(_row(f"{name.split('.')[0]}:{r['label']}" + (f"#{r['machine']}" if "machine" in r else "")
+                        + (f"#{i}" if name.startswith("cp2_16k") else ""), name, cfg.preset, lay,
+                        cfg.train.seq_len, tokens, r["gpu"], r["n_gpu"], r["date"], rev, r["step_ms"], peak,
+                        block=cfg.model.block_size))
+    return out
+
+
+def pp_rows(name: str, kernels: str, date_rev: str) -> list:
+    out = []
+    for r in _jsonl(name):
+        sched, v = (r["schedule"].split(":") + ["1"])[:2]
+        if r["layout"] == "pp" and sched == "zb" and kernels == "torch":
+            continue  # the first ZB-H1 (before zb.py): superseded
+        n = r["world"]
+        kw = dict(pp=n, schedule=sched, virtual=int(v), pp_layers=[int(x) for x in r["pp_layers"].split(",")]) \
+            if r["layout"] == "pp" else dict(dp=n) if r["layout"] == "dp" else dict(tp=n)
+        lay = _lay(micro_batch=r["micro_batch"], kernels=kernels, **kw)
+        out.append(_row(f"{name.split('.')[0]}:{r['layout']}_{r['schedule']}_m{r['m']}", name, r["preset"], lay,
+                        r["seq_len"], r["tokens_per_step"], "NVIDIA H100", n, date_rev, date_rev, r["step_ms"],
+                        max(r["peak_gb"])))
+    return out
+
+
+def build(path: str) -> list:
+    rows = []
+    for name in ("layouts4_gpt_1b_h100.jsonl", "layouts4_cp_h100.jsonl", "tp2_gpt_1b_h100.jsonl",
+                 "tp2_graph_gpt_1b_h100.jsonl", "cp4_16k_h100_2.jsonl"):
+        rows += layout_rows(name)
+    rows += layout_rows("cp2_16k_h100_2.jsonl", skip=(1, 2))
+    rows += pp_rows("pp_gpt_1b_h100.jsonl", "torch", "2026-11-26") + pp_rows("pp_gpt2_1558m_h100.jsonl", "torch",
+                                                                            "2026-11-26")
+    rows += pp_rows("pp4_gpt_1b_h100.jsonl", "torch", "2026-11-26")
+    rows += pp_rows("pp2_zb_gpt_1b_h100.jsonl", "triton", "2026-11-27")
+    rows += pp_rows("pp4_zb_gpt_1b_h100.jsonl", "triton", "2026-11-27")
+    for name in ("dp4_h100_acc_1gpu.json", "dp4_h100_acc.json"):
+        d = _json(name)
+        for i, r in enumerate(d["rows"]):
+            mode = r["mode"]
+            if mode == "torch_ddp":
+                continue
+            zero = {"ddp": 0, "zero1": 1, "zero2": 2}.get(mode, 3)
+            lay = _lay(dp=d["gpus"], zero=zero, micro_batch=d["micro_batch"], kernels="torch")
+            tokens = d["micro_batch"] * d["seq_len"] * d["accum"] * d["gpus"]
+            rows.append(_row(f"{name.split('.')[0]}:{mode}#{i}", name, "gpt2_124m", lay, d["seq_len"], tokens,
+                             d["device"], d["gpus"], d["date"], d["date"], r["step_ms"], r["peak_GB"]))
+    for name in ("tp124_2.json", "tp124_4.json", "tp124sp_2.json", "tp124sp_4.json"):
+        d = _json(name)
+        tokens = d["micro_batch"] * d["seq_len"]
+        lay = _lay(tp=d["n_gpu"], sp=d["sp"], micro_batch=d["micro_batch"], kernels="torch")
+        rows.append(_row(f"{name.split('.')[0]}:tp", name, d["preset"], lay, d["seq_len"], tokens, d["gpu"],
+                         d["n_gpu"], d["date"], d["date"], d["tp"]["step_ms"], d["tp"]["peak_mem_gb"]))
+    d = _json("tp124_2.json")
+    rows.append(_row("tp124_2:1gpu", "tp124_2.json", "gpt2_124m", _lay(micro_batch=32, kernels="torch"), 1024,
+                     32768, d["gpu"], 1, d["date"], d["date"], 32768 / d["baseline"]["tokens_per_s"] * 1e3,
+                     d["baseline"]["peak_mem_gb"]))
+    d = _json("ep4_gpt2_moe_h100.json")
+    for r in d["rows"]:
+        kw = {"single": {}, "dp4": dict(dp=4), "ep4": dict(dp=4, ep=4), "ep2": dict(dp=4, ep=2)}[r["layout"]]
+        lay = _lay(micro_batch=r["micro_batch"], **kw)
+        tokens = r["micro_batch"] * r["seq_len"] * lay["dp"]
+        rows.append(_row(f"ep4_gpt2_moe_h100:{r['layout']}", "ep4_gpt2_moe_h100.json", "gpt2_moe", lay,
+                         r["seq_len"], tokens, d["gpu"], r["gpus"], d["date"], d["date"][:10], r["step_ms"],
+                         r["peak_gb"]))
+    for name in ("recompute_h100.jsonl", "recompute_h100_2.jsonl", "recompute_h100_3.jsonl",
+                 "recompute_h100_4.jsonl"):
+        for i, r in enumerate(_jsonl(name)):
+            if r.get("section") != "mode" or not r.get("step_ms"):
+                continue
+            lay = _lay(micro_batch=r["batch"], ac=r["mode"])
+            rows.append(_row(f"{name.split('.')[0]}:{r['preset']}_{r['mode']}#{i}", name, r["preset"], lay,
+                             r["seq"], r["batch"] * r["seq"], r["gpu"], 1, r["date"], r["date"], r["step_ms"],
+                             r["peak_mem_gb"]))
+    for name in ("fp8_e2e_h100.jsonl", "fp8_block_fix_h100.jsonl"):
+        for r in _jsonl(name):
+            if r.get("section") != "throughput" or r["mode"] not in ("bf16", "tensor", "row", "block") or \
+                    (name.startswith("fp8_e2e") and r["mode"] == "block"):
+                continue
+            lay = _lay(micro_batch=r["batch"], fp8="none" if r["mode"] == "bf16" else r["mode"])
+            rows.append(_row(f"{name.split('.')[0]}:{r['preset']}_{r['mode']}", name, r["preset"], lay, r["seq"],
+                             r["batch"] * r["seq"], r["gpu"], 1, r["date"], r["date"], r["step_ms"],
+                             r["peak_mem_gb"]))
+    for name in ("e2e_h200.jsonl", "e2e_h100.jsonl"):
+        for i, r in enumerate(_jsonl(name)):
+            if not r["mode"].startswith("triton") or "compile" in r["mode"]:
+                continue
+            graph = "graph=1" in r["mode"]
+            lay = _lay(micro_batch=r["batch"], graph=graph)
+            rows.append(_row(f"{name.split('.')[0]}:{r['mode']}#{i}", name, r["preset"], lay, r["seq"],
+                             r["batch"] * r["seq"], r["gpu"], 1, r["date"], r["date"], r["step_ms"],
+                             None if graph else r["peak_mem_gb"]))
+    ab = {"gpt2_124m": ("gpt2_124m", _lay(micro_batch=32), 32768, 1),
+          "gpt_1b_tp2_graph": ("gpt_1b", _lay(tp=2, micro_batch=8, graph=True), 32768, 2),
+          "gpt_1b_pp2_mb2": ("gpt_1b", _lay(pp=2, micro_batch=2), 32768, 2)}
+    for r in _jsonl("step_object_ab_h200.jsonl"):
+        preset, lay, tokens, n = ab[r["run"]]
+        rows.append(_row(f"step_object_ab_h200:{r['run']}", "step_object_ab_h200.jsonl", preset, lay, 1024, tokens,
+                         r["gpu"], n, r["date"], "this tree of 2026-11-28 (train.py, metrics.jsonl)",
+                         tokens / r["tok_s_new"] * 1e3, None if lay["graph"] else r["peak_mem_gb_new"],
+                         note="train.py's own run"))
+    with open(path, "w") as f:
+        f.write("# " + SKIPPED + "\n")
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return rows

@@ -1,0 +1,173 @@
+"""A layout's step time, itemised, and `predict`: the planner's whole answer for one run (memory + time).
+
+Per pp stage and micro-batch: the forward and backward GPU time of its blocks (planner.block_gpu), the head or
+embedding, the weights' bf16 casts and gradient accumulation, and the exposed TP / SP (all collectives on the
+critical path: tp_overlap is off by default), CP (ring: each step's K/V message against that step's attention;
+Ulysses: four all-to-alls each way), EP (dispatch and combine all-to-alls) communication. The host issues each
+action at planner._host_layer per block, so an action takes max(GPU, host) (+ the table's host_wait_share of the
+smaller where an eager collective makes the host wait). Pipeline (p stages, m micro-batches, S_i = F_i + B_i):
+T = m max S + (p-1) x mean unit, unit = S (1F1B, GPipe), S/v (interleaved), F (ZB-H1: B's input half hides W),
+plus a p2p message a stage crossing. After the last micro-batch: data-parallel reduction (DDP all-reduce, ZeRO-1/2
+reduce-scatter + all-gather, ZeRO-3 gathers per micro-step), overlapped with the last backward but its last bucket
+(the tied embedding's gradient completes last), with 30 % of the overlapped time added to compute (notes/dp.md:
+the backward slows ~1 ms under ~2 ms of all-reduce against a no-communication control), then AdamW's 29 bytes a
+parameter plus the norm's read (kernels/adamw.py) at copy bandwidth.
+"""
+from __future__ import annotations
+
+from nanopara import gpus as G
+from nanopara.planner import (Run, _host_layer, _is_moe, _linear_s, block_gpu, check, memory, stage_blocks,
+                              stage_params, wait_share)
+
+CONTENTION = 0.3   # compute slowdown per second of overlapped collective (notes/dp.md's no-communication control)
+CE_BYTES_TORCH = 68.0  # F.cross_entropy over fp32 logits, fwd+bwd, per token and vocab entry at copy bandwidth
+                       # (results/bench_cross_entropy_full.txt: 13.2 ms at 16384 x 50304, H200); ours 7.3 -> 8
+MICRO_SHARE = 0.6  # share of the table's per-step host time that recurs every micro-step (embedding, head, loss)
+
+
+def _combine(gpu_s: float, host_s: float, wait: float) -> float:
+    return max(gpu_s, host_s) + wait * min(gpu_s, host_s)
+
+
+def micro_comm(run: Run, gpu, blocks: list[int], attn_s: float) -> dict:
+    """Exposed seconds of one micro-batch's TP, CP and EP collectives on one rank (forward + backward)."""
+    m, L, fab = run.model, run.layout, run.fabric
+    t = L.micro_batch * run.seq // L.cp
+    act = t * m.d * 2
+    out = {"tp_comm": 0.0, "cp_comm": 0.0, "ep_comm": 0.0}
+    if L.tp > 1:
+        c = lambda kind: G.coll_time(gpu, kind, act, L.tp, 1, fab)  # noqa: E731
+        per = 4 * (c("all_gather") + c("reduce_scatter")) + (0 if L.sp_keep else 2 * c("all_gather")) if L.sp \
+            else 4 * c("all_reduce")
+        if L.ac == "full":
+            per *= 1.5  # the recomputed forward's collectives again
+        out["tp_comm"] = len(blocks) * per + 2 * c("all_reduce")  # + vocab-parallel embedding and loss
+    if L.cp > 1:
+        n = len(blocks)
+        if L.cp_impl == "ulysses":
+            a2a = G.coll_time(gpu, "all_to_all", t * m.qkv_out * 2 / L.tp, L.cp, L.tp, fab)
+            out["cp_comm"] = n * 2 * 2 * a2a
+        else:
+            kv = t * 2 * m.kv_heads * m.hd * 2 / L.tp
+            msg = G.coll_time(gpu, "send_recv", kv, 2, L.tp, fab)
+            step = attn_s / L.cp  # one ring step's attention (fwd and bwd share attn_s as 1 : 2.5)
+            fwd = (L.cp - 1) * max(0.0, msg - step / 3.5)
+            bwd = (L.cp - 1) * max(0.0, 2 * msg - step * 2.5 / 3.5)
+            out["cp_comm"] = n * (fwd + bwd + (L.cp - 1) * 2 * gpu.latency_us * 1e-6)
+    moe = sum(_is_moe(m, b) for b in blocks)
+    if moe and L.ep > 1:
+        a2a = G.coll_time(gpu, "all_to_all", t * m.top_k * m.d * 2 / (L.tp if L.sp else 1), L.ep, L.tp, fab)
+        out["ep_comm"] = moe * 4 * a2a
+    return out
+
+
+def _dp(run: Run, gpu, dense: float, expert: float, window: float, first: bool) -> dict:
+    """Data-parallel reduction of one step: (exposed, overlapped) seconds, and what runs after the update."""
+    L, m, fab = run.layout, run.model, run.fabric
+    n, ne = L.dp * L.cp, max(1, L.dp * L.cp // L.ep)
+    if n == 1 and ne == 1:
+        return {"exposed": 0.0, "overlapped": 0.0}
+    c = lambda kind, b, k=n, st=L.tp: G.coll_time(gpu, kind, b, k, st, fab)  # noqa: E731
+    g, ge = 4 * dense, 4 * expert
+    if L.zero == 0:
+        main = c("all_reduce", g * L.reduce_bytes / 4) + c("all_reduce", ge, ne, L.tp * L.ep)
+        after = 0.0
+    elif L.zero in (1, 2):
+        main = c("reduce_scatter", g) * (run.accum if L.zero == 2 else 1) + c("reduce_scatter", ge, ne)
+        after = c("all_gather", g) + c("all_gather", ge, ne)
+    else:
+        per = 2 * c("all_gather", g) + c("reduce_scatter", g) + 2 * c("all_gather", ge, ne)
+        main, after = per * run.accum, 0.0
+        window *= 3 * run.accum  # the gathers run under every micro-step's forward and backward
+    last = c("all_reduce", min(g, 4 * m.vocab * m.d / L.tp)) if first and L.zero == 0 else 0.0
+    hidden = min(main, window)
+    return {"exposed": max(0.0, main - window) + last + after, "overlapped": hidden}
+
+
+def _stage(run: Run, gpu, i: int, blocks: list[int]) -> dict:
+    """One pp rank's micro-batch: GPU seconds by kind (forward / backward), host seconds, exposed comm."""
+    m, L = run.model, run.layout
+    t = L.micro_batch * run.seq // L.cp
+    kinds = {"gemm": 0.0, "attention": 0.0, "memory_bound": 0.0, "recompute": 0.0}
+    fwd = host = wait = 0.0
+    for b in blocks:
+        blk = block_gpu(run, gpu, _is_moe(m, b))
+        tot = blk["gemm"] + blk["attention"] + blk["memory_bound"]
+        fwd += blk["fwd_share"] * tot
+        for k in kinds:
+            kinds[k] += blk.get(k, 0.0)
+        host += _host_layer(run, gpu, _is_moe(m, b))
+        wait = max(wait, wait_share(run, gpu, _is_moe(m, b)))
+    head = 0.0
+    if i == L.pp - 1:  # lm_head over the (vocab / tp) shard and the loss's passes over the logits
+        f, b_ = _linear_s(gpu, t, m.vocab / L.tp, m.d, False)
+        ce = CE_BYTES_TORCH if L.kernels == "torch" else 8.0
+        head = f + b_ + t * m.vocab / L.tp * ce / (gpu.membw_gbs["copy"] * 1e9)
+    dense, expert = stage_params(run, i, blocks)
+    per_micro = (10 + (6 if L.pp == 1 else 0)) * (dense + expert) / (gpu.membw_gbs["copy"] * 1e9)  # grads, casts
+    kinds["head"], kinds["params_pass"] = head, per_micro
+    comm = micro_comm(run, gpu, blocks, kinds["attention"] / max(len(blocks), 1))
+    steps_host = 0.0 if (L.graph or L.kernels == "cudnn") else gpu.host["step_us"].get("dense", 0) * 1e-6
+    host += MICRO_SHARE * steps_host
+    gpu_s = sum(kinds.values()) + sum(comm.values())
+    return {"kinds": kinds, "comm": comm, "gpu": gpu_s, "gpu_fwd": fwd + head / 3, "host": host, "wait": wait,
+            "dense": dense, "expert": expert, "bwd_gpu": gpu_s - fwd - head / 3, "step_host": steps_host}
+
+
+def step_time(run: Run) -> dict:
+    """Seconds of one optimizer step on the slowest rank, itemised (items sum to step_s)."""
+    L, gpu = run.layout, G.lookup(run.gpu)
+    m, p = run.accum, L.pp
+    stages = [_stage(run, gpu, i, b) for i, b in enumerate(stage_blocks(run))]
+    p2p = 0.0
+    if p > 1:
+        act = L.micro_batch * run.seq // L.cp * run.model.d * 2 / (L.tp if L.sp else 1)
+        p2p = L.virtual * G.coll_time(gpu, "send_recv", act, 2, L.tp * L.cp * L.dp, run.fabric)
+    S = []
+    for s in stages:
+        hf = s["host"] / 3  # a forward issues about a third of the block's launches
+        F = _combine(s["gpu_fwd"], hf, s["wait"]) + p2p
+        B = _combine(s["bwd_gpu"], s["host"] - hf, s["wait"]) + p2p
+        S.append((F, B))
+    tot = [f + b for f, b in S]
+    k = max(range(p), key=lambda i: tot[i])
+    if p == 1:
+        pipe, bubble = m * tot[0], 0.0
+    else:
+        unit = {"interleaved": [x / L.virtual for x in tot], "zb": [f for f, _ in S]}.get(L.schedule, tot)
+        bubble = (p - 1) * sum(unit) / p
+        pipe = m * tot[k] + bubble
+    s = stages[k]
+    dp = _dp(run, gpu, s["dense"], s["expert"], s["bwd_gpu"], k == 0)
+    opt_params = (s["dense"] + s["expert"]) / (L.dp * L.cp if L.zero >= 1 else 1)
+    opt = (29 * opt_params + 4 * (s["dense"] + s["expert"])) / (gpu.membw_gbs["copy"] * 1e9)
+    if p > 1:
+        opt += 6 * (s["dense"] + s["expert"]) / (gpu.membw_gbs["copy"] * 1e9)  # one weight cast a step
+        if run.model.tied:  # the tied embedding's two halves summed between the first and last stage
+            opt += G.coll_time(gpu, "all_reduce", 4 * run.model.vocab * run.model.d / L.tp, 2, L.tp * L.cp * L.dp,
+                               run.fabric)
+    tail = max(opt, (1 - MICRO_SHARE) * s["step_host"])
+    items = {k2: m * v for k2, v in s["kinds"].items()}
+    items.update({k2: m * v for k2, v in s["comm"].items()})
+    items["pp_p2p"] = 2 * m * p2p
+    items["bubble"] = bubble
+    gpu_sum = sum(items.values()) - bubble
+    items["host_excess"] = max(0.0, pipe - bubble - gpu_sum)
+    items["dp_exposed"] = dp["exposed"]
+    items["dp_contention"] = CONTENTION * dp["overlapped"]
+    items["optimizer"] = tail
+    step = sum(items.values())
+    return {"items": items, "step_s": step, "stage": k, "host_bound": items["host_excess"] > 0.05 * step}
+
+
+def predict(run: Run, world: int | None = None) -> dict:
+    """Memory and time of `run`, with tokens/s and MFU as train.py reports them."""
+    check(run, world)
+    gpu = G.lookup(run.gpu)
+    t, mem = step_time(run), memory(run)
+    tokens = run.accum * run.layout.micro_batch * run.seq * run.layout.dp
+    tok_s = tokens / t["step_s"]
+    mfu = run.model.flops_per_token(run.seq) * tok_s / (run.layout.world * gpu.peak_bf16)
+    return {"time": t, "memory": mem, "tokens_per_step": tokens, "tokens_per_s": tok_s, "mfu": mfu,
+            "step_s": t["step_s"], "peak_gb": mem["peak_alloc"] / 1e9, "reserved_gb": mem["reserved"] / 1e9,
+            "fits": mem["fits"], "gpu": gpu.name}
