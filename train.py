@@ -7,7 +7,7 @@
     make train NGPU=8 ARGS="--train.steps=100"                  # the same through make
 
 Every key is listed by nanopara/config.py (`python train.py --help`); unknown keys and bad values stop the run
-before any work. Parallelism is applied from outside the model by nanopara/parallel.py, in the order its docstring
+before any work. `--plan` prints the planner's memory and step-time prediction for the run and exits (plan.py). Parallelism is applied from outside the model by nanopara/parallel.py, in the order its docstring
 gives (TP -> CP -> EP -> PP -> activation checkpointing -> FP8 -> DP/ZeRO), and returns the Trainer
 (nanopara/trainer.py): the one step object this loop calls. Checkpoints: nanopara/checkpoint.py; the log:
 nanopara/report.py.
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nanopara import checkpoint, evals, reshard, runguard, sft
+from nanopara import checkpoint, evals, plan_run, reshard, runguard, sft
 from nanopara.cli import describe, help_text, parse_args
 from nanopara.config import Config, ConfigError
 from nanopara.data import TokenLoader, default_mirror, find_shards, get_tokenizer
@@ -233,6 +233,7 @@ def train(cfg: Config) -> dict:
                                 tokens_per_step=accum * t.micro_batch * t.seq_len * mesh.dp, log_every=t.log_every,
                                 flops_per_token=flops_per_token(cfg.model, n_params, t.seq_len),
                                 last_step=t.steps - 1, max_bad_steps=t.max_bad_steps, defer=not trainer.scaler.enabled)
+        reporter.plan_s = plan_run.expected_step_s(cfg, mesh, log)  # metrics.jsonl: measured / predicted step time
 
         for step in range(start, t.steps):
             reporter.begin_step()
@@ -314,7 +315,10 @@ def main(argv: list[str] | None = None) -> dict:
             check_layout(cfg, int(world), "cpu" if cfg.device == "cpu" else "cuda")
             checkpoint.prepare_run_dir(cfg.out_dir, cfg.resume, cfg.overwrite, is_main=False)
             return {}
-        return train(parse_args(args))
+        cfg = parse_args(args)
+        if cfg.plan:  # the planner's prediction for this run, printed before any work; then exit (plan_run.py)
+            return plan_run.print_plan(cfg)
+        return train(cfg)
     except torch.OutOfMemoryError as e:  # a user's batch or model too large for the GPU: one line with the way out
         e = TrainingError(f"out of GPU memory ({str(e).splitlines()[0][:100]}): lower --train.micro_batch (keep "
                           f"--train.tokens_per_step: the difference becomes gradient accumulation), use "

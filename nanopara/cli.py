@@ -19,7 +19,7 @@ from nanopara.config import Config, ConfigError
 from nanopara.presets import PRESETS
 
 
-BARE_FLAGS = ("resume", "overwrite")  # --resume means --resume=true
+BARE_FLAGS = ("resume", "overwrite", "plan")  # --resume means --resume=true
 
 
 def _parse_value(text: str, typ, key: str):

@@ -141,6 +141,7 @@ class Config:
     out_dir: str = "runs/default"
     resume: bool = False         # continue from <out_dir>/ckpt/latest (or the newest complete checkpoint)
     overwrite: bool = False      # start afresh in an out_dir that holds another run (its checkpoints and logs go)
+    plan: bool = False           # print the planner's memory and step-time prediction for this run and exit
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

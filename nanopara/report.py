@@ -28,6 +28,9 @@ PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "GH200": 989e12, "
               "L40S": 362e12, "L4": 121e12, "A10G": 70e12, "RTX 4090": 165e12, "RTX 3090": 71e12}
 
 
+PLAN_WARMUP = 3  # steps before plan_ratio is recorded: autotuning, allocator growth and NCCL setup come first
+
+
 class TrainingError(RuntimeError):
     """A run that cannot go on (repeated non-finite loss): one clear line, then exit."""
 
@@ -75,6 +78,7 @@ class StepReporter:
         self.host_group = mesh.new_group(backend="gloo") if mesh.world > 1 and self.cuda else None
         self.pending, self.losses, self.bad_streak = None, [], 0
         self.prev_end = None  # the previous step's end (CUDA event or host time); None after a pause
+        self.plan_s, self.first_step = None, None  # the planner's step time (train.py sets it; plan_run.py)
         if mesh.world > 1:  # said once, so the step lines stay short
             metrics.log(None, f"step times: the slowest of {mesh.world} ranks (tok/s follows it); in brackets the "
                               f"fastest rank's, so a gap shows a straggler")
@@ -148,6 +152,9 @@ class StepReporter:
                "step_time_s": slow, "fastest_step_time_s": fast, "skipped": not (math.isfinite(loss) and
                                                                                math.isfinite(grad_norm))}
         rec.update(zip(p["extra"], extra))
+        self.first_step = p["step"] if self.first_step is None else self.first_step
+        if self.plan_s and p["step"] - self.first_step >= PLAN_WARMUP:  # every run checks the planner
+            rec.update(plan_step_s=self.plan_s, plan_ratio=slow / self.plan_s)
         line = None
         if p["step"] % self.log_every == 0 or p["step"] == self.last_step:
             line = self.line(p["step"], loss, p["lr"], grad_norm, tok_s, tflops, rec["mfu"], mem, slow, fast)
