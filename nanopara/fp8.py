@@ -17,9 +17,10 @@ ones promote to fp32 every 128 K (torchao's defaults); block scaling always prom
 The weight is quantized once per optimizer step and reused by every micro-batch, keyed by (its version counter, its
 storage, the model's fp8 generation): nanopara's fused AdamW bumps no version, so the trainer calls
 `model.fp8.step()` after each optimizer step. Master weights, grads and optimizer state stay fp32; no FP8 state is
-a parameter or buffer, so checkpoints are the bf16 run's. Where a data-parallel engine set `weight.grad_into`
-(engine.py), the wgrad GEMM writes dW straight into that view. CPU tensors run the PyTorch references of the same
-quantizations and GEMMs; `interpret=True` runs the Triton kernels under TRITON_INTERPRET=1 (tests).
+a parameter or buffer; checkpoints add delayed scaling's amax histories (amax_state: a resume is exact; another
+layout takes merge_amax's). Where a data-parallel engine set `weight.grad_into` (engine.py), the wgrad GEMM writes
+dW straight into that view. CPU tensors run the PyTorch references of the same quantizations and GEMMs;
+`interpret=True` runs the Triton kernels under TRITON_INTERPRET=1 (tests).
 Called by parallel.py (apply_fp8) and tp.py (FP8 on the shards); tests/test_fp8.py; choices and numbers: notes/fp8.md.
 """
 from __future__ import annotations
@@ -276,3 +277,62 @@ def apply_fp8(model: nn.Module, mode: str = "tensor", filter=None, recipe: FP8Re
             attach_fp8(mod, state)
     model.fp8 = state
     return model
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# delayed scaling's state in checkpoints (Trainer.state_dict / load_state_dict, reshard.py)
+
+def _delayed(model: nn.Module):
+    """(global module name, module) of every linear that keeps amax histories (torch.compile's prefix dropped)."""
+    for name, mod in model.named_modules():
+        if getattr(mod, "hist_x", None) is not None:
+            yield name.replace("_orig_mod.", ""), mod
+
+
+def amax_state(model: nn.Module) -> dict:
+    """{module name: {"x": history, "dy": history}}: copies, newest first; None before the module's first forward
+    (or backward). Per rank: a tp shard's or a dp rank's amaxes are its own."""
+    return {name: {k: None if h.buf is None else h.buf.detach().clone() for k, h in (("x", mod.hist_x),
+                                                                                      ("dy", mod.hist_dy))}
+            for name, mod in _delayed(model)}
+
+
+def _fit(t: torch.Tensor, length: int) -> torch.Tensor:
+    """A history of `length`: the newest entries kept, the oldest repeated (a longer or shorter saved history)."""
+    t = t.detach().float().reshape(-1)[:length]
+    return torch.cat([t, t[-1:].expand(length - t.numel())]) if t.numel() < length else t
+
+
+def load_amax_state(model: nn.Module, sd: dict, device) -> None:
+    """Inverse of amax_state (ValueError for a module this model lacks). Written into an existing buffer in place
+    (a captured CUDA graph pushes into its addresses); None: the history starts afresh."""
+    mods = dict(_delayed(model))
+    unknown = sorted(set(sd) - set(mods))
+    if unknown:
+        raise ValueError(f"FP8 amax histories for linears this model does not hold: {unknown[:3]}")
+    for name, hists in sd.items():
+        for key, h in (("x", mods[name].hist_x), ("dy", mods[name].hist_dy)):
+            t = hists.get(key)
+            if t is None:
+                h.buf = None
+            elif h.buf is not None and h.buf.numel() == h.length:
+                h.buf.copy_(_fit(t, h.length))
+            else:
+                h.buf = _fit(t, h.length).to(device)
+
+
+def merge_amax(saved: list, names) -> dict:
+    """Histories for the linears `names` of another layout, from every saved rank's amax_state (None where a rank
+    had none): the elementwise max over the ranks that hold the linear. A whole tensor's amax is the max of its
+    shards' amaxes, so a tp-sharded X or dY joins exactly and a dp rank's max covers the global batch; a rank that
+    now holds a smaller shard scales from the larger amax: no overflow, at most a coarser scale until the history
+    rolls over (16 steps)."""
+    out = {}
+    for name in names:
+        hists = [s[name] for s in saved if s and s.get(name) is not None]
+        out[name] = {}
+        for key in ("x", "dy"):
+            ts = [h[key].detach().float().reshape(-1) for h in hists if h.get(key) is not None]
+            n = min((t.numel() for t in ts), default=0)
+            out[name][key] = torch.stack([t[:n] for t in ts]).amax(0) if ts else None
+    return out

@@ -176,17 +176,24 @@ class Trainer:
               "buffers": model_buffers(self.engine.model), "ckpt_format": CKPT_FORMAT}
         if self.pp_layers is not None:  # pp > 1: this rank's chunks and their global blocks
             sd["pp_chunks"] = {c: self.pp_layers[c] for c in sorted(self.pipeline.chunks)}
+        if self.fp8 is not None and self.fp8.recipe.delayed:  # this rank's amax histories (fp8.amax_state)
+            from nanopara.fp8 import amax_state
+            sd["fp8"] = {"amax": amax_state(self.engine.model)}
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
         """Inverse of state_dict() on the same layout (ValueError / KeyError / RuntimeError when it does not fit);
-        another layout's checkpoint goes through reshard.restore, which builds this rank's state first."""
+        another layout's checkpoint goes through reshard.restore, which builds this rank's state first. FP8 amax
+        histories load where this run keeps them (train.fp8_delayed) and the state has them; else they start afresh."""
         self.engine.load_model_state_dict(sd["model"])
         self.engine.load_state_dict(sd["engine"])
         with torch.no_grad():
             for name, buf in sd.get("buffers", {}).items():
                 self.engine.model.get_buffer(name).copy_(buf)
         self.scaler.load_state_dict(sd["scaler"])
+        if self.fp8 is not None and self.fp8.recipe.delayed and "fp8" in sd:
+            from nanopara.fp8 import load_amax_state
+            load_amax_state(self.engine.model, sd["fp8"]["amax"], self.device)
 
     def close(self) -> None:
         """Free the CUDA graph: before the process group goes (a captured NCCL kernel blocks its destruction)."""
