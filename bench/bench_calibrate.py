@@ -115,20 +115,37 @@ TINY = {"model.n_embd": 256, "model.n_head": 4, "model.block_size": 128, "train.
         "train.micro_batch": 1, "train.val_every": 0}
 
 
-def host_us(mesh, flags: dict, layers: tuple = (2, 6), n_micro: int = 1) -> tuple[float, float]:
-    """(us per block and micro-batch, us per step beside the blocks) from two depths of train.py's step."""
-    t = []
+def count_syncs(fn) -> int:
+    """Host-device synchronisations one call of fn makes (torch's sync debug mode warns on each)."""
+    import warnings
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message).lower() for w in caught)
+
+
+def host_us(mesh, flags: dict, layers: tuple = (2, 6), n_micro: int = 1) -> tuple[float, float, float]:
+    """(us per block and micro-batch, us per step beside the blocks, host syncs per block and micro-batch) from
+    two depths of train.py's step."""
+    t, syncs = [], []
     for L in layers:
         cfg = H.make_cfg("gpt2_124m", {**TINY, **flags, "model.n_layer": L,
                                        "train.tokens_per_step": 128 * n_micro * mesh.dp})
         trainer, _ = H.build_trainer(cfg, mesh)
         batches = H.synthetic_batches(cfg, trainer.accum, mesh.device)
         t.append(H.timed(lambda: H.train_step(trainer, batches), steps=20, warmup=5, mesh=mesh)["step_s"])
+        syncs.append(count_syncs(lambda: H.train_step(trainer, batches)))
         trainer.close()
         del trainer
         H.free()
     per_layer = (t[1] - t[0]) / (layers[1] - layers[0]) / n_micro
-    return per_layer * 1e6, (t[0] - layers[0] * n_micro * per_layer) * 1e6
+    return (per_layer * 1e6, (t[0] - layers[0] * n_micro * per_layer) * 1e6,
+            max(0.0, (syncs[1] - syncs[0]) / (layers[1] - layers[0]) / n_micro))
 
 
 def launch_us(dev) -> float:
@@ -143,19 +160,20 @@ HOST_1GPU = {"dense": {}, "torch_kernels": {"model.kernels": "torch"},
              "fp8_tensor": {"train.fp8": "tensor"},
              "moe": {"model.moe_experts": 8, "model.moe_top_k": 2, "model.moe_every": 1}}
 HOST_2GPU = {"tp2": ({"parallel.tp": 2}, 1), "tp2_sp": ({"parallel.tp": 2, "parallel.sp": "true"}, 1),
-             "dp2": ({"parallel.dp": 2}, 1), "pp2": ({"parallel.pp": 2}, 4)}
+             "dp2": ({}, 1), "pp2": ({"parallel.pp": 2}, 4), "cp2": ({"parallel.cp": 2}, 1),
+             "ep2": ({"parallel.ep": 2, **HOST_1GPU["moe"]}, 1)}
 
 
 def host_section(mesh, budget: float) -> dict:
-    out = {"launch_us": launch_us(mesh.device), "layer_us": {}, "step_us": {}}
+    out = {"launch_us": launch_us(mesh.device), "layer_us": {}, "step_us": {}, "syncs_per_layer": {}}
     print(f"  host per torch launch {out['launch_us']:.1f} us", flush=True)
     for name, flags in HOST_1GPU.items():
         if left(budget) < 45:
             print(f"  host {name}: skipped (budget)")
             continue
-        out["layer_us"][name], out["step_us"][name] = host_us(mesh, flags)
+        out["layer_us"][name], out["step_us"][name], out["syncs_per_layer"][name] = host_us(mesh, flags)
         print(f"  host {name}: {out['layer_us'][name]:.0f} us a block (fwd+bwd), {out['step_us'][name]:.0f} us "
-              f"a step beside", flush=True)
+              f"a step beside, {out['syncs_per_layer'][name]:.1f} host syncs a block", flush=True)
     return out
 
 
@@ -196,29 +214,40 @@ def comm_section(mesh, budget: float) -> dict:
     H.sync(dev)
     q3 = time.perf_counter()
     out["host_wait_share"] = max(0.0, (q2 - q1) / max(q3 - q0, 1e-9))
+    peer = mesh.rank ^ 1 if mesh.rank ^ 1 < n else mesh.rank
+    H.sync(dev)
+    q0 = time.perf_counter()
+    for _ in range(8):
+        a @ a
+    q1 = time.perf_counter()
+    for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, small, peer), dist.P2POp(dist.irecv, small.clone(), peer)]):
+        w.wait()
+    q2 = time.perf_counter()
+    H.sync(dev)
+    out["p2p_host_wait_share"] = max(0.0, (q2 - q1) / max(time.perf_counter() - q0, 1e-9))
     if mesh.is_main:
-        print(f"  eager all-reduce behind {1e3 * (q3 - q0):.1f} ms of GEMMs: host returned after "
-              f"{1e3 * (q2 - q1):.2f} ms (share {out['host_wait_share']:.2f})", flush=True)
+        print(f"  eager all-reduce / send-recv behind ~{1e3 * (q3 - q0):.1f} ms of GEMMs: the host waited "
+              f"{out['host_wait_share']:.2f} / {out['p2p_host_wait_share']:.2f} of it", flush=True)
     return out
 
 
 def host2_section(world, budget: float) -> dict:
-    out = {"layer_us": {}, "step_us": {}}
+    out = {"layer_us": {}, "step_us": {}, "syncs_per_layer": {}}
     for name, (flags, m) in HOST_2GPU.items():
         if not agree(left(budget) > 40, world):
-            print(f"  host {name}: skipped (budget)")
+            if world.is_main:
+                print(f"  host {name}: skipped (budget)")
             continue
-        sizes = {"parallel.pp": 1, "parallel.tp": 1, "parallel.dp": 1}
-        sizes.update({k: int(v) for k, v in flags.items() if k in sizes})
-        mesh = Mesh.build(dp=-1, pp=sizes["parallel.pp"], tp=sizes["parallel.tp"])
-        layers = (4, 8) if "parallel.pp" in flags else (2, 6)
-        per, step = host_us(mesh, flags, layers, m)
-        if "parallel.pp" in flags:
-            per *= 2  # a rank holds half the blocks: us per block it holds
-        out["layer_us"][name], out["step_us"][name] = per, step
+        deg = {a: int(flags.get(f"parallel.{a}", 1)) for a in ("pp", "tp", "cp", "ep")}
+        mesh = Mesh.build(dp=-1, pp=deg["pp"], tp=deg["tp"], cp=deg["cp"], ep=deg["ep"])
+        layers = (4, 8) if deg["pp"] > 1 else (2, 6)
+        per, step, syncs = host_us(mesh, flags, layers, m)
+        if deg["pp"] > 1:
+            per, syncs = 2 * per, 2 * syncs  # a rank holds half the blocks: per block it holds
+        out["layer_us"][name], out["step_us"][name], out["syncs_per_layer"][name] = per, step, syncs
         if mesh.is_main:
             print(f"  host {name}: {per:.0f} us a block{' and micro-batch' if m > 1 else ''}, {step:.0f} us a step "
-                  f"beside", flush=True)
+                  f"beside, {syncs:.1f} host syncs a block", flush=True)
     return out
 
 
@@ -248,8 +277,8 @@ def main():
         if mesh.world % 2 == 0:
             h2 = host2_section(mesh, args.budget)
             table.setdefault("host", {"layer_us": {}, "step_us": {}})
-            for k in ("layer_us", "step_us"):
-                table["host"][k].update(h2[k])
+            for k in ("layer_us", "step_us", "syncs_per_layer"):
+                table["host"].setdefault(k, {}).update(h2[k])
     table["seconds"] = time.perf_counter() - T0
     if mesh.is_main and args.out:
         old = {}

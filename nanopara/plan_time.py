@@ -90,14 +90,16 @@ def _stage(run: Run, gpu, i: int, blocks: list[int]) -> dict:
     t = L.micro_batch * run.seq // L.cp
     kinds = {"gemm": 0.0, "attention": 0.0, "memory_bound": 0.0, "recompute": 0.0}
     fwd = host = wait = 0.0
-    for b in blocks:
-        blk = block_gpu(run, gpu, _is_moe(m, b))
-        tot = blk["gemm"] + blk["attention"] + blk["memory_bound"]
-        fwd += blk["fwd_share"] * tot
+    for moe in (False, True):  # blocks of one kind cost the same: one evaluation each
+        n = sum(_is_moe(m, b) == moe for b in blocks)
+        if not n:
+            continue
+        blk = block_gpu(run, gpu, moe)
+        fwd += n * blk["fwd_share"] * (blk["gemm"] + blk["attention"] + blk["memory_bound"])
         for k in kinds:
-            kinds[k] += blk.get(k, 0.0)
-        host += _host_layer(run, gpu, _is_moe(m, b))
-        wait = max(wait, wait_share(run, gpu, _is_moe(m, b)))
+            kinds[k] += n * blk.get(k, 0.0)
+        host += n * _host_layer(run, gpu, moe)
+        wait = max(wait, wait_share(run, gpu, moe))
     head = 0.0
     if i == L.pp - 1:  # lm_head over the (vocab / tp) shard and the loss's passes over the logits
         f, b_ = _linear_s(gpu, t, m.vocab / L.tp, m.d, False)

@@ -256,7 +256,9 @@ def memory(run: Run) -> dict:
                   "optimizer": 8 * (dense + expert) if L.zero == 0 else 8 * (dense / nd + expert / nde)}
         unit = 2 * 4 * (m.attn_params() + m.mlp_params()) / L.tp
         weights16 = 2 * (dense + expert) if L.zero < 3 else unit  # FP8: the e4m3 weight and its transpose, as many
-        acts = in_flight(run, i) * tok * m.d * sum(act_coef(run, _is_moe(m, b)) for b in blocks)
+        n_moe = sum(_is_moe(m, b) for b in blocks)
+        acts = in_flight(run, i) * tok * m.d * ((len(blocks) - n_moe) * act_coef(run, False) +
+                                                  (n_moe and n_moe * act_coef(run, True)))
         work = tok * (4 * m.ffn / L.tp * (m.top_k if m.experts else 1) + 8 * m.d)
         if L.ac == "full":
             work += tok * m.d * act_coef(replace(run, layout=replace(L, ac="none")), False)
