@@ -1,25 +1,27 @@
 """Checkpoints: a save never publishes state that fails verification, and resume finds one that verifies.
 
     <out_dir>/ckpt/step_000100/  one checkpoint, renamed into place when whole (run directory: runguard.py)
-        meta.json                step, layout, config, each shard's size and sha256 as written, write time, pp chunks
+        meta.json                step, layout, format, config, each shard's size and sha256 as written, write time
         rank_00000.pt ...        each rank's model/optimizer shard, loader, RNG, scaler (`sha256sum` agrees)
     <out_dir>/ckpt/latest        names the checkpoint to resume from (replaced atomically, after its checkpoint)
 
 Save (collective): `save_training` refuses a state holding inf/NaN. Every rank writes `tmp-step_N/rank_R.pt`
-through a temporary name, hashing the bytes as they go, and fsyncs; the ranks exchange (error, size, sha256). Any
-rank's error, of any type (torch.save raises RuntimeError on a full disk), fails the save on every rank
+through a temporary name, hashing the bytes as they go, and fsyncs (shard_io.py); the ranks exchange (error, size,
+sha256). Any rank's error, of any type (torch.save raises RuntimeError on a full disk), fails the save on every rank
 (`SaveError`): the tmp directory goes. Else rank 0 writes meta.json, checks every shard's size on disk, renames the
 directory into place, points `latest` at it, and the ranks prune to the newest `keep` checkpoints that verify (by
-write time). A crash at any point leaves the previous checkpoint and `latest` intact.
+write time). A crash at any point leaves the previous checkpoint and `latest` intact. Under ckpt.async_ (on GPU by
+default) the same files are written by a background thread from a host copy, training goes on, and rank 0's thread
+publishes once every rank's shard is on disk (async_save.py); the run's last save is blocking.
 Verify: meta complete, a shard for every rank, sizes and sha256 as recorded (a checkpoint from before checksums:
-sizes only, said). Each rank hashes its share of the shards; hashes are cached by inode, size and mtime, so a
-process hashes a file once. Resume (`find_resume`): `latest`, else the newest checkpoint that verifies, saying
-which and why; no checkpoint at all: `NoCheckpoint`. Load: `weights_only=True`, layout checked, inf/NaN refused,
-the ranks agree on the outcome. `python -m nanopara.checkpoint DIR` lists, verifies, says what a resume would use.
+sizes only, said). Each rank hashes its share of the shards (a process hashes a file once). Resume
+(`find_resume`): `latest`, else the newest checkpoint that verifies, saying which and why; no checkpoint at all:
+`NoCheckpoint`; a newer format or another model: one line before any model work (`check_model_matches`). Load:
+`weights_only=True`, layout checked, inf/NaN refused, the ranks agree on the outcome.
+`python -m nanopara.checkpoint DIR` lists, verifies, says what a resume would use.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -32,9 +34,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from nanopara import async_save
 from nanopara.mesh import Mesh
 from nanopara.runguard import (RUN_FILES, AgreedError, CheckpointError, check_out_dir, ckpt_root,  # noqa: F401
                                prepare_run_dir, step_dirs as _step_dirs)  # (re-exported: train.py, rl.py, tests)
+from nanopara.shard_io import fsync_dir as _fsync_dir, sha256_of, write_shard as _write_shard, \
+    write_synced as _write_synced  # (by these names here: tests replace them)
+from nanopara.trainer import CKPT_FORMAT as FORMAT  # 2: the loader's position in global samples; 1: before
 
 
 class SaveError(AgreedError):
@@ -66,71 +72,9 @@ def _why(e: BaseException) -> str:
     return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"  # torch's run over several lines
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    os.fsync(fd)
-    os.close(fd)
-
-
-def _write_synced(path: str, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def layout(mesh: Mesh) -> dict:
     ep = {"ep": mesh.sizes["ep"]} if mesh.sizes.get("ep", 1) > 1 else {}  # expert parallel (ep.py), carved from dp x cp
     return {"world": mesh.world, **{ax: mesh.sizes[ax] for ax in ("pp", "dp", "cp", "tp")}, **ep}
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# checksums
-
-_HASHED: dict = {}  # (device, inode, size, mtime_ns) -> sha256 of that file, as this process wrote or read it
-
-
-def _key(file: str) -> tuple:
-    st = os.stat(file)
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
-
-
-def sha256_of(file: str) -> str:
-    key = _key(file)
-    if key not in _HASHED:
-        h = hashlib.sha256()
-        with open(file, "rb") as f:
-            while chunk := f.read(1 << 24):
-                h.update(chunk)
-        _HASHED[key] = h.hexdigest()
-    return _HASHED[key]
-
-
-class _Hashing:
-    """A binary file that hashes and counts what is written through it (torch.save writes it front to back)."""
-
-    def __init__(self, f):
-        self.f, self.h, self.n = f, hashlib.sha256(), 0
-
-    def write(self, b) -> int:
-        self.h.update(b)
-        self.n += memoryview(b).nbytes
-        return self.f.write(b)
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
-def _write_shard(state: dict, file: str) -> tuple[int, str]:
-    """(bytes, sha256) of `state` written to `file` through a temporary name, on disk (fsync) when it returns."""
-    with open(file + ".tmp", "wb") as f:
-        out = _Hashing(f)
-        torch.save(state, out)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(file + ".tmp", file)
-    _HASHED[_key(file)] = out.h.hexdigest()
-    return out.n, out.h.hexdigest()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -142,35 +86,22 @@ def save(out_dir: str, step: int, mesh: Mesh, state: dict, meta: dict, keep: int
     Collective over the whole mesh: every rank must call it. Returns the final directory. On failure (SaveError on
     every rank) the tmp directory is removed and the previous checkpoints and `latest` are untouched.
     """
-    root = ckpt_root(out_dir)
-    name = f"step_{step:06d}"
-    tmp_dir, final_dir = os.path.join(root, "tmp-" + name), os.path.join(root, name)
-    err = size = sha = None
-    if mesh.is_main:
-        try:
-            shutil.rmtree(tmp_dir, ignore_errors=True)  # leftovers of a crashed save of the same step
-            os.makedirs(tmp_dir)
-        except OSError as e:
-            err = _why(e)
-    if mesh.world > 1:
-        dist.barrier()  # the tmp directory exists
+    root, name = ckpt_root(out_dir), f"step_{step:06d}"
+    tmp_dir = _begin(root, name, mesh)
     file = os.path.join(tmp_dir, f"rank_{mesh.rank:05d}.pt")
-    if err is None:
-        try:
-            size, sha = _write_shard(state, file)
-        except Exception as e:  # OSError, torch.save's RuntimeError on a full disk, a pickling error, ...
-            err = _why(e)
-            for f in (file + ".tmp", file):
-                shutil.rmtree(f, ignore_errors=True) if os.path.isdir(f) else os.path.exists(f) and os.remove(f)
+    err = size = sha = None
+    try:
+        size, sha = _write_shard(state, file)
+    except Exception as e:  # OSError, torch.save's RuntimeError on a full disk, a pickling error, ...
+        err = _why(e)
+        for f in (file + ".tmp", file):
+            shutil.rmtree(f, ignore_errors=True) if os.path.isdir(f) else os.path.exists(f) and os.remove(f)
     written = _all_gather(mesh, (err, size, sha))  # every rank learns that one failed, none waits at a barrier
     errs = [(r, e) for r, (e, _, _) in enumerate(written) if e]
     err = None if not errs else errs[0][1] if mesh.world == 1 else f"rank {errs[0][0]}: {errs[0][1]}"
     if err is None and mesh.is_main:
         try:
-            _publish(root, name, {**meta, "step": step, "layout": layout(mesh), "complete": True,
-                                  "saved_at": time.time(),
-                                  "shard_bytes": {f"rank_{r:05d}.pt": n for r, (_, n, _) in enumerate(written)},
-                                  "shard_sha256": {f"rank_{r:05d}.pt": h for r, (_, _, h) in enumerate(written)}})
+            _publish(root, name, _with_shards({**meta, "step": step, "layout": layout(mesh)}, written))
         except Exception as e:
             err = _why(e)
     if err is not None and mesh.is_main:
@@ -179,7 +110,51 @@ def save(out_dir: str, step: int, mesh: Mesh, state: dict, meta: dict, keep: int
     if err is not None:
         raise SaveError(err)
     _prune(root, keep, name, mesh)
-    return final_dir
+    return os.path.join(root, name)
+
+
+def _begin(root: str, name: str, mesh: Mesh) -> str:
+    """Rank 0 makes tmp-<name>, removing what failed or killed saves left (no write is in flight when a save
+    begins: save_training waits for it); every rank learns the outcome (collective). Returns the tmp directory."""
+    tmp_dir, err = os.path.join(root, "tmp-" + name), None
+    if mesh.is_main:
+        try:
+            for d in os.listdir(root) if os.path.isdir(root) else ():
+                if d.startswith("tmp-"):
+                    shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+            os.makedirs(tmp_dir)
+        except OSError as e:
+            err = _why(e)
+    err = _first_error(mesh, err)
+    if err is not None:
+        raise SaveError(err)
+    return tmp_dir
+
+
+def _with_shards(meta: dict, written: list) -> dict:
+    """meta.json's contents: `meta` + completeness, write time and every rank's (error, bytes, sha256) shard."""
+    return {**meta, "complete": True, "saved_at": time.time(),
+            "shard_bytes": {f"rank_{r:05d}.pt": n for r, (_, n, _) in enumerate(written)},
+            "shard_sha256": {f"rank_{r:05d}.pt": h for r, (_, _, h) in enumerate(written)}}
+
+
+def _save_async(out_dir: str, step: int, mesh: Mesh, state: dict, meta: dict, keep: int, writer,
+                timeout_s: float) -> str:
+    """save() with the writing in the background (async_save.py): the snapshot is taken here, then it returns."""
+    root, name, t0 = ckpt_root(out_dir), f"step_{step:06d}", time.perf_counter()
+    tmp_dir = _begin(root, name, mesh)
+    host = async_save.snapshot(state, writer)
+    meta = {**meta, "step": step, "layout": layout(mesh)}
+
+    def publish(written):  # rank 0's thread, once every shard is on disk
+        _publish(root, name, _with_shards(meta, written))
+        print(f"checkpoint {os.path.join(root, name)} published: {sum(n for _, n, _ in written) / 1e6:,.1f} MB "
+              f"written in the background in {time.perf_counter() - t0:.1f} s", flush=True)
+        _prune(root, keep, name, None)
+    writer.start(step, async_save.job(host, os.path.join(tmp_dir, f"rank_{mesh.rank:05d}.pt"), mesh.rank,
+                                      mesh.world, _write_shard, publish, lambda why: _failed(out_dir, step, why),
+                                      timeout_s, _why))
+    return os.path.join(root, name)
 
 
 def _publish(root: str, name: str, meta: dict) -> None:
@@ -208,11 +183,12 @@ def _publish(root: str, name: str, meta: dict) -> None:
 
 def _prune(root: str, keep: int, just_saved: str, mesh: Mesh) -> None:
     """Keep `just_saved` and the keep-1 other checkpoints that verify, written most recently (collective: each rank
-    hashes its share of the shards). Damaged ones are neither counted nor deleted (the listing shows them)."""
+    hashes its share of the shards; mesh None: this process hashes them all). Damaged ones are neither counted nor
+    deleted (the listing shows them)."""
     others = [d for d in sorted(os.listdir(root)) if d.startswith("step_") and d != just_saved]
-    share = (mesh.rank, mesh.world)
+    share = None if mesh is None else (mesh.rank, mesh.world)
     views = _all_gather(mesh, {d: verify_error(os.path.join(root, d), share) for d in others})
-    if not mesh.is_main:
+    if mesh is not None and not mesh.is_main:
         return
     good = []
     for d in others:
@@ -378,13 +354,21 @@ def nonfinite(tree, name: str = "") -> list[str]:
 
 
 def _trained_state(sd: dict) -> dict:
-    return {k: sd[k] for k in ("model", "engine", "buffers", "scaler") if k in sd}
+    return {k: sd[k] for k in ("model", "engine", "buffers", "scaler", "fp8") if k in sd}
 
 
-def save_training(out_dir: str, step: int, mesh: Mesh, trainer, loader, meta: dict, keep: int) -> str:
+def save_training(out_dir: str, step: int, mesh: Mesh, trainer, loader, meta: dict, keep: int,
+                  background: bool | None = None) -> str:
     """Every rank's trainer state (trainer.Trainer.state_dict: global names + slice metadata), loader position and
     RNG streams as one checkpoint of `step`; collective. A state holding inf/NaN is not written (SaveError on every
-    rank, `latest` stays on the last good checkpoint), nor is one any rank fails to write."""
+    rank, `latest` stays on the last good checkpoint), nor is one any rank fails to write. background (None:
+    ckpt.async_, auto = on GPU): written by a background thread (async_save.py); the run's last save is blocking.
+    A write still in flight is waited for first (said)."""
+    writer = async_save.writer_for(out_dir)
+    busy, waited = writer.busy(), writer.wait()
+    if busy and waited >= 0.1 and mesh.is_main:
+        print(f"note: the save of step {step} waited {waited:.1f} s for the write of step {writer.step} to end (a "
+              f"write takes longer than ckpt.every steps)", flush=True)
     sd = trainer.state_dict()
     bad = [f"{n} (rank {r})" if mesh.world > 1 else n
            for r, names in enumerate(_all_gather(mesh, nonfinite(_trained_state(sd))[:3])) for n in names]
@@ -394,20 +378,40 @@ def save_training(out_dir: str, step: int, mesh: Mesh, trainer, loader, meta: di
                         f"{', ...' if len(bad) > 3 else ''}; " + (f"ckpt/latest stays on {prev}" if prev else
                                                                   "no earlier checkpoint"))
     state = {**sd, "loader": loader.state_dict(), "rng": rng_state(mesh.device), "mesh": dict(mesh.coords)}
+    meta = {**meta, "format": sd.get("ckpt_format", 1)}
     if trainer.pp_layers is not None:  # pp > 1: every chunk's global blocks
-        meta = {**meta, "pp_layers": trainer.pp_layers}
+        meta["pp_layers"] = trainer.pp_layers
+    cfg = trainer.cfg
+    if background is None:
+        background = cfg.ckpt.async_ == "true" or (cfg.ckpt.async_ == "auto" and mesh.device.type == "cuda")
     try:
+        if background and step < cfg.train.steps:
+            return _save_async(out_dir, step, mesh, state, meta, keep, writer, cfg.parallel.timeout_s)
         return save(out_dir, step, mesh, state, meta, keep=keep)
     except SaveError as e:
-        prev = latest(out_dir, checksums=False)
-        raise SaveError(f"could not save the checkpoint of step {step} under {ckpt_root(out_dir)}: {e}; "
-                        + (f"the previous checkpoint {prev} is intact" if prev else "no earlier checkpoint")
-                        ) from None
+        raise SaveError(_failed(out_dir, step, str(e))) from None
+
+
+def _failed(out_dir: str, step: int, why: str) -> str:
+    prev = latest(out_dir, checksums=False)
+    return (f"could not save the checkpoint of step {step} under {ckpt_root(out_dir)}: {why}; "
+            + (f"the previous checkpoint {prev} is intact" if prev else "no earlier checkpoint"))
+
+
+def check_format(meta: dict, state: dict | None, path: str) -> None:
+    """A clear error for a checkpoint written by a newer format than this code reads (meta.json's "format", and
+    its shards' "ckpt_format"; 1 = written before either was recorded)."""
+    for where, v in (("meta.json", meta.get("format", 1)), ("its shards", (state or {}).get("ckpt_format", 1))):
+        if not isinstance(v, int) or v > FORMAT:
+            raise AgreedError(f"checkpoint {path} is of format {v} ({where}), newer than this nanopara reads "
+                              f"(format {FORMAT} and older): resume it with the nanopara that wrote it")
 
 
 def check_model_matches(path: str, model_cfg: dict) -> dict:
-    """meta of the checkpoint, after checking it was trained with the same model shape as this run."""
+    """meta of the checkpoint, after checking its format (check_format) and that it was trained with the same
+    model shape as this run: before any model work (train.find_resume)."""
     meta = read_meta(path)
+    check_format(meta, None, path)
     saved = meta.get("config", {}).get("model", {})
     diff = [f"model.{k}={saved[k]} (this run: {v})" for k, v in model_cfg.items()
             if k in saved and k != "kernels" and saved[k] != v]

@@ -19,9 +19,9 @@ Exactness: parameters and AdamW states are copied: bit-equal to the saved ones u
 losses are bit-equal where the new layout sums the same numbers in the same order (the same layout; measured too:
 DDP -> ZeRO-1/2 at dp 2, 1F1B -> GPipe); a change of dp, cp, micro-batch, tp, sp, pp degree or split, ep or ZeRO-3
 sums in another order, and they agree to fp32 rounding (tests/test_reshard.py). MoE's aux loss and capacity are per
-micro-batch: keep its rows per rank (train.micro_batch) for equal losses.
-Format: FORMAT is written in every shard ("ckpt_format", by Trainer.state_dict) and read from meta.json's "format"
-when there; 1 = without it. A checkpoint of a newer format is one clear error.
+micro-batch: keep its rows per rank (train.micro_batch) for equal losses. FP8 amax histories (fp8_delayed): the
+same layout loads each rank's own (exact); another takes per linear the max over the saved ranks' (fp8.merge_amax).
+Format: in every shard and meta.json (1 = unrecorded); a newer one is one clear error (checkpoint.check_format).
 """
 from __future__ import annotations
 
@@ -30,20 +30,12 @@ import os
 import torch
 
 from nanopara import checkpoint, consolidate
-from nanopara.checkpoint import CheckpointError
+from nanopara.checkpoint import FORMAT, CheckpointError, check_format  # noqa: F401 (FORMAT: tests)
+from nanopara.fp8 import merge_amax
 from nanopara.model import GPT
-from nanopara.trainer import CKPT_FORMAT as FORMAT  # 2: the loader's position in global samples; 1: before
 
 KEYS = ("param", "exp_avg", "exp_avg_sq")
 _ODD = (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError)  # malformed contents
-
-
-def check_format(meta: dict, state: dict | None, path: str) -> None:
-    """A clear error for a checkpoint written by a newer format than this code reads."""
-    for where, v in (("meta.json", meta.get("format", 1)), ("its shards", (state or {}).get("ckpt_format", 1))):
-        if not isinstance(v, int) or v > FORMAT:
-            raise CheckpointError(f"checkpoint {path} is of format {v} ({where}), newer than this nanopara reads "
-                                  f"(format {FORMAT} and older): resume it with the nanopara that wrote it")
 
 
 def _fresh(x):
@@ -296,6 +288,15 @@ def restore(path: str, mesh, trainer, loader) -> int:
             src = Source(path, meta)
             state = {**_local_state(src, tgt), "loader": src.states[0]["loader"]}
             rng = src.states[mesh.rank % len(src.states)]["rng"]
+            saved = [(st.get("fp8") or {}).get("amax") for st in src.states]
+            if "fp8" in tgt and any(saved):
+                state["fp8"] = {"amax": merge_amax(saved, tgt["fp8"]["amax"])}
+                if mesh.is_main:
+                    print(f"note: FP8 amax histories of {path} carried over to this layout: per linear the max over "
+                          f"the saved ranks' (their whole tensors' amaxes)", flush=True)
+        if "fp8" in tgt and "fp8" not in state and mesh.is_main:
+            print(f"note: {path} holds no FP8 amax histories (saved without train.fp8_delayed): delayed scaling "
+                  f"starts afresh", flush=True)
         bad = checkpoint.nonfinite(checkpoint._trained_state(state))
         if bad:
             raise CheckpointError(f"checkpoint {path} holds non-finite values ({', '.join(bad[:3])}): resume from an "

@@ -7,7 +7,8 @@ train.py runs inside `with RunGuard(out_dir, mesh) as guard:`. On entry, before 
 rank 0 takes the lock: an flock on the open `.lock`, which the kernel drops however the process dies. A second
 trainer gets one line naming the holder. A lock file whose holder died (its flock is free; on a filesystem without
 flock: its pid is not alive on this host) is taken over, and that is said. The other ranks learn rank 0's outcome
-from a broadcast, so every rank raises the same one-line error and none waits. On exit (or atexit) the file goes.
+from a broadcast, so every rank raises the same one-line error and none waits. On exit (or atexit) the file goes,
+after a checkpoint still being written in the background (async_save.py) is published: the lock covers its write.
 Then `prepare_run_dir` refuses to mix a new run with another run's checkpoints or log (unless --resume or
 --overwrite) and removes partial saves a dead run left.
 
@@ -18,7 +19,7 @@ all stop after the same step: train.between_steps saves a checkpoint (unless che
 ckpt.final=false), prints one line and `stop` exits with 128 + the signal number: 143 after SIGTERM, 130 after
 SIGINT, what a shell reports for a process that signal killed, so schedulers and scripts see an unfinished run. A
 second signal of the same kind takes its default action at once. Bound: two steps and one save after the signal
-(torchrun's agent waits 30 s between its SIGTERM and its SIGKILL).
+(torchrun's agent waits 30 s between its SIGTERM and its SIGKILL); `stop` waits for a background write.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from nanopara import async_save
 from nanopara.config import ConfigError
 
 RUN_FILES = ("metrics.jsonl", "config.json", "run_info.txt")  # what a run writes beside ckpt/
@@ -282,6 +284,7 @@ class RunGuard:
         return self
 
     def __exit__(self, *exc) -> bool:
+        async_save.drain(self.out_dir, release=True)  # a checkpoint still being written is published first
         if self._dump:
             faulthandler.unregister(signal.SIGTERM)
         for sig, old in self._old.items():
@@ -318,7 +321,9 @@ class RunGuard:
         return 0 if last else agreed
 
     def stop(self, step: int, signum: int, saved: str, log) -> None:
-        """One line, then leave with 128 + signum (the caller has saved what it could: `saved` says what)."""
+        """One line, then leave with 128 + signum (the caller has saved what it could: `saved` says what; a save
+        written in the background is waited for here, and its failure replaces `saved`)."""
+        saved = async_save.drain(self.out_dir) or saved
         code = 128 + signum
         log(f"stopped by {signal.Signals(signum).name} after step {step}: {saved} (exit code {code})")
         sys.stdout.flush()

@@ -1,6 +1,7 @@
 """No way of losing work loses it: non-finite state is never checkpointed, a writer error of any type is a warning,
-damaged checkpoints are verified out of resume and pruning, one trainer per out_dir, a directory interrupted before
-its first checkpoint is not stuck, SIGTERM/SIGINT save and stop (one process and two gloo processes)."""
+damaged checkpoints are verified out of resume and pruning, a resume that cannot work is one line before any work,
+one trainer per out_dir, a directory interrupted before its first checkpoint is not stuck, SIGTERM/SIGINT save and
+stop (one process and two gloo processes). Asynchronous saves: tests/test_async_ckpt.py."""
 import json
 import math
 import os
@@ -248,6 +249,46 @@ def test_listing_exit_codes(shards, tmp_path):
     code, lines = listing(out)
     assert code == 1 and lines[-1].startswith("--resume would stop: --resume: no checkpoint under")
     assert listing(out / "ckpt" / "step_000002")[0] == 1
+
+
+def test_a_missing_shard_falls_back_to_the_newest_checkpoint_that_has_all(shards, tmp_path, full, capsys):
+    out = a_copy(tmp_path, latest=4)
+    os.remove(out / "ckpt" / "step_000004" / "rank_00000.pt")
+    capsys.readouterr()
+    resumed = train.main(argv(shards, out, "--resume"))
+    said = capsys.readouterr().out
+    assert "has no shard rank_00000.pt" in said and "took the newest complete checkpoint step_000002" in said
+    assert resumed["start"] == 2 and resumed["losses"] == full[2:]
+
+
+@pytest.mark.parametrize("case", ["missing shard", "another model", "a layout that cannot hold it", "newer format"])
+def test_a_resume_that_cannot_work_is_one_line_before_any_work(shards, tmp_path, full, monkeypatch, case):
+    """Every failure a user can cause on resume: one line (train.main prints it as `error: ...`, exit 2), raised
+    before any model is built, the run directory untouched."""
+    import re
+    from nanopara.config import ConfigError
+    out, extra = a_copy(tmp_path, latest=4), []
+    if case == "missing shard":  # in every checkpoint
+        for d in ("step_000002", "step_000004"):
+            os.remove(out / "ckpt" / d / "rank_00000.pt")
+        want = (rf"--resume: no checkpoint under {out}/ckpt verifies \(step_000004: checkpoint \S+ has no shard "
+                rf"rank_00000.pt; step_000002: .*\): start over with --overwrite, or move the damaged ones away")
+    elif case == "another model":
+        extra, want = ["--model.n_layer=3"], r"trained with a different model: model.n_layer=2 \(this run: 3\)$"
+    elif case == "a layout that cannot hold it":
+        extra, want = ["--parallel.tp=4"], r"^model.n_head=2 is not divisible by parallel.tp=4$"
+    else:
+        meta_file = out / "ckpt" / "step_000004" / "meta.json"
+        meta_file.write_text(json.dumps({**json.loads(meta_file.read_text()), "format": checkpoint.FORMAT + 1}))
+        want = (rf"checkpoint {out}/ckpt/step_000004 is of format {checkpoint.FORMAT + 1} \(meta.json\), newer than "
+                rf"this nanopara reads \(format {checkpoint.FORMAT} and older\): resume it with the nanopara that "
+                rf"wrote it$")
+    before = {p: open(os.path.join(d, p), "rb").read() for d, _, ps in os.walk(out) for p in ps}
+    monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("a model was built before the error"))
+    with pytest.raises((checkpoint.CheckpointError, ConfigError)) as e:
+        train.main(argv(shards, out, "--resume", *extra))
+    assert re.search(want, str(e.value)) and "\n" not in str(e.value), str(e.value)
+    assert {p: open(os.path.join(d, p), "rb").read() for d, _, ps in os.walk(out) for p in ps} == before
 
 
 def runguard_mesh():

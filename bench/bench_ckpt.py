@@ -1,0 +1,121 @@
+"""Training throughput with checkpoints: none, blocking saves, asynchronous saves (nanopara/async_save.py).
+
+    python bench/bench_ckpt.py [--preset gpt_1b] [--every 50] [--periods 3] [--ckpt_dir D] [--out F] [-- FLAGS]
+
+train.py's step (config -> GPT -> parallelize -> Trainer: bf16 autocast, fused AdamW) on synthetic tokens, 32 x
+1,024 tokens a step by default, one trainer for every mode (the same model and memory). After --warmup steps,
+`none` runs --base_periods x --every steps; `blocking` and `async` run --periods x --every steps with a checkpoint
+every --every steps (checkpoint.save_training, keep=1: at most two on disk), the first one --every/2 steps in, so
+the window holds whole periods. A mode's time ends when all its checkpoints are published: the async mode waits
+for its last write (async_save.drain). Each mode checks that every checkpoint was published, in order (ckpt/latest
+names the previous one once the next save has waited for it). Rows: tokens/s and its ratio to `none`, seconds each
+save held the training thread (the whole write when blocking; the snapshot when async), checkpoint GB. The async
+mode's own lines (from the writer) say how long each background write took. On CPU: a smoke run
+(tests/test_async_ckpt.py).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import time
+
+import torch
+
+import harness as H
+from nanopara import async_save, checkpoint
+from nanopara.mesh import Mesh
+
+
+class _Position:
+    """The loader's part of a checkpoint (synthetic tokens: only a counter)."""
+
+    def __init__(self):
+        self.sample = 0
+
+    def state_dict(self) -> dict:
+        return {"sample": self.sample}
+
+
+def run_mode(mode: str, args, cfg, mesh, trainer, batches, steps: int) -> dict:
+    out_dir = os.path.join(args.ckpt_dir, mode)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    pos, held, saved = _Position(), [], []
+    H.sync(mesh.device)
+    t0 = time.perf_counter()
+    for i in range(1, steps + 1):
+        H.train_step(trainer, batches)
+        pos.sample += trainer.accum * cfg.train.micro_batch
+        if mode != "none" and (i - args.every // 2) % args.every == 0:
+            t1 = time.perf_counter()
+            checkpoint.save_training(out_dir, i, mesh, trainer, pos, {"config": cfg.to_dict()}, keep=1,
+                                     background=mode == "async")
+            held.append(time.perf_counter() - t1)
+            published = checkpoint.latest(out_dir, checksums=False)  # async: the previous save's, now published
+            if mode == "blocking" or saved:
+                want = i if mode == "blocking" else saved[-1]
+                assert (published or "").endswith(f"step_{want:06d}"), f"{mode}: step {want} unpublished ({published})"
+            saved.append(i)
+    H.sync(mesh.device)
+    t_steps = time.perf_counter() - t0
+    failure = async_save.drain(out_dir, release=True)
+    t_all = time.perf_counter() - t0
+    assert failure is None, failure
+    if saved:
+        assert checkpoint.latest(out_dir).endswith(f"step_{saved[-1]:06d}"), "the last checkpoint was not published"
+    gb = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out_dir) for f in fs) / 1e9 if saved else 0
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tokens = steps * trainer.accum * cfg.train.micro_batch * cfg.train.seq_len
+    return {"mode": mode, "preset": cfg.preset, "steps": steps, "every": args.every, "saves": len(saved),
+            "tokens_per_s": tokens / t_all, "step_ms": 1e3 * t_steps / steps, "drain_s": t_all - t_steps,
+            "held_s": held, "held_mean_s": sum(held) / len(held) if held else 0.0, "ckpt_gb": gb,
+            "tokens_per_step": trainer.accum * cfg.train.micro_batch * cfg.train.seq_len}
+
+
+COLS = [("mode", "mode", ""), ("steps", "steps", "d"), ("saves", "saves", "d"), ("step_ms", "ms/step", ".1f"),
+        ("tokens_per_s", "tok/s", ",.0f"), ("vs_none", "vs none", ".3f"), ("held_mean_s", "held s/save", ".2f"),
+        ("drain_s", "final wait s", ".2f"), ("ckpt_gb", "ckpt GB", ".2f")]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="gpt_1b", choices=sorted(H.PRESETS))
+    ap.add_argument("--device", default="auto", help="auto | cuda | cpu (a smoke run)")
+    ap.add_argument("--every", type=int, default=50, help="steps between checkpoints")
+    ap.add_argument("--periods", type=int, default=3, help="checkpoints per checkpointing mode")
+    ap.add_argument("--base_periods", type=int, default=2, help="--every-step periods of the mode without them")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--micro_batch", type=int, default=8)
+    ap.add_argument("--tokens_per_step", type=int, default=32768)
+    ap.add_argument("--ckpt_dir", default="runs/bench_ckpt", help="checkpoints go here (on the disk to measure)")
+    ap.add_argument("--out", default=None, help="append JSON lines here")
+    ap.add_argument("flags", nargs="*", help="more of train.py's --key=value flags (e.g. a smaller model)")
+    args = ap.parse_args(argv)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    torch.backends.cuda.matmul.allow_tf32 = True
+    cfg = H.make_cfg(args.preset, {"device": device, "train.seq_len": args.seq, "train.micro_batch": args.micro_batch,
+                                   "train.tokens_per_step": args.tokens_per_step, "train.steps": 10 ** 9,
+                                   **dict(f.lstrip("-").split("=", 1) for f in args.flags)})
+    mesh = Mesh.build(device=device)
+    print(H.banner(f"bench_ckpt {args.preset} {args.tokens_per_step:,} tokens/step, a checkpoint every "
+                   f"{args.every} steps", mesh), flush=True)
+    trainer, _ = H.build_trainer(cfg, mesh)
+    batches = H.synthetic_batches(cfg, trainer.accum, mesh.device)
+    for _ in range(args.warmup):
+        H.train_step(trainer, batches)
+    rows = []
+    for mode, periods in (("none", args.base_periods), ("blocking", args.periods), ("async", args.periods)):
+        rows.append(run_mode(mode, args, cfg, mesh, trainer, batches, periods * args.every))
+        print(H.table(rows[-1:], COLS[:5] + COLS[6:]), flush=True)
+    for r in rows:
+        r["vs_none"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
+    print("\n" + H.table(rows, COLS), flush=True)
+    H.append_jsonl(args.out, rows)
+    trainer.close()
+    mesh.destroy()
+    return rows
+
+
+if __name__ == "__main__":
+    main()
