@@ -67,7 +67,8 @@ SETS = {
        Job("launch", 1, ["bench/bench_launch.py", "--out", "{out}/launch.jsonl"], 300),
        Job("gpt", 1, ["bench/bench_gpt.py", "--profile", "--out", "{out}/gpt.jsonl"])],
     "e2e": [Job("recompute", 1, ["bench/bench_recompute.py", "--profile", "--out", "{out}/recompute.jsonl"]),
-            Job("cold_start", 1, ["bench/cold_start.py", "--out", "{out}/cold_start.jsonl"])],
+            Job("cold_start", 1, ["bench/cold_start.py", "--out", "{out}/cold_start.jsonl"]),
+            Job("ckpt", 1, ["bench/bench_ckpt.py", "--out", "{out}/ckpt.jsonl"], 600)],
     "layouts": [
         layout("1gpu", 1, "--train.micro_batch=8", base=""),
         layout("dp2", 2, "--train.micro_batch=8 --parallel.dp=2"),
