@@ -17,7 +17,7 @@ Keys (`--key=value`, the last one wins; --help prints this). A user error: one l
   --seed=S           sampling and the order of prompts (1337); --prompt_seed=S which --train_n prompts (1337);
                      --test_seed=S which held-out prompts (tasks.TEST_SEED = 1337: one fixed set for every run)
   --steps=N (100)  --prompts=P per step, global (32)  --group=G completions per prompt (8)  --temperature=T (1.0)
-  --max_new=N        tokens per completion, EOT included (32)
+  --max_new=N        tokens per completion, EOT included (32); --sample_batch=N rows per sampling batch (256)
   --lr=LR (1e-5)  --warmup=N steps of linear warm-up (10)  --weight_decay=W (0)  --grad_clip=C (1.0)
   --adam_eps=E       AdamW's eps (1e-8; betas 0.9 / 0.95): one well above the gradients' size keeps Adam from
                      scaling noise up to a full-lr step (notes/post_training.md)
@@ -69,6 +69,7 @@ class Args:
     prompts: int = 32
     group: int = 8
     max_new: int = 32
+    sample_batch: int = 256
     temperature: float = 1.0
     lr: float = 1e-5
     warmup: int = 10
@@ -93,7 +94,7 @@ class Args:
 def parse_args(argv: list[str]) -> Args:
     a = parse_flags(Args(), argv, RLError)
     for key, low in (("train_n", 1), ("test_n", 1), ("steps", 1), ("prompts", 1), ("group", 2), ("max_new", 1),
-                     ("warmup", 0), ("updates", 1), ("micro", 0), ("eval_every", 0)):
+                     ("sample_batch", 1), ("warmup", 0), ("updates", 1), ("micro", 0), ("eval_every", 0)):
         if getattr(a, key) < low:
             raise RLError(f"--{key} must be >= {low}, got {getattr(a, key)}")
     for key, lo, hi in (("lr", 0, 1), ("clip_eps", 0, 1)):
@@ -194,7 +195,7 @@ def run(a: Args) -> dict:
         batch = random.Random(f"{a.seed}/{step}").sample(range(len(train_ex)), a.prompts)  # same on every rank
         mine = batch[rank::world]
         rows = [train_ids[i] for i in mine for _ in range(a.group)]  # (P_local * G) prompts, a group together
-        new = rl.sample(policy, rows, a.max_new, a.temperature, EOT, gen, amp)
+        new = rl.sample(policy, rows, a.max_new, a.temperature, EOT, gen, amp, max_batch=a.sample_batch)
         if dev.type == "cuda":
             torch.cuda.synchronize()
         t_gen = time.perf_counter() - t0

@@ -49,6 +49,12 @@ from nanopara.data import get_tokenizer
 from nanopara.model import GPT
 
 ROOT = H.ROOT
+# --recipe: the model and the step settings that differ between the two recipes. gpt2: the one measured on H100
+# (notes/post_training.md: 10.2 % -> 33.3 %, one seed); small: a 6-layer, 384-wide GPT-2 (30M parameters, 19M of
+# them the embedding) at a small model's lr, with RL's updates and sampling in one batch (a GPU has room for it).
+RECIPES = {"gpt2": dict(preset="gpt2_124m", model="", sft_lr=6e-4, pretrain_lr=6e-4, micro=256, sample_batch=256),
+           "small": dict(preset="gpt2_124m", model="--model.n_layer=6 --model.n_head=6 --model.n_embd=384",
+                         sft_lr=1e-3, pretrain_lr=1e-3, micro=0, sample_batch=1024)}
 METRICS = ("sft_final_exact_match", "rl_final_exact_match", "control_final_exact_match", "gain_over_sft",
            "gain_over_control", "gain_over_best")
 
@@ -186,14 +192,18 @@ def run_seed(a, seed: int) -> dict:
                         for d, _ in zip(map(json.loads, f), range(a.test_n))]
     row["sft_train_exact_match"] = score(load(start, a.device), a, sft_examples)  # its own labelled examples
     sec["score"] = time.time() - t1
+    print(f"seed {seed}: SFT {sec['sft']:.0f} s, held-out exact match {row['sft_final_exact_match']:.1%}", flush=True)
     rl_dir = os.path.join(runs, "rl")
     sec["rl"] = sh(a, ["rl.py", f"--init={start}", f"--task={a.task}", f"--out_dir={rl_dir}", "--overwrite=1",
                        f"--device={a.device}", f"--seed={seed}", f"--prompt_seed={a.prompt_seed}",
                        f"--test_seed={tasks.TEST_SEED}", f"--steps={a.rl_steps}", f"--prompts={a.prompts}",
                        f"--group={a.group}", f"--lr={a.rl_lr}", "--max_new=8", f"--train_n={a.train_n}",
                        f"--test_n={a.test_n}", f"--eval_every={a.eval_every}", f"--micro={a.micro}", "--save=0",
+                       f"--sample_batch={a.sample_batch}",
                        *a.rl_args.split()], os.path.join(runs, "rl.log"))
     rl_results(row, H.read_jsonl(os.path.join(rl_dir, "metrics.jsonl")))
+    print(f"seed {seed}: RL {sec['rl']:.0f} s ({row['rl_step_s']:.2f} s a step), held-out exact match "
+          f"{row['rl_final_exact_match']:.1%}", flush=True)
     if a.control:  # continued SFT with RL's compute, from the same checkpoint, at SFT's final lr
         steps = max(1, math.ceil(row["rl_flop_tokens"] / (3 * tok_step)))
         lr = a.sft_lr * TrainConfig().min_lr_frac  # where the cosine of sft_argv ends
@@ -243,7 +253,7 @@ def recipe(a) -> dict:
             "preset": a.preset, "model_keys": a.model, "seq_len": a.seq_len, "examples": a.examples,
             "sft_steps": a.sft_steps, "sft_lr": a.sft_lr, "sft_batch": a.sft_batch, "rl_steps": a.rl_steps,
             "rl_lr": a.rl_lr, "prompts": a.prompts, "group": a.group, "train_n": a.train_n, "rl_args": a.rl_args,
-            "prompt_seed": a.prompt_seed}
+            "prompt_seed": a.prompt_seed, "micro": a.micro, "sample_batch": a.sample_batch}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -364,25 +374,27 @@ def parse(argv=None):
     arg("--seeds", default="1,2,3", help="comma-separated; each is SFT's, RL's and the control's seed")
     arg("--jobs", type=int, default=1, help="seeds run at once, one process each")
     arg("--child_rows", default="", help=argparse.SUPPRESS)  # --jobs: where a child process writes its rows
-    arg("--tag", default="demo", help="the recipe's name in the rows and the report")
+    arg("--recipe", default="gpt2", choices=sorted(RECIPES), help="defaults of the keys below (RECIPES)")
+    arg("--tag", default=None, help="the recipe's name in the rows and the report (default: --recipe)")
     arg("--task", default="digits")
-    arg("--preset", default="gpt2_124m")
-    arg("--model", default="", help="train.py model keys, e.g. '--model.n_layer=6 --model.n_embd=384'")
+    arg("--preset", default=None)
+    arg("--model", default=None, help="train.py model keys, e.g. '--model.n_layer=6 --model.n_embd=384'")
     arg("--seq_len", type=int, default=256, help="SFT rows (packed examples) and the model's context")
     arg("--examples", type=int, default=20_000, help="labelled SFT examples (the same for every seed)")
     arg("--sft_steps", type=int, default=3000)
     arg("--sft_every", type=int, default=1000, help="SFT checkpoints (each scored) every N steps")
-    arg("--sft_lr", type=float, default=6e-4)
+    arg("--sft_lr", type=float, default=None)
     arg("--sft_batch", type=int, default=64, help="rows of --seq_len tokens per SFT step")
     arg("--base", default="", help="a train.py run to start SFT from (pre-trained on books if --pretrain_steps)")
     arg("--pretrain_steps", type=int, default=0)
-    arg("--pretrain_lr", type=float, default=6e-4)
+    arg("--pretrain_lr", type=float, default=None)
     arg("--pretrain_data", default="books", help="the base's pre-training data (train.py --data.dataset)")
     arg("--rl_steps", type=int, default=600)
     arg("--rl_lr", type=float, default=2e-5)
     arg("--prompts", type=int, default=64)
     arg("--group", type=int, default=16)
-    arg("--micro", type=int, default=256, help="rl.py --micro: rows per forward in its updates")
+    arg("--micro", type=int, default=None, help="rl.py --micro: rows per forward in its updates (0: all)")
+    arg("--sample_batch", type=int, default=None, help="rl.py --sample_batch: rows per sampling batch")
     arg("--train_n", type=int, default=20_000, help="RL's unlabelled training prompts")
     arg("--prompt_seed", type=int, default=1337, help="which --train_n prompts (the same for every seed)")
     arg("--rl_args", default="", help="more rl.py keys, e.g. '--kl_coef=0.02 --temperature=0.7'")
@@ -391,6 +403,8 @@ def parse(argv=None):
     arg("--eval_every", type=int, default=100, help="RL's held-out scores every N steps")
     arg("--gen_speed", type=int, default=0, help="1: batched generation tokens/s on the first seed's SFT model")
     a = p.parse_args(argv)
+    for k, v in {**RECIPES[a.recipe], "tag": "smoke" if a.smoke else a.recipe}.items():  # given keys win
+        setattr(a, k, v if getattr(a, k) is None else getattr(a, k))
     if a.smoke:
         a.preset, a.model, a.seq_len, a.examples, a.sft_batch = "tiny", \
             "--model.n_layer=1 --model.n_embd=32 --model.n_head=2", 64, 300, 4
