@@ -8,9 +8,9 @@ background thread while training goes on (checkpoint.save_training under ckpt.as
 
 Snapshot: CPU tensors are cloned. CUDA tensors go to pinned host buffers, kept from one save to the next. When the
 GPU has room (the peak allocated so far plus the state within STAGE_FRACTION of its memory) they are first cloned
-on the GPU (a device copy, milliseconds) and the background thread copies them to the host on its own stream, so
+on the GPU (a copy at HBM bandwidth) and the background thread copies them to the host on its own stream, so
 neither the host nor the GPU waits; else the host copies are queued on the training stream (the host does not
-wait; the GPU does, ~0.3 s for 12 GB). Non-finite state is refused before any of this, on the training thread.
+wait; the GPU does: bytes / PCIe bandwidth). Non-finite state is refused before any of this, on the training thread.
 Completion across ranks, with no collective off the training thread (two threads' collectives on one group would
 interleave): every rank writes `tmp-step_N/rank_R.pt` (checkpoint._write_shard: sha256 as it goes, fsync), then a
 marker `rank_R.done` holding its size and sha256, or the error. Rank 0's thread waits for every marker (at most

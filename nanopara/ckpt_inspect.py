@@ -35,14 +35,17 @@ def inspect(path: str) -> tuple[list[str], int]:
     except OSError:
         named = None
     lines, ok = [f"{root}:"], 0
+    lock = lock_state(run) if run is not None else ""
     for d in names:
         p = os.path.join(root, d)
         if not os.path.isdir(p):
             continue
         mb = sum(os.path.getsize(os.path.join(p, f)) for f in os.listdir(p)) / 1e6
         if not d.startswith("step_"):
-            lines.append(f"  {d:<18} {mb:9.1f} MB  an interrupted save, not a checkpoint (a run starting here "
-                         f"removes it)")
+            lines.append(f"  {d:<18} {mb:9.1f} MB  " + ("a save being written (or left by a failed one), not a "
+                                                       "checkpoint yet" if lock.startswith("held") else
+                                                       "an interrupted save, not a checkpoint (a run starting here "
+                                                       "removes it)"))
             continue
         err = verify_error(p)
         try:
@@ -61,7 +64,6 @@ def inspect(path: str) -> tuple[list[str], int]:
                      f"{'  <- latest' if d == named else ''}")
     if run is None:
         return lines, 0 if ok else 1
-    lock = lock_state(run)
     if lock:
         lines.append(f"lock: {lock}")
     try:

@@ -20,6 +20,7 @@ import torch
 
 import train
 from nanopara import async_save, checkpoint, fp8, reshard
+from nanopara.ckpt_inspect import inspect
 from nanopara.cli import parse_args
 from nanopara.data import write_shard
 from nanopara.mesh import Mesh
@@ -178,7 +179,7 @@ def test_a_kill_during_the_background_write_leaves_the_previous_checkpoint(shard
         while not (out / "metrics.jsonl").exists() or sum('"loss"' in ln for ln in open(out / "metrics.jsonl")) < 6:
             assert p.poll() is None and time.time() - t0 < 120, p.communicate()
             time.sleep(0.1)
-        assert os.path.isdir(out / "ckpt" / "tmp-step_000004")
+        assert "a save being written" in next(ln for ln in inspect(str(out))[0] if "tmp-step_000004" in ln)
         p.send_signal(signal.SIGKILL)
         p.wait(timeout=60)
     finally:
@@ -186,6 +187,7 @@ def test_a_kill_during_the_background_write_leaves_the_previous_checkpoint(shard
         p.communicate()
     assert (out / "ckpt" / "latest").read_text() == "step_000002\n" and checkpoint.latest(out).endswith("step_000002")
     assert sorted(os.listdir(out / "ckpt")) == ["latest", "step_000002", "tmp-step_000004"]
+    assert "an interrupted save" in next(ln for ln in inspect(str(out))[0] if "tmp-step_000004" in ln)
     capsys.readouterr()
     resumed = train.main(argv(shards, out, "--resume", *ASYNC))
     assert resumed["start"] == 2 and resumed["losses"] == blocking[2:]
@@ -222,6 +224,31 @@ def test_a_writer_error_in_the_background_is_a_warning(shards, tmp_path, monkeyp
                                       rf"previous checkpoint .*step_000002 is intact; training goes on and the next "
                                       rf"save tries again", warned[0]), warned
     assert sorted(os.listdir(out / "ckpt")) == ["latest", "step_000002", "step_000006"]
+
+
+def test_sigterm_waits_for_the_background_write_before_its_line(shards, tmp_path, monkeypatch, blocking, capsys):
+    """SIGTERM during step 3: the stop's save of step 4 goes to the background writer (slow: 1 s), and the stop
+    line, the exit and the lock's release wait for it; --resume continues exactly."""
+    events, real = [], GPT.forward
+    slow_writer(monkeypatch, {4}, 1.0, events)
+
+    def forward(self, *a, **k):
+        if self.training and len([e for e in events if e[0] == "forward"]) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        if self.training:
+            events.append(("forward", 0, 0.0))
+        return real(self, *a, **k)
+    monkeypatch.setattr(GPT, "forward", forward)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as stop:
+        train.main(argv(shards, out, *ASYNC))
+    said = capsys.readouterr().out.strip().splitlines()
+    assert stop.value.code == 143 and not (out / ".lock").exists()
+    assert said[-2].startswith(f"checkpoint {out}/ckpt/step_000004 published: ")
+    assert said[-1] == (f"stopped by SIGTERM after step 3: saved checkpoint {out}/ckpt/step_000004; continue with "
+                        f"--resume (exit code 143)")
+    monkeypatch.undo()
+    assert train.main(argv(shards, out, "--resume"))["losses"] == blocking[4:]
 
 
 def _two_ranks(rank, world, args, fail_rank):
