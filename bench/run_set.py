@@ -10,6 +10,8 @@
   layouts     bench_layout on gpt_1b, one row per layout: 1 GPU, dp2, tp2, tp2+sp, pp2 (gpipe, 1f1b, interleaved,
               zb), cp2 at 16k tokens, on 4 and 8 GPUs dp and 3D rows; then engines against torch DDP (bench_dp),
               tp (bench_tp), pp schedules and bubbles (bench_pp), cp (bench_cp), ring all-reduce vs NCCL (bench_comm)
+  scaleout    issue #42's rows on 2 GPUs, gpt_1b: each parallel axis against one GPU at the same micro-batch
+              (tp2 and pp2 schedules, eager against CUDA graph)
   fp8         FP8 GEMMs, casts and linear against cuBLAS (bench_fp8); FP8 training against bf16 and torchao
   moe         grouped GEMM, routing and the MoE layer against PyTorch (bench_moe); expert parallel (bench_ep)
   post_train  generation against Hugging Face (bench_generate); SFT (bench_sft); SFT then RL (post_train_demo)
@@ -48,16 +50,25 @@ def torchrun(n, *args) -> list:
     return ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", *args]
 
 
-def layout(name: str, gpus: int, flags: str, preset: str = "gpt_1b", base: str = "1gpu") -> Job:
+def layout(name: str, gpus: int, flags: str, preset: str = "gpt_1b", base: str = "1gpu", out: str = "layouts",
+           steps: int = 10) -> Job:
     """One bench_layout row of `preset` at T=1024 and 32 sequences a step (unless the flags say otherwise)."""
     common = f"--preset={preset} --train.seq_len=1024 --train.tokens_per_step=32768"
     return Job(f"layout_{name}", gpus, torchrun(gpus, "bench/bench_layout.py", "--label", name, "--baseline", base,
-                                                 "--out", "{out}/layouts.jsonl", "--", *f"{common} {flags}".split()),
-               600)
+                                                 "--steps", str(steps), "--warmup", str(max(steps // 2, 3)),
+                                                 "--out", f"{{out}}/{out}.jsonl", "--",
+                                                 *f"{common} {flags}".split()), 600)
+
+
+def scaleout(name: str, gpus: int, flags: str, base: str = "1gpu_mb8") -> Job:
+    """A row of issue #42's table (bench/run_set.py --set scaleout): gpt_1b, 32 sequences of 1,024 a step unless
+    the flags say otherwise, against the one-GPU row at the same micro-batch."""
+    return layout(name, gpus, flags, base=base, out="scaleout", steps=6)
 
 
 T16K = "--train.seq_len=16384 --model.block_size=16384 --train.micro_batch=1 --train.tokens_per_step=16384"
 PP2 = "--train.micro_batch=4 --parallel.pp=2"
+PP2_MB2 = "--train.micro_batch=2 --parallel.pp=2"
 BOOKS = "--data.dataset=books --train.warmup_steps=200 --train.log_every=50 --ckpt.final=false"
 
 SETS = {
@@ -91,6 +102,21 @@ SETS = {
                               "{out}/pp.jsonl")),
         Job("cp", 2, torchrun(2, "bench/bench_cp.py", "--out", "{out}/cp.jsonl")),
         Job("comm", 2, torchrun("{ngpu}", "bench/bench_comm.py", "--quick", "--out", "{out}/comm.jsonl"), 600)],
+    "scaleout": [
+        scaleout("1gpu_mb8", 1, "--train.micro_batch=8", base=""),
+        scaleout("1gpu_mb2", 1, "--train.micro_batch=2", base=""),
+        scaleout("tp2_graph", 2, "--train.micro_batch=8 --parallel.tp=2 --train.cuda_graph=true"),
+        scaleout("pp2_1f1b_mb2_eager", 2, f"{PP2_MB2} --parallel.pp_layers=10,8", base="1gpu_mb2"),
+        scaleout("pp2_1f1b_mb2_graph", 2, f"{PP2_MB2} --parallel.pp_layers=10,8 --train.cuda_graph=true",
+                 base="1gpu_mb2"),
+        scaleout("pp2_interleaved_mb2_graph", 2, f"{PP2_MB2} --parallel.pp_schedule=interleaved "
+                 "--parallel.pp_virtual=2 --parallel.pp_layers=5,5,5,3 --train.cuda_graph=true", base="1gpu_mb2"),
+        scaleout("pp2_1f1b_mb8_m16_graph", 2, "--train.micro_batch=8 --parallel.pp=2 --parallel.pp_layers=10,8 "
+                 "--train.tokens_per_step=131072 --train.cuda_graph=true"),
+        scaleout("pp2_1f1b_mb8_m4_graph", 2, "--train.micro_batch=8 --parallel.pp=2 --parallel.pp_layers=10,8 "
+                 "--train.cuda_graph=true"),
+        scaleout("pp2_zb_mb8_m4_graph", 2, "--train.micro_batch=8 --parallel.pp=2 --parallel.pp_layers=10,8 "
+                 "--parallel.pp_schedule=zb --train.cuda_graph=true")],
     "fp8": [Job("fp8", 1, ["bench/bench_fp8.py", "--quick", "--out", "{out}/fp8.jsonl"]),
             Job("fp8_e2e", 1, ["bench/bench_fp8_e2e.py", "--profile", "--out", "{out}/fp8_e2e.jsonl"])],
     "moe": [Job("moe", 1, ["bench/bench_moe.py", "--quick", "--out", "{out}/moe.jsonl"]),
@@ -113,7 +139,7 @@ SETS = {
                                                "{out}/curve_1b_fp8_tensor", "--plot", "{out}/curve_1b_fp8.png",
                                                "--out", "{out}/fp8_e2e.jsonl"], 300)],
 }
-ORDER = ("kernels", "e2e", "layouts", "fp8", "moe", "post_train", "curves")
+ORDER = ("kernels", "e2e", "layouts", "scaleout", "fp8", "moe", "post_train", "curves")
 TUNED = Job("tuned", 0, ["-m", "kernels.tuning", "--export", "--out", "{out}/tuned"], 120)
 
 

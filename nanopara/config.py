@@ -98,7 +98,7 @@ class TrainConfig:
     grad_clip: float = 1.0       # max global grad norm (0 = off)
     dtype: str = "auto"          # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 (dynamic loss scaling) | fp32
     compile: bool = False        # torch.compile the model (the PyTorch baseline uses it)
-    cuda_graph: bool = False     # replay each micro-step's forward + backward from a CUDA graph (one GPU, or TP)
+    cuda_graph: bool = False     # replay each step's forwards + backwards from a CUDA graph (dp = cp = 1: tp, pp)
     val_every: int = 250         # steps between validation passes (0 = never)
     val_steps: int = 20          # micro-batches per validation pass
     log_every: int = 1           # steps between log lines
@@ -329,9 +329,6 @@ class Config:
                               f"re-gathers) per micro-batch in model order, while a pipeline interleaves the "
                               f"micro-batches' forwards and backwards chunk by chunk; use parallel.zero=1 (sharded "
                               f"optimizer states, as Megatron-LM and DeepSpeed's pipeline engine do)")
-        if t.cuda_graph:
-            raise ConfigError("train.cuda_graph=true with parallel.pp > 1: a graph cannot hold the pipeline's "
-                              "send/recv schedule; use one or the other")
         if t.compile:
             raise ConfigError("train.compile=true with parallel.pp > 1 is not supported: the pipeline runs its chunks "
                               "eagerly between sends and receives")

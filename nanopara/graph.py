@@ -12,16 +12,21 @@ accumulation works unchanged: the engine zeroes them in place after each step in
 eager micro-steps run on a side stream (tuning, compiling, cuBLAS and allocator warm-up), and their gradients are
 zeroed: the first replay starts from the state an eager run would.
 
-Limits, checked by parallel.check_layout before any work: a CUDA device; one process, or tensor parallel alone
-(TP's collectives run inside forward and backward, so the graph records them; DDP/ZeRO and the pipeline launch
+Pipeline parallel (`GraphedPipelineStep`): the whole step of this rank's schedule (every micro-batch's F/B/W, the
+send/recv batches between them, the loss broadcast and the tied-weight gradient sum) is one graph per rank, captured
+by all pp ranks together; a replay launches the step's thousands of kernels and its p2p with one call, so small
+micro-batches stop being host-bound (notes/pp.md). The schedule is static, so every replay repeats the same messages.
+
+Limits, checked by parallel.check_layout before any work: a CUDA device; dp = cp = 1 (tensor and pipeline parallel:
+their collectives and send/recv run inside the captured region, so the graph records them; DDP/ZeRO launch
 communication from Python hooks, which a replay would not run); fixed shapes; no fp16 dynamic loss scaling; no
 dropout under sequence parallel (tp._PerRankDropoutRng swaps RNG states from Python hooks). FP8 (train.fp8): the
 weight casts are captured and run on every replay (the same values); activation scales and delayed scaling's amax
 histories live on the device, so nothing syncs.
 
-Tested by tests/test_graph.py (GPU: graphed and eager training give the same losses and weights; CPU: the layout
-errors) and tests/test_capture_safety.py (CPU, tp2 +- sp: the captured region makes no host sync, no host-to-device
-copy and the same collectives on every rank); measured by bench/bench_gpt.py (`triton:graph=1`; notes/e2e.md).
+Tested by tests/test_graph.py (GPU: graphed and eager training give the same losses and weights, pp2 included;
+CPU: the layout errors) and tests/test_capture_safety.py (CPU, tp2 +- sp and pp2: the captured region makes no host
+sync, no host-to-device copy and the same collectives on every rank); measured by bench/bench_layout.py.
 """
 from __future__ import annotations
 
@@ -87,6 +92,66 @@ class GraphedMicroStep:
     def close(self):
         """Free the graph. Before destroy_process_group: NCCL kernels captured in a live graph make ncclCommDestroy
         hang (pytorch/pytorch#115388; measured: tp2 runs that finished training hung at exit)."""
+        if self.graph is not None:
+            torch.cuda.synchronize()
+            self.graph.reset()
+            self.graph = None
+
+
+class GraphedPipelineStep:
+    """`step(xs, ys, scale) -> loss`: pp.Pipeline.step over the step's m micro-batches plus the tied-weight gradient
+    sum, replayed from one CUDA graph per rank (captured on the first call, by every pp rank at the same call).
+
+    xs / ys: this stage's token ids / targets per micro-batch (None where the stage reads none), copied into static
+    buffers before each replay; scale: the loss factor (constant: fp16's dynamic scale is refused). The returned
+    loss is a static buffer overwritten by the next replay."""
+
+    def __init__(self, pipe, engine, fp8=None, warmup: int = 2):
+        self.pipe, self.engine, self.fp8, self.warmup = pipe, engine, fp8, warmup
+        self.graph, self.scale = None, None
+        engine.keep_grad_buffers = True
+
+    def _step(self):
+        from nanopara.pp import sync_tied_grads
+        with self.engine.no_sync():
+            loss = self.pipe.step(self.xs, self.ys, self.scale)
+        sync_tied_grads(self.pipe.chunks.values(), self.pipe.tied_group)
+        return loss.detach()
+
+    def _capture(self, xs, ys):
+        self.xs = None if xs is None else [x.clone() for x in xs]
+        self.ys = None if ys is None else [y.clone() for y in ys]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # eager warm-up: compiles kernels, creates .grad and every p2p communicator
+            for _ in range(self.warmup):
+                self._step()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        self.engine.zero_grad_buffers()
+        if self.fp8 is not None:  # as GraphedMicroStep: the capture records each layer's weight cast
+            self.fp8.step()
+        torch.cuda.empty_cache()  # the warm-up's cached activations: the graph's pool holds the step's own
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.loss = self._step()
+
+    def __call__(self, xs, ys, scale: float):
+        if self.graph is None:
+            self.scale = scale
+            self._capture(xs, ys)
+        elif scale != self.scale:
+            raise ValueError(f"cuda_graph: the pipeline's loss scale changed from {self.scale} to {scale}")
+        for static, new in ((self.xs, xs), (self.ys, ys)):
+            for s, t in zip(static or (), new or ()):
+                if s.shape != t.shape:
+                    raise ValueError(f"cuda_graph: batch shape changed from {tuple(s.shape)} to {tuple(t.shape)}")
+                s.copy_(t, non_blocking=True)
+        self.graph.replay()
+        return self.loss
+
+    def close(self):
+        """Free the graph before destroy_process_group (GraphedMicroStep.close)."""
         if self.graph is not None:
             torch.cuda.synchronize()
             self.graph.reset()

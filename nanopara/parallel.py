@@ -55,9 +55,10 @@ def check_layout(cfg: Config, world: int, device_type: str) -> int:
                           f"{t.micro_batch}*{t.seq_len}*{dp} = {per_micro}")
     if t.cuda_graph and device_type != "cuda":  # graph.py; its config-only limits are in Config.check
         raise ConfigError("train.cuda_graph=true needs a CUDA device")
-    if t.cuda_graph and world != p.tp:  # TP's collectives run inside forward/backward: a graph records them
-        raise ConfigError("train.cuda_graph=true supports one GPU or tensor parallel alone (world size = parallel.tp):"
-                          " data-parallel engines launch communication from Python hooks that a replay would skip")
+    if t.cuda_graph and world != p.tp * p.pp:  # TP and PP communicate inside the step: a graph records it
+        raise ConfigError("train.cuda_graph=true supports tensor and pipeline parallel (world size = parallel.tp * "
+                          "parallel.pp): data-parallel engines launch communication from Python hooks that a "
+                          "replay would skip")
     if t.cuda_graph and p.sp and cfg.model.dropout > 0:  # tp._PerRankDropoutRng: nothing of it would replay
         raise ConfigError("train.cuda_graph=true with parallel.sp=true and model.dropout > 0: each tp rank's dropout "
                           "RNG is swapped in and out by Python hooks around every forward (CUDA RNG state reads "

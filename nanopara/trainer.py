@@ -72,9 +72,10 @@ class Trainer:
                             if g is not None]  # expert loads summed over the ranks that saw other tokens
         if cfg.train.compile:
             engine.model = torch.compile(engine.model)
-        if cfg.train.cuda_graph:  # check_layout: one GPU or tp alone, so no pipeline and no dp hooks to skip
-            from nanopara.graph import GraphedMicroStep
-            self.graphed = GraphedMicroStep(engine.model, self.amp, self.scaler.scale / accum, engine)
+        if cfg.train.cuda_graph:  # check_layout: dp = cp = 1 (tp, pp), so no dp hooks a replay would skip
+            from nanopara.graph import GraphedMicroStep, GraphedPipelineStep
+            self.graphed = GraphedPipelineStep(pipeline, engine, fp8) if pipeline is not None else \
+                GraphedMicroStep(engine.model, self.amp, self.scaler.scale / accum, engine)
 
     @property
     def model(self):
@@ -119,6 +120,10 @@ class Trainer:
         from nanopara.pp import sync_tied_grads
         pipe = self.pipeline
         xs, ys = self._stage_data(batches)
+        if self.graphed is not None:  # the whole step of this rank's schedule, one replay (graph.py)
+            if weights is not None:
+                raise ValueError("cuda_graph: per micro-batch loss weights change between steps; a replay has one")
+            return self.graphed(xs, ys, scale / self.engine.n)
         with self.engine.no_sync():  # the reduction starts per chunk at its last backward (on_last_backward)
             loss = pipe.step(xs, ys, scale / self.engine.n, weights)  # engine.backward's 1/(dp*cp), here
         sync_tied_grads(pipe.chunks.values(), pipe.tied_group)  # before step() reduces the tied weight's bucket

@@ -18,13 +18,19 @@ def test_unsupported_runs_fail_before_any_work(tmp_path):
     assert check_layout(cfg, 1, "cuda") == 1
     with pytest.raises(ConfigError, match="needs a CUDA device"):
         check_layout(cfg, 1, "cpu")
-    with pytest.raises(ConfigError, match="one GPU or tensor parallel alone"):
+    with pytest.raises(ConfigError, match="supports tensor and pipeline parallel"):
         check_layout(cfg, 2, "cuda")  # dp = 2
     cfg.parallel.tp = 2
     assert check_layout(cfg, 2, "cuda") == 1  # tp alone: its collectives are recorded (tests/test_tp.py, GPU)
-    with pytest.raises(ConfigError, match="one GPU or tensor parallel alone"):
+    with pytest.raises(ConfigError, match="supports tensor and pipeline parallel"):
         check_layout(cfg, 4, "cuda")  # tp 2 x dp 2
-    cfg.parallel.tp = 1
+    cfg.parallel.pp, cfg.train.tokens_per_step = 2, 4 * cfg.train.micro_batch * cfg.train.seq_len
+    assert check_layout(cfg, 4, "cuda") == 4  # tp2 x pp2: the whole pipeline step is one graph (tests/test_pp.py)
+    with pytest.raises(ConfigError, match="supports tensor and pipeline parallel"):
+        check_layout(cfg, 8, "cuda")  # tp2 x pp2 x dp2
+    cfg.parallel.pp, cfg.parallel.tp = 2, 1
+    assert check_layout(cfg, 2, "cuda") == 4  # pp alone
+    cfg.parallel.pp, cfg.train.tokens_per_step = 1, 0
     cfg.train.dtype = "fp16"  # the limits that need no world size: Config.check
     with pytest.raises(ConfigError, match="fp16"):
         cfg.check()
