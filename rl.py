@@ -3,25 +3,21 @@
     python rl.py --init=runs/sft --task=arith --out_dir=runs/rl --steps=100
     torchrun --nproc_per_node=4 rl.py --init=runs/sft --task=arith --out_dir=runs/rl --prompts=64 --group=16
 
-Per step: --prompts prompts (from --seed and the step) split over the data-parallel ranks, --group completions each
-after sft.prompt_ids (EOT + SFT's template), rewards from the task's checker (nanopara/tasks.py), --updates steps of
-GRPO's clipped loss (nanopara/rl.py) through the Trainer of parallel.parallelize (AdamW, clipping, dp as in
-train.py); greedy exact match on --test_n held-out prompts every --eval_every steps.
-Writes <out_dir>/metrics.jsonl (reward, kl, ...; the compute spent so far in forward-token equivalents, flop_tokens;
-eval lines: test_exact_match), config.json and <out_dir>/ckpt.
-
+Per step: --prompts prompts split over the data-parallel ranks, --group completions each after sft.prompt_ids,
+rewards from the task's checker (nanopara/tasks.py), --updates steps of GRPO's loss (nanopara/rl.py) through
+parallel.parallelize's Trainer; greedy exact match on --test_n held-out prompts every --eval_every steps. Writes
+<out_dir>/metrics.jsonl (reward, kl, ...; flop_tokens: compute so far in forward-token equivalents; eval lines:
+test_exact_match, test_set), config.json and <out_dir>/ckpt.
 Keys (`--key=value`, the last one wins; --help prints this). A user error: one line on stderr, exit code 2:
   --init=PATH        the starting policy: a run, ckpt/ or step directory (any layout), or HF GPT-2 weights (.bin/.pt)
   --task=NAME        arith | digits | sort | count | gsm8k (arith); --gsm8k=PATH: GSM8K's folder (default: the mirror's)
   --train_n=N        training prompts to draw from (20000); --test_n=N held-out prompts scored (500)
-  --seed=S           sampling and the order of prompts (1337); --prompt_seed=S which --train_n prompts (1337);
-                     --test_seed=S which held-out prompts (tasks.TEST_SEED = 1337: one fixed set for every run)
+  --seed=S           sampling and prompt order (1337); --prompt_seed=S: which --train_n prompts (1337); --test_seed=S:
+                     which held-out prompts (tasks.TEST_SEED = 1337: one fixed set for every run)
   --steps=N (100)  --prompts=P per step, global (32)  --group=G completions per prompt (8)  --temperature=T (1.0)
   --max_new=N        tokens per completion, EOT included (32); --sample_batch=N rows per sampling batch (256)
-  --lr=LR (1e-5)  --warmup=N steps of linear warm-up (10)  --weight_decay=W (0)  --grad_clip=C (1.0)
-  --adam_eps=E       AdamW's eps (1e-8; betas 0.9 / 0.95): one well above the gradients' size keeps Adam from
-                     scaling noise up to a full-lr step (notes/post_training.md)
-  --clip_eps=E       PPO ratio clip (0.2); --kl_coef=B: k3 KL penalty to the starting model, 0 = none (0)
+  --lr=LR (1e-5)  --warmup=N steps of linear warm-up (10)  --weight_decay=W (0)  --grad_clip=C (1.0)  AdamW's
+  --adam_eps=E (1e-8; betas 0.9 / 0.95)  --clip_eps=E PPO ratio clip (0.2)  --kl_coef=B k3 KL to the start (0)
   --updates=K        optimizer steps per batch of rollouts (1); --micro=R rows per forward in updates, 0 = all (0)
   --eval_every=N     held-out exact match every N steps, 0 = only at the start and the end (25)
   --out_dir=DIR (runs/rl)  --overwrite=1 replaces a run there  --save=0 skips the final checkpoint

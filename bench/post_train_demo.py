@@ -1,29 +1,26 @@
 """SFT then RL (GRPO) over several seeds, from scratch or from a pre-trained base, against a continued-SFT control.
 
-    python3 bench/post_train_demo.py --out=DIR                               # 3 seeds from scratch
+    python3 bench/post_train_demo.py --out=DIR [--recipe=gpt2|small] [--seeds=1,2,3 --jobs=3]   # from scratch
     python3 bench/post_train_demo.py --out=DIR --base=runs/base --pretrain_steps=2000   # from a books base
     python3 bench/post_train_demo.py --out=DIR --report A.jsonl B.jsonl      # mean / spread and curves of rows
     python3 bench/post_train_demo.py --out=/tmp/x --device=cpu --smoke=1     # the pipeline on CPU, tiny sizes
 
-The setting RL with verifiable rewards is for: labelled answers are scarce, prompts and a checker are not. Data, made
-once: --examples labelled examples of --task (nanopara.tasks, seed 0; `digits`: "What is 3 4 8 + 5 7?" -> " 4 0 5")
--> data/prepare.py sft. Then per seed s of --seeds (SFT's and RL's seeds both s):
-1. SFT: train.py --seed=s from scratch, or from --base (--ckpt.init_from), --sft_steps on those examples, a checkpoint
-   every --sft_every, each scored: SFT alone's curve.
-2. RL: rl.py --seed=s from SFT's last checkpoint, --rl_steps of --prompts x --group completions drawn from --train_n
-   unlabelled training prompts (--prompt_seed, the same for every seed); it learns from the checker alone.
-3. Control: train.py continues SFT from that checkpoint (at SFT's final lr, constant) for as many steps as give it
-   RL's compute: ceil(RL's flop_tokens / (3 x SFT's tokens per step)), flop_tokens being rl.py's count of
-   forward-token equivalents (its sampled tokens, no-grad forwards and 3 x its trained tokens).
-Every score is greedy exact match on one held-out set (tasks.TEST_SEED, --test_n prompts) whatever the seeds.
---base: a train.py run directory; with --pretrain_steps=N and no checkpoint there yet, it is first pre-trained on
-`books` (data/prepare.py books: the mirror's text/) with the SFT model's shape and kept, so later runs start from it.
---jobs=N runs N seeds at once, one process each (RL's sampling leaves a GPU mostly idle), on the visible GPUs in turn.
-Results: DIR/post_train.jsonl (harness-stamped: GPU, date, git) gets one row per seed as it finishes (curves, finals,
-gains in points, seconds), then per recipe (tag, start, task, GPU) a report row: mean, std, min, max of SFT's, RL's
-and the control's final exact match and RL's gains, computed from those seed rows; DIR/post_train.png draws every
-seed's curves. Goal (issue 46): RL above SFT and the control by a mean >= 10 points, every seed >= 5.
-Measured recipes and what decides RL's gain: notes/post_training.md.
+The setting RL with verifiable rewards is for: labelled answers are scarce, prompts and a checker are not. Once:
+--examples labelled examples of --task (nanopara.tasks seed 0) -> data/prepare.py sft. Per seed s of --seeds:
+1. SFT: train.py --seed=s from scratch or from --base (--ckpt.init_from) on those examples, a checkpoint every
+   --sft_every, each scored: SFT alone's curve.
+2. RL: rl.py --seed=s from SFT's last checkpoint, --prompts x --group completions a step from --train_n unlabelled
+   prompts (--prompt_seed: the same for every seed); it learns from the checker alone.
+3. Control: train.py continues SFT from that checkpoint at SFT's final lr for RL's compute: ceil(RL's flop_tokens /
+   (3 x SFT's tokens a step)) steps (rl.py's forward-token equivalents: sampled, no-grad and 3 x trained tokens).
+Every score is greedy exact match on one held-out set (tasks.TEST_SEED, --test_n prompts), whatever the seeds.
+--base: a train.py run; with --pretrain_steps=N and no checkpoint there yet, first pre-trained on `books` (the
+mirror's text/) with the SFT model's shape, and kept. --jobs=N: N seeds at once, one process each, on the GPUs in turn.
+DIR/post_train.jsonl (harness-stamped: GPU, date, git) gets a row per seed as it finishes (curves, finals, gains in
+points, seconds), then per recipe (tag, start, task, GPU) a report row: mean, std, min, max of SFT's, RL's and the
+control's final exact match and RL's gains, from those seed rows; DIR/post_train.png draws every seed's curves.
+Goal (issue 46): RL above SFT and the control by a mean >= 10 points, every seed >= 5. Knowledge and the measured
+runs: notes/post_training.md.
 """
 from __future__ import annotations
 

@@ -18,11 +18,10 @@ token, finished rows cut at EOT afterwards); otherwise (`sampler="dynamic"`) mod
 prompt length, finished rows leaving the batch. Training forwards right-pad the sequences: causal attention never
 lets a real token see the padding after it, and masks drop the rest.
 
-The update is the Trainer's step (parallel.parallelize on `trainer_config`: AdamW, clipping, autocast and the
-data-parallel engine as in pre-training): `update` hands it policy_loss as forward_backward's loss_fn. Each rank
-samples and scores its share of the prompts (groups never straddle ranks, so advantages need no communication);
-the loss is divided by the global token count, so a step on N ranks equals one process's step on the same rollouts.
-Callers: rl.py; tests/test_rl.py; notes/post_training.md.
+The update is the Trainer's step (parallelize on `trainer_config`: AdamW, clipping, autocast, the dp engine) with
+policy_loss as forward_backward's loss_fn. Each rank samples and scores its share of the prompts (groups never
+straddle ranks: advantages need no communication); the loss is divided by the global token count, so a step on N
+ranks equals one process's step on the same rollouts. Callers: rl.py; tests/test_rl.py; notes/post_training.md.
 """
 from __future__ import annotations
 

@@ -21,8 +21,7 @@ line or "Question:"/"User:", since its solutions span lines):
   digits        as arith, after single spaces between digits (and after a leading minus) are closed up: "- 1 1 8"
   sort          the integers of the text, in order, equal the answer's (separators free: "1, 2, 5, 9" counts)
   gsm8k         the last number of the text equals the answer (evals.extract_number: GSM8K's usual rule)
-JSONL lines also carry "text" = format_prompt(prompt) + response (for `data/prepare.py text FILE`).
-Callers: rl.py, bench/post_train_demo.py; tests/test_tasks.py.
+JSONL lines carry "text" = format_prompt(prompt) + response too. Callers: rl.py, bench/post_train_demo.py, tests.
 """
 from __future__ import annotations
 
