@@ -172,6 +172,11 @@ def build(path: str) -> list:
                          r["gpu"], n, r["date"], "this tree of 2026-11-28 (train.py, metrics.jsonl)",
                          tokens / r["tok_s_new"] * 1e3, None if lay["graph"] else r["peak_mem_gb_new"],
                          note="train.py's own run"))
+    seen = {}
+    for r in rows:  # the same label measured twice in one file (another host, a repeat): #2, #3, ...
+        seen[r["id"]] = seen.get(r["id"], 0) + 1
+        if seen[r["id"]] > 1:
+            r["id"] += f"#{seen[r['id']]}"
     with open(path, "w") as f:
         f.write("# " + SKIPPED + "\n")
         f.writelines(json.dumps(r) + "\n" for r in rows)

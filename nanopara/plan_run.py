@@ -24,7 +24,8 @@ def run_of_config(cfg: Config, world: int, gpu: str, fabric: dict | None = None)
     inner = p.tp * p.pp * p.cp
     dp = world // inner if p.dp == -1 else p.dp
     if dp < 1 or dp * inner != world:
-        raise PlanError(f"dp*tp*pp*cp = {max(dp, 0)}*{p.tp}*{p.pp}*{p.cp} does not make {world} GPUs")
+        raise PlanError(f"tp*pp*cp = {p.tp}*{p.pp}*{p.cp}" + (f" x dp={p.dp}" if p.dp != -1 else "") +
+                        f" does not divide into {world} GPUs")
     lay = Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, sp=p.sp, schedule=p.pp_schedule,
                  virtual=p.pp_virtual, pp_layers=tuple(pp_layers_list(p.pp_layers) or ()), micro_batch=t.micro_batch,
                  ac=t.activation_checkpointing, fp8=t.fp8, graph=t.cuda_graph,

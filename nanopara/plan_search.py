@@ -83,6 +83,10 @@ def search(model: Model, n: int, seq: int, tokens: int, gpu: str = "H100", top: 
             if memory(run)["fits"]:
                 fit.append((run.layout, predict(run)))
                 break
+    if not tried:
+        raise PlanError(f"no layout of {n} GPUs divides {model.name} ({model.n_head} heads, {model.n_layer} blocks) "
+                        f"and the batch of {tokens // seq} sequences into tp x cp x pp x dp: choose a GPU count "
+                        f"that does (a power of two, or a divisor of the batch times tp x pp)")
     if not fit:
         raise PlanError(nowhere(model, n, seq, tokens, gpu, fab))
     fit.sort(key=lambda lp: -lp[1]["tokens_per_s"])
