@@ -64,7 +64,8 @@ def gemm_section(dev) -> dict:
     for cls, shapes in GEMMS.items():
         bf, f8 = [], []
         for M, N, K in shapes:
-            a, w = torch.randn(M, K, device=dev, dtype=torch.bfloat16), torch.randn(N, K, device=dev, dtype=torch.bfloat16)
+            a = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+            w = torch.randn(N, K, device=dev, dtype=torch.bfloat16)
             ms = H.bench_ms(lambda: a @ w.t(), dev)
             bf.append(2 * M * N * K / ms / 1e9)
             try:
@@ -193,7 +194,8 @@ def comm_section(mesh, budget: float) -> dict:
                   "all_gather": lambda: dist.all_gather_into_tensor(full, part),
                   "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(full), full),
                   "send_recv": lambda: [w.wait() for w in dist.batch_isend_irecv(
-                      [dist.P2POp(dist.isend, full, peer), dist.P2POp(dist.irecv, torch.empty_like(full), peer)])]}[kind]
+                      [dist.P2POp(dist.isend, full, peer),
+                       dist.P2POp(dist.irecv, torch.empty_like(full), peer)])]}[kind]
             steps = 20 if size <= 2 ** 26 else 8
             s = H.timed(fn, steps=steps, warmup=3, mesh=mesh)["step_s"]
             rows.append([size, s])

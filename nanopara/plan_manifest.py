@@ -17,7 +17,8 @@ from nanopara.cli import parse_args
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RES = os.path.join(ROOT, "results")
 SKIPPED = ("left out: other trainers' baselines (torch DDP, torch.compile, torchao, nanoGPT), trees older than "
-           "their file's newest (old_*, tp2_gpt_1b_h100's machine 1, cp2_16k_h100_2's 'before' rows, fp8_e2e's block mode before the fix), "
+           "their file's newest (old_*, tp2_gpt_1b_h100's machine 1, cp2_16k_h100_2's 'before' rows, fp8_e2e's "
+           "block mode before the fix), "
            "tp_overlap > 0 (not modelled), the ZB-H1 rows before zb.py, profiles and kernel rows; memory not "
            "compared under CUDA graphs (bench_layout resets the peak after the graph's pool is allocated)")
 

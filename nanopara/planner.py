@@ -75,7 +75,8 @@ class Model:
         expert = (self.top_k if active else self.experts) * dense_mlp + self.d * self.experts
         mlps = (self.n_layer - self.moe_layers) * dense_mlp + self.moe_layers * expert
         blocks = self.n_layer * (self.attn_params() + 2 * self.norm_params * self.d) + mlps
-        return blocks + self.vocab * self.d * (1 if self.tied else 2) + self.positions * self.d + self.norm_params * self.d
+        embed = self.vocab * self.d * (1 if self.tied else 2) + self.positions * self.d
+        return blocks + embed + self.norm_params * self.d
 
     def flops_per_token(self, seq: int) -> float:
         """report.flops_per_token: 6N (active, positions excluded) + 12 L C T."""

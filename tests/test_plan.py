@@ -122,6 +122,7 @@ def test_calibration_file_replaces_the_seeds(tmp_path):
            "host": {"launch_us": 5.0, "layer_us": {"dense": 1000.0}}, "comm": {"2": {"host_wait_share": 0.5}}}
     (tmp_path / "plan_gpus_h200.json").write_text(json.dumps(cal))
     g = G.table(str(tmp_path))["H200"]
-    assert g.gemm_tflops["bf16"]["m"] == 700.0 and g.gemm_tflops["bf16"]["xl"] == G.SEEDS["H200"].gemm_tflops["bf16"]["xl"]
+    assert g.gemm_tflops["bf16"]["m"] == 700.0
+    assert g.gemm_tflops["bf16"]["xl"] == G.SEEDS["H200"].gemm_tflops["bf16"]["xl"]
     assert g.host["layer_us"]["dense"] == 1000.0 and g.host_wait_share == 0.5 and "measured" in g.sources["host"]
     assert G.table(str(tmp_path))["H100"] is G.SEEDS["H100"]
