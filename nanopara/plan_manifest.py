@@ -58,7 +58,8 @@ def from_flags(flags: list, n_gpu: int) -> tuple:
     layers = [int(x) for x in p.pp_layers.split(",")] if p.pp_layers.strip() else []
     lay = _lay(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, sp=p.sp, schedule=p.pp_schedule,
                virtual=p.pp_virtual, pp_layers=layers, micro_batch=t.micro_batch, ac=t.activation_checkpointing,
-               fp8=t.fp8, graph=t.cuda_graph, kernels="torch" if m.kernels == "torch" else "triton",
+               fp8=t.fp8, graph=str(t.cuda_graph).lower() in ("true", "on"),
+               kernels="torch" if m.kernels == "torch" else "triton",
                cp_impl=p.cp_impl, sp_keep=p.sp_keep_gathered)
     tokens = t.tokens_per_step or t.micro_batch * t.seq_len * dp
     return cfg, lay, tokens, p.tp_overlap
