@@ -127,6 +127,9 @@ SETS = {
                    Job("generate_mixed", 1, ["bench/bench_generate.py", "--mixed", "--out", "{out}/generate.jsonl"]),
                    Job("sft", 1, ["bench/bench_sft.py", "--out", "{out}/sft"]),
                    Job("post_train", 1, ["bench/post_train_demo.py", "--out", "{out}/post_train"], 7200)],
+    # the planner's GPU table (nanopara/gpus.py): GEMMs, attention, bandwidth, host cost, collectives; < 240 s
+    "calibrate": [Job("calibrate", 1, torchrun("{ngpu}", "bench/bench_calibrate.py", "--out", "{out}/plan_gpus.json"),
+                      300)],
     "curves": [Job("prepare_books", 0, ["data/prepare.py", "books"]),
                Job("curve_124m", 1, ["train.py", "--preset=gpt2_124m", *BOOKS.split(), "--train.micro_batch=16",
                                      "--train.steps=3000", "--train.lr=1.2e-3", "--train.val_every=250",
