@@ -80,7 +80,9 @@ def build_loaders(cfg: Config, mesh: Mesh, log) -> tuple[TokenLoader, TokenLoade
     loader = TokenLoader(find_shards(d.dataset, "train", d.data_dir), t.micro_batch, t.seq_len, **common)
     if loader.masks is not None:
         log("loss mask on: training on response tokens only (SFT shards)")
-        if t.cuda_graph:  # token_weights: a replay has one fixed scale
+        if t.cuda_graph == "auto":  # token_weights: a replay has one fixed scale
+            t.cuda_graph = "false"
+        if t.cuda_graph == "true":
             raise ConfigError("train.cuda_graph=true with loss-masked (SFT) shards: each micro-batch's loss is "
                               "weighted by its trained-token count, which a graph replay's fixed scale cannot do; "
                               "drop one")

@@ -59,7 +59,7 @@ def build(preset: str, mode: str, args, mesh):
     cfg = H.make_cfg(preset, {"model.kernels": "auto", "train.seq_len": seq_for(preset, args),
                               "train.micro_batch": batch_for(preset, args), "train.tokens_per_step": 0,
                               "train.fp8": base if base in NANOPARA_FP8 else "none",
-                              "train.cuda_graph": mode.endswith("+graph")})
+                              "train.cuda_graph": "true" if mode.endswith("+graph") else "false"})
     prepare = (lambda model: torchao_convert(model, TORCHAO[base])) if base in TORCHAO else None
     trainer, n_params = H.build_trainer(cfg, mesh, prepare)
     return cfg, trainer, n_params
@@ -80,7 +80,7 @@ def timed(preset, mode, args, mesh) -> dict:
         fp8_linears = sum(type(m).__name__ in ("FP8Linear", "Float8Linear") for m in model.modules())
         batches = H.synthetic_batches(cfg, 1, mesh.device)
         t = H.timed(lambda: H.train_step(trainer, batches, LR), args.steps, args.warmup, mesh=mesh, each=True,
-                    peak_from_start=cfg.train.cuda_graph)
+                    peak_from_start=cfg.train.cuda_graph == "true")
         casts = trainer.fp8.casts if trainer.fp8 is not None else None
     finally:
         teardown(trainer)

@@ -60,7 +60,7 @@ def make_trainer(mode: str, args, mesh: Mesh):
     kernels, compiled, kv = parse_mode(mode)
     cfg = H.make_cfg(args.preset, {"model.kernels": kernels, "train.seq_len": args.seq, "train.micro_batch": args.batch,
                                    "train.compile": compiled and "cmode" not in kv,
-                                   "train.cuda_graph": kv.get("graph") == "1"})
+                                   "train.cuda_graph": "true" if kv.get("graph") == "1" else "false"})
     from kernels import attention as attention_mod
     attention_mod.HOPPER_FWD = attention_mod.HOPPER_BWD = kv.get("attn") != "triton"  # read at each call
 
@@ -80,7 +80,7 @@ def run_mode(mode: str, args, mesh: Mesh) -> dict:
 
     def step():
         return H.train_step(trainer, batches)
-    t = H.timed(step, args.steps, args.warmup, mesh=mesh, each=True, peak_from_start=cfg.train.cuda_graph)
+    t = H.timed(step, args.steps, args.warmup, mesh=mesh, each=True, peak_from_start=cfg.train.cuda_graph == "true")
     tok_s = args.batch * args.seq / t["median_s"]
     res = {"mode": mode, "preset": args.preset, "batch": args.batch, "seq": args.seq, "step_ms": t["median_s"] * 1e3,
            "tokens_per_s": tok_s, "tflops": flops_per_token(cfg.model, n_params, args.seq) * tok_s / 1e12,

@@ -10,8 +10,7 @@
   layouts     bench_layout on gpt_1b, one row per layout: 1 GPU, dp2, tp2, tp2+sp, pp2 (gpipe, 1f1b, interleaved,
               zb), cp2 at 16k tokens, on 4 and 8 GPUs dp and 3D rows; then engines against torch DDP (bench_dp),
               tp (bench_tp), pp schedules and bubbles (bench_pp), cp (bench_cp), ring all-reduce vs NCCL (bench_comm)
-  scaleout    issue #42's rows on 2 GPUs, gpt_1b: each parallel axis against one GPU at the same micro-batch
-              (tp2 and pp2 schedules, eager against CUDA graph)
+  scaleout    gpt_1b on 2 GPUs: tp2 and pp2 (schedules, eager and graphed) against one GPU at the same micro-batch
   fp8         FP8 GEMMs, casts and linear against cuBLAS (bench_fp8); FP8 training against bf16 and torchao
   moe         grouped GEMM, routing and the MoE layer against PyTorch (bench_moe); expert parallel (bench_ep)
   post_train  generation against Hugging Face (bench_generate); SFT (bench_sft); SFT then RL (post_train_demo)

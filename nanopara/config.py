@@ -98,7 +98,7 @@ class TrainConfig:
     grad_clip: float = 1.0       # max global grad norm (0 = off)
     dtype: str = "auto"          # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 (dynamic loss scaling) | fp32
     compile: bool = False        # torch.compile the model (the PyTorch baseline uses it)
-    cuda_graph: bool = False     # replay each step's forwards + backwards from a CUDA graph (dp = cp = 1: tp, pp)
+    cuda_graph: str = "auto"     # auto (on for tp or pp > 1 with dp = cp = 1 on CUDA, where it is safe) | true | false
     val_every: int = 250         # steps between validation passes (0 = never)
     val_steps: int = 20          # micro-batches per validation pass
     log_every: int = 1           # steps between log lines
@@ -172,7 +172,8 @@ class Config:
                                     ("train.fp8", t.fp8, ("none", "tensor", "row", "block")),
                                     ("train.fp8_grad", t.fp8_grad, ("e5m2", "e4m3")),
                                     ("data.loss_mask", self.data.loss_mask, ("auto", "on", "off")),
-                                    ("ckpt.async_", self.ckpt.async_, ("auto", "true", "false"))):
+                                    ("ckpt.async_", self.ckpt.async_, ("auto", "true", "false")),
+                                    ("train.cuda_graph", t.cuda_graph, ("auto", "true", "false"))):
             if value not in choices:
                 raise ConfigError(f"{key} must be {'|'.join(choices)}, got {value!r}")
         if not self.out_dir.strip():
@@ -212,10 +213,10 @@ class Config:
         self._check_evals()
         self._check_moe()
         self._check_fp8()
-        if t.cuda_graph and t.dtype == "fp16":
+        if t.cuda_graph == "true" and t.dtype == "fp16":
             raise ConfigError("train.cuda_graph=true does not support train.dtype=fp16 (the loss scale changes between "
                               "steps); use bf16")
-        if t.cuda_graph and t.compile:
+        if t.cuda_graph == "true" and t.compile:
             raise ConfigError("train.cuda_graph=true and train.compile=true: use one (torch.compile's own graphs are "
                               "mode='reduce-overhead')")
 
@@ -289,7 +290,7 @@ class Config:
             check_moe_config(m)
         except ValueError as e:
             raise ConfigError(f"model.{e}") from None
-        if t.cuda_graph:
+        if t.cuda_graph == "true":
             raise ConfigError("model.moe_experts > 0 with train.cuda_graph=true: the MoE stats and the bias load are "
                               "set from Python per forward, which a graph replay would skip; use one")
         if p.ep > 1:  # expert parallel (ep.py); that ep divides dp*cp is checked with the world size (check_layout)

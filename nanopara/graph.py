@@ -1,32 +1,23 @@
-"""One micro-step's forward + backward replayed as a CUDA graph (`--train.cuda_graph=true`).
+"""A training step replayed as a CUDA graph (`--train.cuda_graph`, auto-on for tp / pp: parallel.use_cuda_graph).
 
-Why: in eager mode the host launches every kernel of the step (~1,000 for GPT-2 124M) from Python; at B=32, T=1024
-on an H200 the GPU then idles ~6 ms of a ~67 ms step waiting for the CPU. A CUDA graph records the launches once
-and replays them with one call. Our Triton kernels launch their compiled binaries directly (kernels/launch.py),
-which a graph can record once the first eager calls have tuned and compiled them.
+Why: in eager mode the host launches every kernel of the step from Python; where that is slower than the GPU (small
+micro-batches, tp, pipeline stages) the GPU idles. A graph records the launches once and replays them with one
+call. Our Triton kernels launch their compiled binaries directly (kernels/launch.py), so a graph can record them.
 
-What is captured: `model(x, y)` under autocast and `(loss * scale).backward()`, with x, y copied into static input
-buffers before each replay. Gradients accumulate in place into the parameters' existing .grad tensors, so gradient
-accumulation works unchanged: the engine zeroes them in place after each step instead of freeing them
-(`engine.keep_grad_buffers`). The optimizer step, clipping and logging stay eager. Before capturing, `warmup`
-eager micro-steps run on a side stream (tuning, compiling, cuBLAS and allocator warm-up), and their gradients are
-zeroed: the first replay starts from the state an eager run would.
+GraphedMicroStep (one GPU, tp): `model(x, y)` under autocast and `(loss * scale).backward()`, x, y copied into static
+buffers before each replay. Gradients accumulate in place into the existing .grad tensors (the engine zeroes them
+in place: `engine.keep_grad_buffers`); optimizer, clipping and logging stay eager. `warmup` eager calls first run
+on a side stream (tuning, compiling, allocator), and their gradients are zeroed.
+GraphedPipelineStep (pp, with or without tp): the whole step of this rank's schedule (every micro-batch's F/B/W, the
+send/recv batches, the loss broadcast, the tied-weight gradient sum), one graph per rank captured by all pp ranks at
+the same call; the schedule is static, so every replay repeats the same messages (notes/pp.md).
 
-Pipeline parallel (`GraphedPipelineStep`): the whole step of this rank's schedule (every micro-batch's F/B/W, the
-send/recv batches between them, the loss broadcast and the tied-weight gradient sum) is one graph per rank, captured
-by all pp ranks together; a replay launches the step's thousands of kernels and its p2p with one call, so small
-micro-batches stop being host-bound (notes/pp.md). The schedule is static, so every replay repeats the same messages.
-
-Limits, checked by parallel.check_layout before any work: a CUDA device; dp = cp = 1 (tensor and pipeline parallel:
-their collectives and send/recv run inside the captured region, so the graph records them; DDP/ZeRO launch
-communication from Python hooks, which a replay would not run); fixed shapes; no fp16 dynamic loss scaling; no
-dropout under sequence parallel (tp._PerRankDropoutRng swaps RNG states from Python hooks). FP8 (train.fp8): the
-weight casts are captured and run on every replay (the same values); activation scales and delayed scaling's amax
+Limits, checked by parallel.check_layout: CUDA; dp = cp = 1 (DDP/ZeRO launch communication from Python hooks, which
+a replay would skip); fixed shapes; no fp16 dynamic loss scaling; no dropout under sequence parallel (RNG swaps from
+Python hooks). FP8: the weight casts are captured and run on every replay; activation scales and delayed amax
 histories live on the device, so nothing syncs.
-
-Tested by tests/test_graph.py (GPU: graphed and eager training give the same losses and weights, pp2 included;
-CPU: the layout errors) and tests/test_capture_safety.py (CPU, tp2 +- sp and pp2: the captured region makes no host
-sync, no host-to-device copy and the same collectives on every rank); measured by bench/bench_layout.py.
+Tested by tests/test_graph.py, tests/test_pp.py (GPU: graphed == eager) and tests/test_capture_safety.py (CPU, tp2
++- sp and pp2: no host sync or host copy in the captured region, the same collectives each step).
 """
 from __future__ import annotations
 

@@ -53,13 +53,13 @@ def check_layout(cfg: Config, world: int, device_type: str) -> int:
     if tokens_per_step % per_micro:
         raise ConfigError(f"train.tokens_per_step={tokens_per_step} is not a multiple of micro_batch*seq_len*dp = "
                           f"{t.micro_batch}*{t.seq_len}*{dp} = {per_micro}")
-    if t.cuda_graph and device_type != "cuda":  # graph.py; its config-only limits are in Config.check
+    if t.cuda_graph == "true" and device_type != "cuda":  # graph.py; its config-only limits are in Config.check
         raise ConfigError("train.cuda_graph=true needs a CUDA device")
-    if t.cuda_graph and world != p.tp * p.pp:  # TP and PP communicate inside the step: a graph records it
+    if t.cuda_graph == "true" and world != p.tp * p.pp:  # TP and PP communicate inside the step: a graph records it
         raise ConfigError("train.cuda_graph=true supports tensor and pipeline parallel (world size = parallel.tp * "
                           "parallel.pp): data-parallel engines launch communication from Python hooks that a "
                           "replay would skip")
-    if t.cuda_graph and p.sp and cfg.model.dropout > 0:  # tp._PerRankDropoutRng: nothing of it would replay
+    if t.cuda_graph == "true" and p.sp and cfg.model.dropout > 0:  # tp._PerRankDropoutRng: nothing of it would replay
         raise ConfigError("train.cuda_graph=true with parallel.sp=true and model.dropout > 0: each tp rank's dropout "
                           "RNG is swapped in and out by Python hooks around every forward (CUDA RNG state reads "
                           "and writes), which a capture cannot record: set model.dropout=0 or turn one of the two off")
@@ -71,6 +71,24 @@ def check_layout(cfg: Config, world: int, device_type: str) -> int:
             raise ConfigError(f"{e} (micro-batches per step = tokens_per_step / (micro_batch*seq_len*dp) = "
                               f"{tokens_per_step} / {per_micro})") from None
     return m
+
+
+def use_cuda_graph(cfg: Config, world: int, device_type: str) -> tuple[bool, str]:
+    """(whether the step runs from a CUDA graph (graph.py), why not) for train.cuda_graph: true / false as given
+    (check_layout refuses an impossible true), auto on where it pays and is safe: tensor or pipeline parallel with
+    dp = cp = 1 on CUDA (measured, results/scaleout_h200.txt: pp2 at micro-batch 2 1.88x its eager step; one GPU at
+    the default micro-batch gains nothing, so it stays eager). The reason names what keeps auto off."""
+    t, p, m = cfg.train, cfg.parallel, cfg.model
+    if t.cuda_graph != "auto":
+        return t.cuda_graph == "true", ""
+    if p.tp * p.pp == 1 or device_type != "cuda":
+        return False, ""
+    why = [reason for off, reason in (
+        (world != p.tp * p.pp, "data or context parallel (their engines' hooks launch communication from Python)"),
+        (t.dtype == "fp16", "fp16's loss scale changes between steps"),
+        (t.compile, "train.compile"), (m.moe_experts > 0, "MoE (per-forward statistics from Python)"),
+        (p.sp and m.dropout > 0, "sequence parallel with dropout (per-rank RNG swaps)")) if off]
+    return not why, "; ".join(why)
 
 
 def build_engine(model: nn.Module, mesh: Mesh, cfg: Config):
@@ -124,8 +142,11 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> Trainer:
         pipe = build_pipeline(engine, chunks, mesh, cfg)
         pp_layers = [list(r) for r in split_layers(cfg.model.n_layer, mesh.pp, p.pp_virtual,
                                                    pp_layers_list(p.pp_layers))]
+    graph, why = use_cuda_graph(cfg, mesh.world, mesh.device.type)
+    if why and mesh.rank == 0:  # the fast path is not taken: say so once, and run the eager step
+        print(f"train.cuda_graph=auto: eager step, because of {why}", flush=True)
     return Trainer(engine, mesh, cfg, check_layout(cfg, mesh.world, mesh.device.type), pipeline=pipe,
-                   pp_layers=pp_layers, tp_shards=tp_shards, ep_shards=ep_shards, fp8=fp8)
+                   pp_layers=pp_layers, tp_shards=tp_shards, ep_shards=ep_shards, fp8=fp8, graph=graph)
 
 
 def _apply_fp8(model: nn.Module, cfg: Config):

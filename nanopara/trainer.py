@@ -59,7 +59,7 @@ def model_buffers(model) -> dict:
 
 class Trainer:
     def __init__(self, engine, mesh: Mesh, cfg: Config, accum: int, *, pipeline=None, pp_layers=None,
-                 tp_shards=None, ep_shards=None, fp8=None):
+                 tp_shards=None, ep_shards=None, fp8=None, graph: bool = False):
         self.engine, self.mesh, self.cfg, self.accum = engine, mesh, cfg, accum
         self.pipeline, self.pp_layers, self.fp8 = pipeline, pp_layers, fp8
         self.tp_shards, self.ep_shards = tp_shards or {}, ep_shards or {}
@@ -72,7 +72,7 @@ class Trainer:
                             if g is not None]  # expert loads summed over the ranks that saw other tokens
         if cfg.train.compile:
             engine.model = torch.compile(engine.model)
-        if cfg.train.cuda_graph:  # check_layout: dp = cp = 1 (tp, pp), so no dp hooks a replay would skip
+        if graph:  # parallel.use_cuda_graph: dp = cp = 1 (tp, pp), so no dp hooks a replay would skip
             from nanopara.graph import GraphedMicroStep, GraphedPipelineStep
             self.graphed = GraphedPipelineStep(pipeline, engine, fp8) if pipeline is not None else \
                 GraphedMicroStep(engine.model, self.amp, self.scaler.scale / accum, engine)

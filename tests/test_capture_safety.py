@@ -461,7 +461,7 @@ def test_check_layout_refuses_sp_dropout_under_a_graph():
     from nanopara.presets import PRESETS
     from nanopara.parallel import check_layout
     cfg = PRESETS["tiny"]()
-    cfg.train.cuda_graph, cfg.parallel.tp, cfg.parallel.sp = True, 2, True
+    cfg.train.cuda_graph, cfg.parallel.tp, cfg.parallel.sp = "true", 2, True
     assert check_layout(cfg, 2, "cuda") == 1  # SP without dropout: captured (the test above)
     cfg.model.dropout = 0.1
     with pytest.raises(ConfigError, match="dropout"):

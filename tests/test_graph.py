@@ -14,7 +14,7 @@ from nanopara.parallel import build_engine, check_layout
 
 def test_unsupported_runs_fail_before_any_work(tmp_path):
     cfg = PRESETS["tiny"]()
-    cfg.train.cuda_graph = True
+    cfg.train.cuda_graph = "true"
     assert check_layout(cfg, 1, "cuda") == 1
     with pytest.raises(ConfigError, match="needs a CUDA device"):
         check_layout(cfg, 1, "cpu")
@@ -37,7 +37,7 @@ def test_unsupported_runs_fail_before_any_work(tmp_path):
     cfg.train.dtype, cfg.train.compile = "bf16", True
     with pytest.raises(ConfigError, match="use one"):
         cfg.check()
-    cfg.train.cuda_graph = False
+    cfg.train.cuda_graph = "false"
     assert check_layout(cfg, 2, "cpu") == 1  # the same layout without a graph runs anywhere
     with pytest.raises(ConfigError, match="needs a CUDA device"):  # from the CLI: before data or model work
         train.main(["--preset=tiny", "--device=cpu", f"--out_dir={tmp_path}", "--data.dataset=/nonexistent/*.bin",
@@ -147,3 +147,32 @@ def test_train_py_tp2_graphed_run_exits(tmp_path, sp):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root)
     assert r.returncode == 0, r.stderr[-3000:]
     assert (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_auto_takes_the_graph_where_it_pays_and_says_why_not():
+    """train.cuda_graph=auto (the default): on for tp or pp > 1 with dp = cp = 1 on CUDA; off on one GPU (no gain at
+    the default micro-batch: results/scaleout_h200.txt) and on CPU without a word; off with the reason where the
+    layout cannot be captured (parallelize prints it once)."""
+    from nanopara.parallel import use_cuda_graph
+    cfg = PRESETS["tiny"]()
+    assert cfg.train.cuda_graph == "auto"
+    assert use_cuda_graph(cfg, 1, "cuda") == (False, "")
+    cfg.parallel.tp = 2
+    assert use_cuda_graph(cfg, 2, "cuda") == (True, "")
+    assert use_cuda_graph(cfg, 2, "cpu") == (False, "")
+    assert use_cuda_graph(cfg, 4, "cuda")[0] is False and "data or context parallel" in use_cuda_graph(cfg, 4, "cuda")[1]
+    cfg.parallel.tp, cfg.parallel.pp = 1, 2
+    assert use_cuda_graph(cfg, 2, "cuda") == (True, "")
+    cfg.model.moe_experts, cfg.model.moe_top_k = 4, 2
+    on, why = use_cuda_graph(cfg, 2, "cuda")
+    assert not on and "MoE" in why
+    cfg.model.moe_experts, cfg.train.dtype = 0, "fp16"
+    assert "fp16" in use_cuda_graph(cfg, 2, "cuda")[1]
+    cfg.train.dtype = "bf16"
+    cfg.train.cuda_graph = "false"
+    assert use_cuda_graph(cfg, 2, "cuda") == (False, "")
+    cfg.train.cuda_graph = "true"
+    assert use_cuda_graph(cfg, 2, "cuda") == (True, "")
+    cfg.train.cuda_graph = "yes"
+    with pytest.raises(ConfigError, match="cuda_graph must be auto.true.false"):
+        cfg.check()

@@ -478,7 +478,7 @@ def _graphed_worker(rank, world, out_file):
             cfg.parallel.pp, cfg.parallel.pp_schedule = 2, schedule
             cfg.parallel.pp_virtual = 2 if schedule == "interleaved" else 1
             cfg.train.micro_batch, cfg.train.seq_len, cfg.train.tokens_per_step = 4, 32, 4 * 4 * 32
-            cfg.train.cuda_graph = graphed
+            cfg.train.cuda_graph = "true" if graphed else "false"
             torch.manual_seed(0)
             trainer = parallelize(GPT(cfg.model), mesh, cfg)
             gen = torch.Generator().manual_seed(1)
