@@ -409,21 +409,23 @@ def parse(argv=None):
         a.train_n, a.test_n, a.eval_every, a.rl_lr = 50, 16, 1, 1e-3
         a.pretrain_steps = a.pretrain_steps and 2
     a.work = a.work or os.path.join(a.out, "work")
-    a.seeds = [int(s) for s in str(a.seeds).split(",")]
+    a.base = os.path.abspath(a.base) if a.base else ""  # the scripts run from the repo root
+    a.seeds = [int(s) for s in str(a.seeds).split(",") if s]  # none: only the data (and --base's pre-training)
     if a.sft_steps % a.sft_every:
         raise SystemExit("--sft_steps must be a multiple of --sft_every")
     return a
 
 
 def run_jobs(a, rows_path: str) -> list[dict]:
-    """The seeds as child processes of this script, --jobs at a time, each on the next visible GPU; a child's row
-    is appended to rows_path as soon as it finishes (a later failure or time-out keeps it)."""
+    """The seeds as child processes of this script, --jobs at a time, each on the next visible GPU. A child writes
+    its row to OUT/rows_<tag>_s<seed>.jsonl, which this process moves into rows_path once it has finished (if this
+    process is stopped first, those files hold the finished seeds: --report reads them)."""
     todo, running, rows = list(a.seeds), [], []
     n_gpu = torch.cuda.device_count() if a.device == "cuda" else 0
     while todo or running:
         while todo and len(running) < a.jobs:
             s = todo.pop(0)
-            child = os.path.join(a.work, f"rows_{a.tag}_s{s}.jsonl")
+            child = os.path.join(a.out, f"rows_{a.tag}_s{s}.jsonl")
             if os.path.exists(child):
                 os.remove(child)
             env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": str(s % n_gpu)} if n_gpu > 1 else {})}
@@ -436,6 +438,7 @@ def run_jobs(a, rows_path: str) -> list[dict]:
             if job[2].returncode == 0:
                 new = H.read_jsonl(job[1])
                 H.append_jsonl(rows_path, new)
+                os.remove(job[1])
                 rows += new
             else:
                 print(f"seed {job[0]} failed ({job[2].returncode}): its log above", flush=True)
@@ -470,6 +473,8 @@ def main(argv=None):
         if a.child_rows:
             return
         rows = [{**H.stamp(), **r} for r in rows]
+    if not rows:
+        return
     reps = report(rows)
     H.append_jsonl(os.path.join(a.out, "post_train.jsonl"), reps)
     plot(rows + reps, os.path.join(a.out, "post_train.png"))
