@@ -196,8 +196,7 @@ def run_seed(a, seed: int) -> dict:
                        f"--test_seed={tasks.TEST_SEED}", f"--steps={a.rl_steps}", f"--prompts={a.prompts}",
                        f"--group={a.group}", f"--lr={a.rl_lr}", "--max_new=8", f"--train_n={a.train_n}",
                        f"--test_n={a.test_n}", f"--eval_every={a.eval_every}", f"--micro={a.micro}", "--save=0",
-                       f"--sample_batch={a.sample_batch}",
-                       *a.rl_args.split()], os.path.join(runs, "rl.log"))
+                       f"--sample_batch={a.sample_batch}", *a.rl_args.split()], os.path.join(runs, "rl.log"))
     rl_results(row, H.read_jsonl(os.path.join(rl_dir, "metrics.jsonl")))
     print(f"seed {seed}: RL {sec['rl']:.0f} s ({row['rl_step_s']:.2f} s a step), held-out exact match "
           f"{row['rl_final_exact_match']:.1%}", flush=True)
