@@ -195,7 +195,11 @@ def _prune(root: str, keep: int, just_saved: str, mesh: Mesh) -> None:
         if all(v.get(d) is None for v in views):
             good.append((read_meta(os.path.join(root, d)).get("saved_at", 0.0), d))
     for _, d in sorted(good)[:max(0, len(good) - (keep - 1))]:
-        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+        try:  # renamed first: a kill while deleting leaves old-* (the next start removes it), never a damaged step_*
+            os.replace(os.path.join(root, d), os.path.join(root, "old-" + d))
+        except OSError:
+            continue
+        shutil.rmtree(os.path.join(root, "old-" + d), ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
