@@ -30,6 +30,7 @@ import importlib.util
 import json
 import math
 import os
+import runpy
 import statistics
 import subprocess
 import sys
@@ -64,19 +65,19 @@ def sh(a, argv: list[str], log: str) -> float:
     its own, or with --inproc=1 its main() in this one; seconds taken. Fails loudly with the log's tail."""
     t0 = time.time()
     with open(log, "w") as f:
-        if a.inproc:
-            code = 0
+        if a.inproc:  # the script as __main__ (runpy), as a process would run it: its exit code from SystemExit
+            code, old = 0, sys.argv
             with contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
                 try:
-                    if argv[0] == "train.py":
-                        import train
-                        train.main(argv[1:])
-                    else:
-                        import rl as rl_script
-                        code = rl_script.main(argv[1:])
+                    sys.argv = argv
+                    runpy.run_path(os.path.join(ROOT, argv[0]), run_name="__main__")
+                except SystemExit as e:
+                    code = e.code if isinstance(e.code, int) else int(e.code is not None)
                 except Exception as e:  # noqa: BLE001  (reported with the log below)
                     print(f"{type(e).__name__}: {e}")
                     code = 1
+                finally:
+                    sys.argv = old
         else:
             code = subprocess.run([sys.executable, *argv], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
     if code:
