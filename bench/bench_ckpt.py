@@ -83,7 +83,7 @@ def main(argv=None):
     ap.add_argument("--device", default="auto", help="auto | cuda | cpu (a smoke run)")
     ap.add_argument("--every", type=int, default=50, help="steps between checkpoints")
     ap.add_argument("--periods", type=int, default=3, help="checkpoints per checkpointing mode")
-    ap.add_argument("--base_periods", type=int, default=2, help="--every-step periods of the mode without them")
+    ap.add_argument("--base_periods", type=int, default=1, help="--every-step periods of the mode without them")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--micro_batch", type=int, default=8)
