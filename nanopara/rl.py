@@ -230,15 +230,15 @@ def all_sum(t: torch.Tensor, group=None, world: int = 1) -> torch.Tensor:
 
 def trainer_config(model_cfg, *, rows: int, micro: int, world: int, device: str, dtype: str = "auto",
                    weight_decay: float = 0.0, eps: float = 1e-8, grad_clip: float = 1.0) -> Config:
-    """The Config of the policy's Trainer (parallel.parallelize): dp = world, AdamW betas 0.9 / 0.95, and one
-    micro-step per `micro` rows of this rank's `rows` (0: all), so accum = ceil(rows / micro). A micro-step's
-    sequences are at most the context long (train.seq_len: the rollouts' lengths vary from step to step)."""
+    """The Config of the policy's Trainer (parallel.parallelize): dp = world, AdamW betas 0.9 / 0.95, eager (a loss_fn
+    runs outside CUDA graphs), one micro-step per `micro` rows of this rank's `rows` (0: all), so accum = ceil(rows /
+    micro). A micro-step's sequences are at most the context long (train.seq_len: rollouts' lengths vary)."""
     micro = min(micro or rows, rows)
     accum, T = -(-rows // micro), model_cfg.block_size
     return Config(preset="rl", device=device, model=model_cfg, parallel=ParallelConfig(dp=world),
                   train=TrainConfig(micro_batch=micro, seq_len=T, tokens_per_step=accum * micro * T * world,
                                     weight_decay=weight_decay, beta1=0.9, beta2=0.95, eps=eps, grad_clip=grad_clip,
-                                    dtype=dtype, val_every=0, sample_tokens=0))
+                                    dtype=dtype, val_every=0, sample_tokens=0, cuda_graph="false"))
 
 
 def update(trainer, ro: Rollout, lr: float, *, clip_eps: float, kl_coef: float = 0.0,
