@@ -60,24 +60,14 @@ def parse():
     return ap.parse_args()
 
 
-def balanced_layers(n_layer: int, chunks: int, head_blocks: float) -> list[int]:
-    """Blocks per chunk, the last chunk's lm_head + loss counted as head_blocks blocks of work."""
-    last = min(max(1, round((n_layer + head_blocks) / chunks - head_blocks)), n_layer - (chunks - 1))
-    q, r = divmod(n_layer - last, chunks - 1)
-    return [q + (i < r) for i in range(chunks - 1)] + [last]
-
-
 def make_cfg(args, layout: str, m: int, world: int, schedule: str = "1f1b", v: int = 1):
     """The preset at the same global batch (m micro-batches) for every layout: pp = world (stages balanced for the
     head with --layers auto), dp = world (m / world micro-steps) or tp = world; ConfigError where it cannot run."""
     keys = {"model.kernels": args.kernels, "train.micro_batch": args.micro_batch, "train.seq_len": args.seq_len,
             "train.tokens_per_step": m * args.micro_batch * args.seq_len, "parallel.dp": 1}
-    mc = H.PRESETS[args.preset]().model
     if layout == "pp":
         keys.update({"parallel.pp": world, "parallel.pp_schedule": schedule, "parallel.pp_virtual": v})
-        if args.layers == "auto" and mc.n_layer >= world * v:  # (fewer blocks than chunks: Config.check says so)
-            head = 2 * mc.padded_vocab / (24 * mc.n_embd + 4 * args.seq_len)
-            keys["parallel.pp_layers"] = ",".join(map(str, balanced_layers(mc.n_layer, world * v, head)))
+        keys["parallel.pp_layers"] = args.layers  # auto: config.stage_layers (the head counted), or even
     else:
         keys["parallel.dp" if layout == "dp" else "parallel.tp"] = world
     return H.make_cfg(args.preset, keys)

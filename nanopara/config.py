@@ -71,7 +71,7 @@ class ParallelConfig:
                                  # layer fewer in backward, 2 x B*T*C bytes a block more held (default: regather)
     pp_schedule: str = "1f1b"    # gpipe | 1f1b | interleaved (needs pp_virtual >= 2) | zb (ZB-H1, zero bubble)
     pp_virtual: int = 1          # model chunks per pp rank (interleaved 1F1B's v): bubble (p-1)/(v*m), v x the p2p
-    pp_layers: str = ""          # blocks per chunk, comma-separated in model order (e.g. "7,6,6,5"); "" = even split
+    pp_layers: str = "auto"      # blocks per chunk in model order ("7,6,6,5"); auto: balanced, the head counted; even
     bucket_mb: float = 25.0      # DDP gradient bucket size
     reduce_dtype: str = "fp32"   # DDP gradient all-reduce in fp32 | bf16 (half the bytes; grads stay fp32)
     grad_dests: str = "auto"     # Linear weight grads written straight into DDP/ZeRO-2 buffers (dp._set_grad_dests):
@@ -302,7 +302,7 @@ class Config:
         """The pipeline checks that need no world size (those that need m, the micro-batches per step, are in
         parallel.check_layout: m = tokens_per_step / (micro_batch * seq_len * dp))."""
         p, t, n_layer = self.parallel, self.train, self.model.n_layer
-        layers = pp_layers_list(p.pp_layers)
+        layers = pp_layers_list(p.pp_layers) if p.pp_layers.strip() != "auto" else None
         if p.pp == 1:
             if p.pp_virtual > 1 or layers:
                 key = f"pp_virtual={p.pp_virtual}" if p.pp_virtual > 1 else f"pp_layers={p.pp_layers!r}"
@@ -317,11 +317,13 @@ class Config:
         if n_layer < n:
             raise ConfigError(f"model.n_layer={n_layer} is fewer blocks than the parallel.pp*parallel.pp_virtual = "
                               f"{p.pp}*{p.pp_virtual} = {n} chunks: every chunk needs at least one")
-        if layers is None and n_layer % n:
+        if p.pp_layers.strip() == "auto":
+            layers = stage_layers(self)
+        elif layers is None and n_layer % n:
             raise ConfigError(f"model.n_layer={n_layer} is not divisible by parallel.pp*parallel.pp_virtual = "
                               f"{p.pp}*{p.pp_virtual} = {n}: set parallel.pp_layers (blocks per chunk, e.g. "
-                              f"\"{','.join(str(n_layer // n + (i < n_layer % n)) for i in range(n))}\") to split "
-                              f"unevenly")
+                              f"\"{','.join(str(n_layer // n + (i < n_layer % n)) for i in range(n))}\", or auto) "
+                              f"to split unevenly")
         if layers is not None and (len(layers) != n or sum(layers) != n_layer):
             raise ConfigError(f"parallel.pp_layers={p.pp_layers!r} must give the blocks of each of the "
                               f"pp*pp_virtual = {n} chunks, summing to model.n_layer={n_layer}")
@@ -338,9 +340,33 @@ class Config:
 EVAL_TASKS = ("hellaswag",)  # train.eval_tasks' choices (train.run_evals)
 
 
+def balanced_layers(n_layer: int, chunks: int, head_blocks: float) -> list[int]:
+    """Blocks per chunk with the last chunk's lm_head + loss counted as head_blocks blocks of work: the last chunk
+    gets fewer blocks, the others share the rest evenly (earlier chunks one more where it does not divide)."""
+    last = min(range(1, n_layer - chunks + 2),  # the busiest chunk's work, smallest; ties: more blocks last
+               key=lambda k: (max(k + head_blocks, -(-(n_layer - k) // (chunks - 1))), -k))
+    q, r = divmod(n_layer - last, chunks - 1)
+    return [q + (i < r) for i in range(chunks - 1)] + [last]
+
+
+def stage_layers(cfg: "Config") -> list[int] | None:
+    """parallel.pp_layers resolved: blocks per chunk, or None for an even split. auto: the head's matmul (2 * vocab
+    * n_embd flops a token, forward; the backward twice that, as a block's) against a block's (24 * n_embd^2 +
+    4 * seq_len * n_embd), so gpt_1b at pp2 splits 10,8 (measured: results/scaleout_h200.txt's rows use it)."""
+    p, m = cfg.parallel, cfg.model
+    if p.pp_layers.strip() != "auto":
+        return pp_layers_list(p.pp_layers)
+    chunks = p.pp * p.pp_virtual
+    if p.pp == 1 or chunks < 2 or m.n_layer < chunks:
+        return None
+    head = 2 * m.padded_vocab / (24 * m.n_embd + 4 * cfg.train.seq_len)
+    return balanced_layers(m.n_layer, chunks, head)
+
+
 def pp_layers_list(text: str) -> list[int] | None:
-    """parallel.pp_layers as blocks per chunk ("7,6,6,5" -> [7, 6, 6, 5]); None for "" (an even split)."""
-    if not text.strip():
+    """parallel.pp_layers as blocks per chunk ("7,6,6,5" -> [7, 6, 6, 5]); None for "even" or "" (an even split).
+    "auto" is resolved by stage_layers, which needs the model."""
+    if text.strip() in ("", "even"):
         return None
     try:
         layers = [int(s) for s in text.split(",")]

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from nanopara.config import Config, ConfigError, pp_layers_list
+from nanopara.config import Config, ConfigError, stage_layers
 from nanopara.cp import apply_cp, ring_of, shard_stage_inputs
 from nanopara.dp import DDP, SingleDevice
 from nanopara.engine import weak_method
@@ -121,7 +121,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> Trainer:
     #    caller drops the GPT, so the other stages' weights go
     chunks = None
     if mesh.pp > 1:
-        chunks = split_model(model, mesh.pp, mesh.pp_rank, p.pp_virtual, pp_layers_list(p.pp_layers))
+        chunks = split_model(model, mesh.pp, mesh.pp_rank, p.pp_virtual, stage_layers(cfg))
         model = Stage(chunks)
         if mesh.cp > 1:
             for ch in chunks:
@@ -140,8 +140,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> Trainer:
     pipe = pp_layers = None
     if chunks is not None:
         pipe = build_pipeline(engine, chunks, mesh, cfg)
-        pp_layers = [list(r) for r in split_layers(cfg.model.n_layer, mesh.pp, p.pp_virtual,
-                                                   pp_layers_list(p.pp_layers))]
+        pp_layers = [list(r) for r in split_layers(cfg.model.n_layer, mesh.pp, p.pp_virtual, stage_layers(cfg))]
     graph, why = use_cuda_graph(cfg, mesh.world, mesh.device.type)
     if why and mesh.rank == 0:  # the fast path is not taken: say so once, and run the eager step
         print(f"train.cuda_graph=auto: eager step, because of {why}", flush=True)

@@ -197,8 +197,8 @@ def test_stage_holds_its_chunks_under_single_device_names():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--parallel.pp=2", "--model.n_layer=7"], r"n_layer=7 is not divisible by parallel.pp\*parallel.pp_virtual = "
-                                               r'2\*1 = 2: set parallel.pp_layers .* e.g. "4,3"'),
+    (["--parallel.pp=2", "--model.n_layer=7", "--parallel.pp_layers=even"],
+     r'n_layer=7 is not divisible by parallel.pp\*parallel.pp_virtual = 2\*1 = 2: set parallel.pp_layers .* e.g. "4,3"'),
     (["--parallel.pp=2", "--parallel.pp_layers=7,6"], r"pp_layers='7,6' must give the blocks of each of the "
                                                       r"pp\*pp_virtual = 2 chunks, summing to model.n_layer=12"),
     (["--parallel.pp=2", "--parallel.pp_layers=4,4,4"], "must give the blocks of each of the pp.pp_virtual = 2"),
@@ -208,7 +208,7 @@ def test_stage_holds_its_chunks_under_single_device_names():
     (["--parallel.pp=2", "--parallel.pp_virtual=2"], "pp_virtual=2 needs parallel.pp_schedule=interleaved"),
     (["--parallel.pp=2", "--parallel.pp_virtual=0"], r"pp_virtual=0 is out of range: it must be >= 1"),
     (["--parallel.pp=2", "--parallel.pp_schedule=zbv"], "pp_schedule must be gpipe.1f1b.interleaved.zb"),
-    (["--parallel.pp=4", "--parallel.pp_schedule=interleaved", "--parallel.pp_virtual=2"],
+    (["--parallel.pp=4", "--parallel.pp_schedule=interleaved", "--parallel.pp_virtual=2", "--parallel.pp_layers="],
      r"n_layer=12 is not divisible by parallel.pp\*parallel.pp_virtual = 4\*2 = 8"),
     (["--preset=tiny", "--parallel.pp=4", "--parallel.pp_schedule=interleaved", "--parallel.pp_virtual=2"],
      r"n_layer=4 is fewer blocks than the parallel.pp\*parallel.pp_virtual = 4\*2 = 8 chunks"),
@@ -223,6 +223,26 @@ def test_stage_holds_its_chunks_under_single_device_names():
 def test_bad_pipeline_config_is_one_clear_error(argv, message):
     with pytest.raises(ConfigError, match=message):
         parse_args(argv)
+
+
+def test_auto_split_counts_the_head():
+    """parallel.pp_layers=auto (the default): the last chunk holds lm_head + loss, worth 2V/(24C+4T) blocks, so it
+    gets fewer blocks; gpt_1b's hand-tuned 10,8 (pp2) and 5,5,5,3 (pp2 interleaved) come out; any n_layer splits."""
+    from nanopara.config import balanced_layers, stage_layers
+    cfg = parse_args(["--preset=gpt_1b", "--parallel.pp=2"])
+    assert cfg.parallel.pp_layers == "auto" and stage_layers(cfg) == [10, 8]
+    cfg = parse_args(["--preset=gpt_1b", "--parallel.pp=2", "--parallel.pp_schedule=interleaved",
+                      "--parallel.pp_virtual=2"])
+    assert stage_layers(cfg) == [5, 5, 5, 3]
+    assert stage_layers(parse_args(["--preset=gpt2_124m", "--parallel.pp=2", "--model.n_layer=7"])) == [6, 1]
+    assert stage_layers(parse_args(["--parallel.pp=2", "--parallel.pp_layers=even"])) is None
+    assert stage_layers(parse_args(["--parallel.pp=2", "--parallel.pp_layers=7,5"])) == [7, 5]
+    assert balanced_layers(12, 3, 0.0) == [4, 4, 4] and balanced_layers(12, 2, 100.0) == [11, 1]
+    for n, c, h in ((18, 2, 2.4), (24, 4, 4.5), (9, 3, 1.0)):  # no other split has a less busy busiest chunk
+        got = balanced_layers(n, c, h)
+        cost = max(got[:-1] + [got[-1] + h])
+        assert sum(got) == n and min(got) >= 1
+        assert cost <= min(max(k + h, -(-(n - k) // (c - 1))) for k in range(1, n - c + 2)) + 1e-9
 
 
 def test_check_layout_counts_the_pipelines_micro_batches():
