@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import keyword
 import json
 
 from nanopara.config import Config, ConfigError
@@ -52,7 +53,7 @@ def _valid_keys(cfg: Config) -> list[str]:
 
 
 def apply_override(cfg: Config, key: str, text: str) -> None:
-    parts = key.split(".")
+    parts = [f"{k}_" if keyword.iskeyword(k) else k for k in key.split(".")]  # --ckpt.async: the field async_
     target, name = (cfg, parts[0]) if len(parts) == 1 else (getattr(cfg, parts[0], None), parts[1])
     ok = len(parts) <= 2 and target is not None and dataclasses.is_dataclass(target) and \
         name in {f.name for f in dataclasses.fields(target)} and not dataclasses.is_dataclass(getattr(target, name))

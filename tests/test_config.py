@@ -111,3 +111,10 @@ def test_help_lists_every_key_with_its_note():
     text = help_text()
     assert all(f"--{k}=" in text for k in _valid_keys(Config()))
     assert "context parallel (cp.py): ring attention, each rank holds 2 of 2*cp seq chunks" in text
+
+
+def test_a_python_keyword_key_is_spelt_as_users_type_it():
+    """--ckpt.async (the issue's flag; `async` is a keyword, so the field is async_): both spellings set it."""
+    from nanopara.cli import parse_args
+    assert parse_args(["--ckpt.async=true"]).ckpt.async_ == "true"
+    assert parse_args(["--ckpt.async_=false"]).ckpt.async_ == "false"
