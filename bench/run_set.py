@@ -125,7 +125,8 @@ SETS = {
     "post_train": [Job("generate", 1, ["bench/bench_generate.py", "--out", "{out}/generate.jsonl"]),
                    Job("generate_mixed", 1, ["bench/bench_generate.py", "--mixed", "--out", "{out}/generate.jsonl"]),
                    Job("sft", 1, ["bench/bench_sft.py", "--out", "{out}/sft"]),
-                   Job("post_train", 1, ["bench/post_train_demo.py", "--out", "{out}/post_train"], 7200)],
+                   Job("post_train", 1, ["bench/post_train_demo.py", "--recipe=small", "--seeds=1,2,3", "--jobs=3",
+                                                  "--out", "{out}/post_train"], 7200)],
     # the planner's GPU table (nanopara/gpus.py): GEMMs, attention, bandwidth, host cost, collectives; < 240 s
     "calibrate": [Job("calibrate", 1, torchrun("{ngpu}", "bench/bench_calibrate.py", "--out", "{out}/plan_gpus.json"),
                       300)],
