@@ -290,9 +290,12 @@ class Config:
             check_moe_config(m)
         except ValueError as e:
             raise ConfigError(f"model.{e}") from None
-        if t.cuda_graph == "true":
-            raise ConfigError("model.moe_experts > 0 with train.cuda_graph=true: the MoE stats and the bias load are "
-                              "set from Python per forward, which a graph replay would skip; use one")
+        if t.cuda_graph == "true" and m.moe_impl not in ("auto", "triton"):  # moe.py: only Triton's path is sync-free
+            raise ConfigError(f"train.cuda_graph=true with model.moe_impl={m.moe_impl}: that PyTorch path reads expert "
+                              f"bounds on the host, which a capture cannot hold; use moe_impl=auto or triton")
+        if t.cuda_graph == "true" and p.ep > 1:
+            raise ConfigError("train.cuda_graph=true with parallel.ep > 1: expert parallel runs under data-parallel "
+                              "engines, whose hooks a replay would skip")
         if p.ep > 1:  # expert parallel (ep.py); that ep divides dp*cp is checked with the world size (check_layout)
             if m.moe_experts % p.ep:
                 raise ConfigError(f"model.moe_experts={m.moe_experts} is not divisible by parallel.ep={p.ep} (each ep "

@@ -86,7 +86,10 @@ def use_cuda_graph(cfg: Config, world: int, device_type: str) -> tuple[bool, str
     why = [reason for off, reason in (
         (world != p.tp * p.pp, "data or context parallel (their engines' hooks launch communication from Python)"),
         (t.dtype == "fp16", "fp16's loss scale changes between steps"),
-        (t.compile, "train.compile"), (m.moe_experts > 0, "MoE (per-forward statistics from Python)"),
+        (t.compile, "train.compile"),
+        (m.moe_experts > 0 and not (m.moe_capacity > 0 and m.moe_impl in ("auto", "triton")),
+         "MoE without a capacity or with a PyTorch moe_impl (dropless is graphable with train.cuda_graph=true; "
+         "auto waits for its measurement)"),
         (p.sp and m.dropout > 0, "sequence parallel with dropout (per-rank RNG swaps)")) if off]
     return not why, "; ".join(why)
 
