@@ -51,6 +51,14 @@ def sorted_rows(N, k, E, capacity=None):
     return N * k if capacity is None else min(N * k, E * capacity)
 
 
+def padded_dest(r, capacity):
+    """r.dest for an (E x capacity)-row buffer, expert e's kept rows at [e * capacity, e * capacity + kept_e) and
+    the rest of its capacity unused (expert parallel's fixed-size exchange, nanopara/ep.py); -1 stays -1. Device
+    ops on (N, k): no host sync."""
+    e = r.idx.to(torch.int32)
+    return torch.where(r.dest >= 0, e * capacity + r.dest - r.offsets[r.idx], -1).to(torch.int32)
+
+
 def _check_route(logits, k, score, bias, capacity):
     if logits.dim() != 2:
         raise ValueError(f"route: logits must be (N, E), got {tuple(logits.shape)}")
@@ -416,13 +424,23 @@ class PermuteFunction(torch.autograd.Function):
 
 
 class UnpermuteFunction(torch.autograd.Function):
+    """weights None: an unweighted gather (y[t] = ys[dest[t, 0]] for k = 1, 0 where dropped), whose backward is the
+    permute's forward (nanopara/ep.py moves received rows with it)."""
+
     @staticmethod
     def forward(ctx, ys, dest, weights):
-        ctx.save_for_backward(ys, dest, weights)
+        if weights is None:
+            ctx.save_for_backward(dest)
+            ctx.rows = ys.shape[0]
+        else:
+            ctx.save_for_backward(ys, dest, weights)
         return unpermute_fwd(ys, dest, weights)
 
     @staticmethod
     def backward(ctx, dy):
+        if len(ctx.saved_tensors) == 1:
+            (dest,) = ctx.saved_tensors
+            return permute_fwd(dy, dest, ctx.rows), None, None
         ys, dest, weights = ctx.saved_tensors
         dys, dw = unpermute_bwd(dy, ys, dest, weights)
         return dys, None, dw

@@ -14,14 +14,14 @@ Aux losses over the N tokens of a forward (Switch eq. 4-6; ST-MoE eq. 5): balanc
   (`_AuxLossGrad`, Megatron-Core's auto-scaler): `aux_grad_scale` must equal the factor the trainer puts on its loss.
 Aux-loss-free balancing (DeepSeek-V3), moe_bias_rate = u > 0: after the optimizer step `update_expert_bias(model)`
   sets b_e += u * sign(mean(load) - load_e) from the loads counted by the training forwards (all-reduced first).
-
 Paths (`impl`, the same numbers up to summation order): loop (the spec, `moe_loop_ref`), sorted (kernels/moe_route's
-PyTorch references, one host sync), grouped_mm (torch._grouped_mm; CUDA, 16-bit), triton (kernels/moe_route.py and
-kernels/grouped_gemm.py; no host sync), auto (triton on CUDA, sorted elsewhere). After each forward: `aux_loss` and
-`stats` (0-dim device tensors: aux, z, drop, load_min, load_max). Parameters: router.weight (E, C); experts.c_fc /
-c_proj weights (E, 4C, C) / (E, C, 4C) and biases, each expert slice in nn.Linear's layout. Expert parallel
-(ep.apply_ep) keeps E/ep experts per rank and sends the sorted rows to their ranks and back around `_run_experts`.
-Callers: model.py (Block), trainer.py (aux scale, bias update, stats). Tests: tests/test_moe.py; notes/moe.md.
+PyTorch references; host syncs), grouped_mm (torch._grouped_mm; CUDA, 16-bit), triton (kernels/moe_route.py and
+kernels/grouped_gemm.py: no host sync, fixed shapes: a CUDA graph can hold it), auto (triton on CUDA, sorted elsewhere).
+`aux_loss` after a forward; `stats` (views of the `stat` buffer: aux, z, drop, load_min, load_max) after a training
+one: what a step changes is written in place into buffers (stat, load, aux_scale), so a graph replay repeats it.
+Parameters: router.weight (E, C); experts.c_fc / c_proj weights (E, 4C, C) / (E, C, 4C) and biases (nn.Linear's
+layout per expert). Expert parallel: ep.py. Callers: model.py (Block), trainer.py (aux scale, bias update, stats).
+Tests: tests/test_moe.py, tests/test_capture_safety.py (no host sync in the step); notes/moe.md.
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 IMPLS = ("auto", "loop", "sorted", "grouped_mm", "triton")
+STATS = ("aux", "z", "drop", "load_min", "load_max")  # MoEMLP.stats, in the order of its `stat` buffer
 
 
 @dataclass
@@ -148,17 +149,20 @@ class Experts(nn.Module):
 
 
 class _AuxLossGrad(torch.autograd.Function):
-    """fwd: y unchanged; bwd: y's gradient, and `scale` as the gradient of the aux loss (Megatron-Core's
-    MoEAuxLossAutoScaler): the aux loss trains the router without being added to the trainer's loss."""
+    """fwd: y unchanged; bwd: y's gradient, and `scale` (a 0-dim device tensor) as the gradient of the aux loss
+    (Megatron-Core's MoEAuxLossAutoScaler): the aux loss trains the router without being added to the trainer's
+    loss."""
 
     @staticmethod
     def forward(ctx, y, aux, scale):
-        ctx.scale, ctx.aux_dtype = scale, aux.dtype
+        ctx.save_for_backward(scale)
+        ctx.aux_dtype = aux.dtype
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        return dy, torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=dy.device), None
+        (scale,) = ctx.saved_tensors
+        return dy, scale.to(ctx.aux_dtype), None
 
 
 def moe_loop_ref(x, logits, experts, k, score="softmax", renorm=True, bias=None, capacity=None):
@@ -224,13 +228,31 @@ class MoEMLP(nn.Module):
         self.experts = Experts(E, C, cfg.bias)
         self.register_buffer("expert_bias", torch.zeros(E))  # aux-loss-free balancing (checkpointed)
         self.register_buffer("load", torch.zeros(E), persistent=False)  # assignments since the last bias update
+        self.register_buffer("stat", torch.zeros(len(STATS)), persistent=False)  # the last training forward's stats
+        self.register_buffer("aux_scale", torch.ones(()), persistent=False)  # aux_grad_scale on the device
         self.aux_grad_scale = 1.0  # the trainer's factor on its loss (1 / micro-steps), see the module docstring
         self.aux_shards = 1  # sequence parallel (tp.apply_tp): the tp ranks' shards of one micro-batch, whose aux
         #                      losses are averaged (their router gradients are summed over tp like every SP grad)
         self.ep = None  # ep.EPGroup once ep.apply_ep shards the experts: this rank then holds E / ep of them
         self.aux_loss = None
-        self.stats = {}
+        self._has_stats = False  # a training forward has written `stat`
         self.reset_parameters(cfg.n_layer)
+
+    @property
+    def aux_grad_scale(self) -> float:
+        return self._aux_grad_scale
+
+    @aux_grad_scale.setter
+    def aux_grad_scale(self, value: float):
+        """Kept in the `aux_scale` buffer too, which each forward copies for its backward: a CUDA graph's replay
+        reads the value set before it, and pp.py's per micro-batch settings each reach their own backward."""
+        self._aux_grad_scale = float(value)
+        self.aux_scale.fill_(value)
+
+    @property
+    def stats(self) -> dict:
+        """{aux, z, drop, load_min, load_max}: 0-dim views of `stat`, the last training forward's; {} before one."""
+        return {k: self.stat[i] for i, k in enumerate(STATS)} if self._has_stats else {}
 
     def reset_parameters(self, n_layer=12):
         """GPT-2's init (GPT.reset_parameters does the same by parameter name): N(0, 0.02), c_proj N(0, 0.02 /
@@ -269,15 +291,19 @@ class MoEMLP(nn.Module):
             mr, _ = _kernels()
             r = (mr.route_triton if impl == "triton" else mr.route_ref)(logits.detach(), k, self.score, bias, cap)
             gates = gate_weights(logits, r.idx, self.score, self.renorm)  # (N, k)
+            dest, rows = r.dest, r.rows
+            if self.ep is not None and cap is not None:  # ep.py's fixed-size exchange: E x cap rows, padded
+                dest, rows = mr.padded_dest(r, cap), self.n_experts * cap
             if impl == "triton":
-                xs = mr.permute_triton(x2.to(compute_dtype(x2)), r.dest, r.rows)  # (R, C) expert-sorted
+                xs = mr.permute_triton(x2.to(compute_dtype(x2)), dest, rows)  # (R, C) expert-sorted
             else:
-                xs = mr.permute_ref(x2, r.dest, r.rows)
+                xs = mr.permute_ref(x2, dest, rows)
             if self.ep is None:
                 ys = self._run_experts(impl, xs, r.offsets)
             else:  # expert parallel (nanopara/ep.py): rows to the ranks holding their experts and back
-                ys = self.ep.experts(xs, r.offsets, lambda rows, offsets: self._run_experts(impl, rows, offsets))
-            y = (mr.unpermute_triton if impl == "triton" else mr.unpermute_ref)(ys, r.dest, gates)
+                ys = self.ep.experts(xs, r.offsets, lambda rows, offsets: self._run_experts(impl, rows, offsets),
+                                     cap, impl == "triton")
+            y = (mr.unpermute_triton if impl == "triton" else mr.unpermute_ref)(ys, dest, gates)
             counts, kept = r.counts, r.offsets[-1]
         y = self._losses(y, logits, counts, kept, N)
         return F.dropout(y.view(*shape[:-1], y.shape[-1]), self.dropout, self.training)
@@ -292,27 +318,32 @@ class MoEMLP(nn.Module):
         return experts_sorted(xs, offsets, self.experts, impl == "grouped_mm")
 
     def _losses(self, y, logits, counts, kept, N):
-        """Sets aux_loss and stats; routes the aux loss's gradient through y's backward."""
+        """Sets aux_loss; a training forward also writes `stat` and adds to `load` (in place: a CUDA graph's replay
+        repeats both); routes the aux loss's gradient through y's backward."""
         if N == 0:
-            self.aux_loss, self.stats = None, {}
+            self.aux_loss = None
             return y
-        with torch.no_grad():
-            if self.training and self.bias_rate > 0:
-                self.load += counts.float()
         lb = load_balance_loss(logits, counts, self.top_k, self.score)
         zl = z_loss(logits)
         self.aux_loss = self.aux_coef * lb + self.z_coef * zl
-        mean = counts.float().mean()
-        self.stats = dict(aux=lb.detach(), z=zl.detach(), drop=1 - kept.float() / (N * self.top_k),
-                          load_min=counts.min().float() / mean, load_max=counts.max().float() / mean)
+        if self.training:
+            with torch.no_grad():
+                if self.bias_rate > 0:
+                    self.load += counts.float()
+                c = counts.float()
+                self.stat.copy_(torch.stack([lb, zl, 1 - kept.float() / (N * self.top_k), c.min() / c.mean(),
+                                             c.max() / c.mean()]))
+            self._has_stats = True
         if torch.is_grad_enabled() and self.aux_loss.requires_grad and (self.aux_coef > 0 or self.z_coef > 0):
-            y = _AuxLossGrad.apply(y, self.aux_loss, self.aux_grad_scale / self.aux_shards)
+            scale = self.aux_scale.clone() if self.aux_shards == 1 else self.aux_scale / self.aux_shards
+            y = _AuxLossGrad.apply(y, self.aux_loss, scale)
         return y
 
     @torch.no_grad()
     def update_bias(self):
-        """DeepSeek-V3's step: b_e += u * sign(mean load - load_e); clears the load."""
-        if self.bias_rate > 0 and self.load.sum() > 0:
+        """DeepSeek-V3's step: b_e += u * sign(mean load - load_e) (no loads: sign(0) = 0, no change); clears the
+        load. Device ops only."""
+        if self.bias_rate > 0:
             self.expert_bias += self.bias_rate * torch.sign(self.load.mean() - self.load)
         self.load.zero_()
 
