@@ -9,13 +9,15 @@ as before, and engine.backward's one 1/(dp*cp) makes both means over the global 
 squares are summed over ep (engine._global_sq), as tp shards' are over tp.
 
 One MoE layer's forward (MoEMLP.forward -> layer.ep.experts -> `ep_experts`), routed over all E as on one device:
-  1. the expert-sorted buffer xs (R, C): the rows for ep rank j are one contiguous slice (its experts' groups);
-  2. counts: all_to_all_single of (ep, El) kept-row counts -> recv[s, e] = rows source s sends to local expert e;
-     one host copy of both (the row splits are host ints) per layer per forward;
-  3. rows: all_to_all_single with those variable splits (`AllToAll`, whose backward is the reverse exchange);
-  4. received rows come (source, expert)-major: one index gather makes them (expert, source)-major, the local
-     experts run on El groups (the grouped GEMM or moe.py's per-expert path), the inverse gather restores order;
-  5. all_to_all back, zero rows appended up to R, and the usual unpermute-combine with the gates.
+  1. the expert-sorted buffer xs: the rows for ep rank j are one slice (its experts' groups);
+  2. counts: all_to_all_single of the (ep, El) kept-row counts -> recv[s, e] (on the device);
+  3. rows: all_to_all_single (`AllToAll`, whose backward is the reverse exchange). Dropless: the split sizes are read
+     on the host, the layer's one host sync per forward. Capacity c: xs holds E x c rows (expert e's at e c, padded),
+     every peer gets El x c rows: fixed splits, no host sync, the same shapes every step;
+  4. received rows come (source, expert)-major: a device-side index (`expert_major`) and moe_route's row moves make
+     them (expert, source)-major without padding, the local experts run on El groups (the grouped GEMM or moe.py's
+     per-expert path), the inverse move restores the order (padding rows zero);
+  5. all_to_all back, and the usual unpermute-combine with the gates.
 Every rank joins both collectives, in both directions, even when it sends or receives no row (ranks run the same
 number of MoE forwards: train.py's validation and samples run on every rank in lockstep).
 
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 
 from nanopara.moe import moe_layers
 
@@ -44,8 +47,8 @@ class EPGroup:
     def local(self) -> int:
         return self.n_experts // self.size
 
-    def experts(self, xs, offsets, run_local):
-        return ep_experts(xs, offsets, self, run_local)
+    def experts(self, xs, offsets, run_local, capacity=None, triton=False):
+        return ep_experts(xs, offsets, self, run_local, capacity, triton)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -75,49 +78,58 @@ class AllToAll(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------------------------
 # one layer's dispatch -> local experts -> combine
 
-def exchange_counts(kept: torch.Tensor, ep: EPGroup) -> tuple[list, torch.Tensor]:
-    """kept (E,) rows this rank keeps per expert -> (rows sent to each ep rank (host list), recv (ep, El) host
-    tensor: rows each source sends to each local expert). One small all-to-all and one host copy."""
-    send_counts = kept.to(torch.int64).view(ep.size, ep.local)  # (ep, El): row j goes to ep rank j
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=ep.group)
-    both = torch.stack([send_counts, recv_counts]).cpu()  # the one host sync of the layer
-    return both[0].sum(1).tolist(), both[1]
+def exchange_counts(kept: torch.Tensor, ep: EPGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """kept (E,) rows this rank keeps per expert -> (send (ep, El): rows for ep rank j's experts, recv (ep, El):
+    rows each source sends to each local expert), int64 on the device: one small all-to-all, no host copy."""
+    send = kept.to(torch.int64).view(ep.size, ep.local)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=ep.group)
+    return send, recv
 
 
-def source_to_expert_order(recv: torch.Tensor, device) -> torch.Tensor:
-    """Index p with xr[p] (expert, source)-major, for xr the received rows, which come (source, expert)-major;
-    recv (ep, El) host counts."""
+def expert_major(recv: torch.Tensor, rows: int, capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dest (rows, 1) int32, local offsets (El+1,) int32), device ops only. The received rows come source-major:
+    segment (s, e) holds what source s sent to local expert e, recv[s, e] rows, back to back (dropless) or at the
+    start of `capacity` rows (capacity: the rest is padding). dest[p] is row p's place in the (expert, source)-major
+    buffer of this rank's experts (expert e's group: [offsets[e], offsets[e+1]), sources in rank order), -1 for
+    padding: moe_route's permute / unpermute move the rows with it."""
     ep, El = recv.shape
-    start = (recv.reshape(-1).cumsum(0) - recv.reshape(-1)).view(ep, El)  # where segment (s, e) starts in xr
-    lengths, starts = recv.t().reshape(-1), start.t().reshape(-1)  # segments in (e, s) order
-    seg_base = starts - (lengths.cumsum(0) - lengths)  # row i of segment q: xr row starts[q] + (i - its out start)
-    total = int(lengths.sum())
-    idx = torch.repeat_interleave(seg_base, lengths) + torch.arange(total)
-    return idx.to(device)
-
-
-def ep_experts(xs: torch.Tensor, offsets: torch.Tensor, ep: EPGroup, run_local) -> torch.Tensor:
-    """The expert MLPs of the expert-sorted buffer xs (R, C) with group bounds offsets (E+1,), computed where the
-    experts live: rows out by all-to-all, `run_local(rows, local_offsets (El+1,) int32)` on this rank's experts,
-    rows back. Returns (R, C); rows past offsets[E] are zero."""
-    R = xs.shape[0]
-    kept = offsets[1:] - offsets[:-1]  # (E,)
-    send, recv = exchange_counts(kept, ep)
-    n_kept = sum(send)
-    xr = AllToAll.apply(xs[:n_kept], send, recv.sum(1).tolist(), ep.group)  # (sum recv, C) (source, expert)-major
-    local_off = torch.tensor([0] + recv.sum(0).cumsum(0).tolist(), dtype=torch.int32, device=xs.device)  # (El+1,)
-    if ep.local > 1:
-        order = source_to_expert_order(recv, xs.device)
-        inv = torch.empty_like(order)
-        inv[order] = torch.arange(order.numel(), device=order.device)
-        yr = run_local(xr[order], local_off)[inv]
+    flat = recv.reshape(-1)  # (ep * El,) segment lengths in arrival order
+    p = torch.arange(rows, device=recv.device)
+    if capacity is None:
+        ends = flat.cumsum(0)
+        seg = torch.searchsorted(ends, p, right=True).clamp(max=max(ep * El - 1, 0))  # row p's segment
+        pos = p - (ends - flat)[seg]  # its place within the segment
     else:
+        seg, pos = p // max(capacity, 1), p % max(capacity, 1)
+    offsets = F.pad(recv.sum(0).cumsum(0), (1, 0))  # (El + 1,) local expert groups
+    base = (offsets[:-1][None, :] + recv.cumsum(0) - recv).reshape(-1)  # where segment (s, e) starts in them
+    dest = torch.where(pos < flat[seg], base[seg] + pos, -1)
+    return dest.to(torch.int32)[:, None], offsets.to(torch.int32)
+
+
+def ep_experts(xs: torch.Tensor, offsets: torch.Tensor, ep: EPGroup, run_local, capacity: int | None = None,
+               triton: bool = False) -> torch.Tensor:
+    """The expert MLPs of the expert-sorted buffer xs, computed where the experts live: rows out by all-to-all,
+    `run_local(rows, local_offsets (El+1,) int32)` on this rank's experts, rows back; returns xs's layout.
+    capacity None (dropless): xs (R, C) grouped by offsets (E+1,) with no gap (R = offsets[E]); the row splits are
+    read on the host: the layer's one host sync. capacity c: xs (E * c, C), expert e's rows at [e c, e c + kept_e)
+    (moe_route.padded_dest); every peer gets El * c rows, padding included: fixed splits, no host sync, the same
+    shapes every step (a CUDA graph can hold it). triton: moe_route's Triton row moves, else its references."""
+    from kernels import moe_route as mr
+    permute, unpermute = (mr.permute_triton, mr.unpermute_triton) if triton else (mr.permute_ref, mr.unpermute_ref)
+    send, recv = exchange_counts(offsets[1:] - offsets[:-1], ep)
+    if capacity is None:
+        send_rows, recv_rows = torch.stack([send.sum(1), recv.sum(1)]).tolist()  # the host sync (split sizes)
+    else:
+        send_rows = recv_rows = [ep.local * capacity] * ep.size
+    xr = AllToAll.apply(xs, send_rows, recv_rows, ep.group)  # (source, expert)-major
+    dest, local_off = expert_major(recv, xr.shape[0], capacity)
+    if ep.local == 1 and capacity is None:  # one local expert and no padding: already in its order
         yr = run_local(xr, local_off)
-    ys = AllToAll.apply(yr, recv.sum(1).tolist(), send, ep.group)  # (n_kept, C) back in xs's row order
-    if R > n_kept:  # capacity mode: the buffer's unused tail
-        ys = torch.cat([ys, ys.new_zeros(R - n_kept, ys.shape[1])])
-    return ys
+    else:
+        yr = unpermute(run_local(permute(xr, dest, xr.shape[0]), local_off), dest, None)  # padding rows: zero
+    return AllToAll.apply(yr, recv_rows, send_rows, ep.group)
 
 
 # ----------------------------------------------------------------------------------------------------------------

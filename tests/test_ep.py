@@ -23,7 +23,7 @@ from nanopara.cli import parse_args
 from nanopara.config import ConfigError
 from nanopara.consolidate import full_model_state
 from nanopara.data import write_shard
-from nanopara.ep import AllToAll, apply_ep, gather_experts, source_to_expert_order
+from nanopara.ep import AllToAll, apply_ep, expert_major, gather_experts
 from nanopara.mesh import Mesh, MeshError
 from nanopara.moe import MoEConfig, MoEMLP
 from nanopara.parallel import check_layout
@@ -64,12 +64,24 @@ def check_all_to_all(rank, world):
     assert torch.equal(x.grad, torch.cat(want))
 
 
-def test_source_to_expert_order():
+@pytest.mark.parametrize("capacity", [None, 4])
+def test_expert_major_order(capacity):
+    """ep.expert_major (device ops): the received rows, (source, expert)-major, get their places in the local
+    experts' (expert, source)-major buffer; with a capacity each segment is `capacity` rows long and its padding
+    gets -1. (It replaced a host-built index, source_to_expert_order, checked here the same way.)"""
     recv = torch.tensor([[2, 0, 1], [1, 3, 0]])  # (sources, local experts)
-    rows = [(s, e) for s in range(2) for e in range(3) for _ in range(int(recv[s, e]))]  # received order
-    order = source_to_expert_order(recv, "cpu")
-    assert [rows[i] for i in order] == sorted(rows, key=lambda se: (se[1], se[0]))
-    assert sorted(order.tolist()) == list(range(len(rows)))
+    rows = []  # received order: (source, expert, i), None for padding
+    for s in range(2):
+        for e in range(3):
+            n = int(recv[s, e])
+            rows += [(s, e, i) for i in range(n)] + [None] * ((capacity or n) - n)
+    dest, offsets = expert_major(recv, len(rows), capacity)
+    assert dest.dtype == offsets.dtype == torch.int32 and dest.shape == (len(rows), 1)
+    placed = sorted((d, r) for d, r in zip(dest[:, 0].tolist(), rows) if d >= 0)
+    assert [d for d, _ in placed] == list(range(7))
+    assert [r for _, r in placed] == sorted((r for r in rows if r), key=lambda r: (r[1], r[0], r[2]))
+    assert all(r is None for d, r in zip(dest[:, 0].tolist(), rows) if d < 0)
+    assert offsets.tolist() == [0, 3, 6, 7]
 
 
 # ----------------------------------------------------------------------------------------------------------------
