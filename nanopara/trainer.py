@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from nanopara.config import Config
 from nanopara.mesh import Mesh
-from nanopara.moe import set_aux_grad_scale, step_stats, update_expert_bias
+from nanopara.moe import loads_counted_once, set_aux_grad_scale, step_stats, update_expert_bias
 from nanopara.optim import LossScaler
 
 
@@ -105,7 +105,8 @@ class Trainer:
                     x, y = (b.to(self.device, non_blocking=True) for b in batch)
                 w = 1.0 if weights is None else weights[micro]
                 if self.graphed is not None:  # one GPU or tp alone: no gradient communication to skip
-                    step_loss = self.graphed(x, y)
+                    with self._moe_capture():
+                        step_loss = self.graphed(x, y)
                 else:
                     with self.engine.no_sync(micro < self.accum - 1):
                         with self.amp():
@@ -123,11 +124,18 @@ class Trainer:
         if self.graphed is not None:  # the whole step of this rank's schedule, one replay (graph.py)
             if weights is not None:
                 raise ValueError("cuda_graph: per micro-batch loss weights change between steps; a replay has one")
-            return self.graphed(xs, ys, scale / self.engine.n)
+            with self._moe_capture():
+                return self.graphed(xs, ys, scale / self.engine.n)
         with self.engine.no_sync():  # the reduction starts per chunk at its last backward (on_last_backward)
             loss = pipe.step(xs, ys, scale / self.engine.n, weights)  # engine.backward's 1/(dp*cp), here
         sync_tied_grads(pipe.chunks.values(), pipe.tied_group)  # before step() reduces the tied weight's bucket
         return loss
+
+    def _moe_capture(self):
+        """A graph's first call also runs its eager warm-up forwards: MoE's expert loads count them once (moe.py)."""
+        if self.cfg.model.moe_experts and self.graphed.graph is None:
+            return loads_counted_once(self.engine.model, self.graphed.warmup + 1)
+        return contextlib.nullcontext()
 
     def _stage_data(self, batches: list):
         """The first stage reads the token ids, the last the targets; every pp rank of a dp index reads the same
