@@ -25,6 +25,7 @@ Tests: tests/test_moe.py, tests/test_capture_safety.py (no host sync in the step
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -360,6 +361,19 @@ def set_aux_grad_scale(model, scale):
     """The factor the trainer applies to its loss before backward (1 / micro-steps, times an fp16 loss scale)."""
     for m in moe_layers(model):
         m.aux_grad_scale = scale
+
+
+@contextlib.contextmanager
+def loads_counted_once(model, runs: int):
+    """Around a call that runs the same training forwards `runs` times where eager mode runs them once: a CUDA
+    graph's first call (graph.py: `warmup` eager runs on the captured batches, then one replay). The expert loads
+    it adds are divided by `runs` (sums of integer counts: exact), so the bias update is eager mode's."""
+    layers = [m for m in moe_layers(model) if m.bias_rate > 0]
+    before = [m.load.clone() for m in layers]
+    yield
+    with torch.no_grad():
+        for m, b in zip(layers, before):
+            m.load.copy_(b + (m.load - b) / runs)
 
 
 @torch.no_grad()
