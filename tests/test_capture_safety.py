@@ -20,6 +20,9 @@ capture would record) of a tiny GPT built by parallel.parallelize, as train.py b
                the same list in the first warm-up call and in the captured call, and every async handle issued
                in the region is waited for inside it (an unjoined NCCL stream ends a capture with an error)
 
+The same region with MoE layers (issue #44; notes/moe.md): one process (capacity, dropless, FP8 experts), tp2 + sp,
+pp2, and ep2's exchange (capacity: fixed splits, no sync; dropless: its one documented split read).
+
 Everything here is CPU and gloo: what it cannot see is listed in notes/tp.md ("SP under CUDA graphs"): whatever
 the CUDA kernels, the caching allocator, NCCL or Triton do below Python.
 
@@ -292,6 +295,8 @@ LAYOUTS = {  # label -> (parallel flags, train flags, model flags)
     "tp2_sp_bf16": (dict(sp=True), dict(dtype="bf16"), dict()),
     "tp2_sp_dropout": (dict(sp=True), dict(), dict(dropout=0.1)),  # known: refused with cuda_graph (parallel.py)
     "old_sp_positions": (dict(sp=True), dict(), dict()),  # the probe's own check: SP positions built on the host
+    "tp2_sp_moe": (dict(sp=True), dict(), dict(n_embd=16, moe_experts=4, moe_top_k=2, moe_every=2, moe_capacity=1.0,
+                                                moe_impl="triton", moe_bias_rate=0.01)),  # test_moe_* below
 }
 
 
@@ -565,6 +570,199 @@ def test_probe_catches_what_it_claims():
     finally:
         probe.uninstall()
 
+
+# ----------------------------------------------------------------------------------------------------------------
+# MoE (issue #44): the layer's Triton path (routing, permute, grouped GEMM, combine: the interpreter on CPU) inside
+# GraphedMicroStep's region, and expert parallel's exchange (ep2, 2 gloo processes)
+
+MOE_MODEL = dict(n_layer=2, n_head=2, n_embd=16, block_size=16, vocab_size=97, kernels="torch", moe_experts=4,
+                 moe_top_k=2, moe_every=2, moe_impl="triton", moe_bias_rate=0.01)  # one MoE layer (block 1)
+MOE_LAYOUTS = {  # label -> (model flags, train flags); 16 tokens x top-2 over 4 experts: capacity 8 drops some
+    "moe_capacity": (dict(moe_capacity=1.0), dict()),
+    "moe_dropless": (dict(moe_capacity=0.0), dict()),
+    "moe_capacity_fp8": (dict(moe_capacity=1.0), dict(fp8="row", fp8_filter="*.experts")),
+    "moe_sorted": (dict(moe_capacity=1.0, moe_impl="sorted"), dict()),  # the PyTorch reference: host bounds
+}
+
+
+def _moe_trainer(mesh, model_kw, train_kw=None, parallel_kw=None):
+    from nanopara.config import Config, ModelConfig
+    from nanopara.model import GPT
+    from nanopara.parallel import parallelize
+    cfg = Config(device="cpu", seed=0)
+    cfg.model = ModelConfig(**{**MOE_MODEL, **model_kw})
+    for k, v in (train_kw or {}).items():
+        setattr(cfg.train, k, v)
+    for k, v in (parallel_kw or {}).items():
+        setattr(cfg.parallel, k, v)
+    torch.manual_seed(0)
+    return parallelize(GPT(cfg.model), mesh, cfg)
+
+
+def _moe_steps(trainer, probe, seed, warmup=1, capture=True) -> list:
+    """GraphedMicroStep's region (warm-up `_fwd_bwd` calls, `_before_capture`, the captured call; capture=False: no
+    `_before_capture`, for engines without graphs), then Trainer.step's MoE work (bias update, stats)."""
+    from nanopara.graph import GraphedMicroStep
+    from nanopara.moe import set_aux_grad_scale, step_stats, update_expert_bias
+    model = trainer.engine.model
+    micro = GraphedMicroStep(model, trainer.amp, 0.5, trainer.engine, warmup=warmup)
+    set_aux_grad_scale(model, 0.5)  # the Trainer sets it before each step, eagerly
+    gen = torch.Generator().manual_seed(seed)
+    micro.x, micro.y = (torch.randint(0, 97, (2, 8), generator=gen) for _ in range(2))
+    steps = []
+    for i in range(warmup + 1):
+        if i == warmup and capture:
+            micro._before_capture()
+        with probe.region() as res:
+            loss = micro._fwd_bwd(micro.x, micro.y)
+        steps.append(dict(phase="capture" if i == warmup else f"warmup{i}", **res))
+        assert torch.isfinite(loss)
+    groups = trainer._moe_groups  # Trainer.step's MoE lines: loads summed over the data-parallel ranks
+
+    def all_reduce(t):
+        for g in groups:
+            dist.all_reduce(t, group=g)
+    with probe.region() as res:
+        update_expert_bias(model, all_reduce if groups else None)
+        stats = step_stats(model)
+    steps.append(dict(phase="after_step", **res))
+    assert set(stats) == {"moe_aux", "moe_z", "moe_drop", "moe_load_min", "moe_load_max"}
+    return steps
+
+
+@pytest.mark.timeout_s(90)
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")  # the interpreter's
+def test_moe_micro_step_is_capture_safe():
+    """One process, the MoE layer on its Triton path (capacity, dropless, FP8 experts): no host sync, no
+    data-dependent shape, no host data, no RNG state in the region a capture records, nor in Trainer.step's MoE
+    work after it; the step's state lands in buffers written in place (load, stat). The PyTorch reference path
+    (moe_impl=sorted) is caught reading group bounds on the host (graphs refuse it: config._check_moe)."""
+    from nanopara.mesh import Mesh
+    from nanopara.moe import moe_layers
+    mesh = Mesh.build(device="cpu")
+    probe = CaptureProbe().install()
+    try:
+        for label, (model_kw, train_kw) in MOE_LAYOUTS.items():
+            trainer = _moe_trainer(mesh, model_kw, train_kw)
+            (layer,) = moe_layers(trainer.engine.model)
+            steps = _moe_steps(trainer, probe, seed=1)
+            events = {s["phase"]: s["events"] for s in steps}
+            if label == "moe_sorted":
+                kinds = {(e["kind"], e["site"].split(" ")[0].split(":")[0]) for e in events["capture"]}
+                assert kinds == {("sync", "nanopara/moe.py"), ("dynamic", "kernels/moe_route.py")}, events
+                continue
+            assert not any(events.values()), (label, events)
+            assert not any(s["collectives"] for s in steps), label
+            assert layer.stats and layer.expert_bias.abs().sum() > 0, label  # written by the region's forwards
+            trainer.engine.close()
+    finally:
+        probe.uninstall()
+
+
+def _ep_worker(rank, world, labels, out_dir):
+    global PROBE
+    torch.set_num_threads(1)
+    from nanopara.mesh import Mesh
+    mesh = Mesh.build(dp=2, ep=2, device="cpu")
+    PROBE = CaptureProbe().install()
+    report = {}
+    try:
+        for label in labels:
+            cap = 1.0 if label == "ep2_capacity" else 0.0
+            trainer = _moe_trainer(mesh, dict(moe_capacity=cap), parallel_kw=dict(dp=2, ep=2))
+            with trainer.engine.no_sync():  # DDP's hooks are not this test's (graphs refuse dp > 1)
+                steps = _moe_steps(trainer, PROBE, seed=1 + rank, capture=False)  # each rank its own tokens
+            report[label] = dict(steps=steps, mismatch=_compare(label, steps[:-1], rank, world))
+            trainer.engine.close()
+    finally:
+        PROBE.uninstall()
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+            json.dump(report, fh)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout_s(90)
+def test_tp_sp_moe_micro_step_is_capture_safe():
+    """tp2 + sp with an MoE layer (each tp rank routes its own T/tp tokens through whole experts, Triton path): the
+    region graph.py captures holds no host sync and both ranks issue the same collectives, warm-up and capture."""
+    rep = run(("tp2_sp_moe",))
+    text = summarize(rep)
+    for rank, r in rep.items():
+        lay = r["tp2_sp_moe"]
+        assert not lay["mismatch"] and not lay["refused"], text
+        assert not lay["steps"][-1]["events"] and lay["steps"][-1]["collectives"], text
+
+
+def _pp_moe_worker(rank, world, out_dir):
+    """graph.GraphedPipelineStep's region (as _pp_worker) on pp2 1F1B with an MoE layer on each stage: the pipeline
+    sets each layer's aux scale per micro-batch inside the region (moe.py keeps it in a device buffer)."""
+    global PROBE
+    torch.set_num_threads(1)
+    from nanopara.graph import GraphedPipelineStep
+    from nanopara.mesh import Mesh
+    mesh = Mesh.build(pp=2, device="cpu")
+    PROBE = CaptureProbe().install()
+    steps = []
+    try:
+        trainer = _moe_trainer(mesh, dict(n_layer=4, moe_capacity=1.0),
+                               dict(micro_batch=2, seq_len=8, tokens_per_step=2 * 2 * 8),
+                               dict(pp=2, pp_schedule="1f1b", pp_layers="2,2"))
+        gen = torch.Generator().manual_seed(1)
+        batches = [tuple(torch.randint(0, 97, (2, 8), generator=gen) for _ in range(2)) for _ in range(2)]
+        step = GraphedPipelineStep(trainer.pipeline, trainer.engine, warmup=1)
+        step.xs, step.ys = trainer._stage_data(batches)
+        step.scale = 1.0
+        with PROBE.region() as res:
+            step._step()
+        steps.append(dict(phase="warmup0", **res))
+        trainer.engine.zero_grad_buffers()
+        with PROBE.region() as res:
+            step._step()
+        steps.append(dict(phase="capture", **res))
+        trainer.engine.close()
+    finally:
+        PROBE.uninstall()
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+            json.dump(steps, fh)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout_s(90)
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+def test_pipeline_moe_step_is_capture_safe():
+    """pp2 (1F1B, 2 micro-batches) with an MoE layer per stage on its Triton path: GraphedPipelineStep's region
+    holds no host sync, host data or RNG state, and each rank repeats its warm-up's send/recv batches."""
+    with tempfile.TemporaryDirectory() as d:
+        spawn(_pp_moe_worker, 2, d)
+        reports = [json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(2)]
+    for rank, steps in enumerate(reports):
+        assert not any(s["events"] for s in steps), (rank, [s["events"] for s in steps])
+        assert signature(steps[0]["collectives"]) == signature(steps[1]["collectives"]), rank
+        assert [c["op"] for c in steps[1]["collectives"]].count("batch_isend_irecv") >= 2  # 2 micro-batches
+
+
+@pytest.mark.timeout_s(120)
+def test_expert_parallel_capacity_exchange_is_capture_safe():
+    """ep2 (2 gloo processes, each routing its own tokens): in capacity mode the MoE layer's exchange has fixed
+    splits (E_local x capacity rows per peer), so the region holds no host sync and both ranks issue the same
+    all-to-alls, of the same shapes, in the warm-up and the would-be capture. Dropless reads its split sizes on
+    the host: exactly one sync per MoE layer forward, at ep.py's split read (documented there), and nothing else."""
+    labels = ("ep2_capacity", "ep2_dropless")
+    with tempfile.TemporaryDirectory() as d:
+        spawn(_ep_worker, 2, labels, d)
+        reports = [json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(2)]
+    for rank, rep in enumerate(reports):
+        cap, drop = rep["ep2_capacity"], rep["ep2_dropless"]
+        assert not cap["mismatch"], cap["mismatch"]
+        assert not any(s["events"] for s in cap["steps"]), [s["events"] for s in cap["steps"]]
+        ops = [c["op"] for c in cap["steps"][-2]["collectives"]]
+        assert ops.count("all_to_all_single") == 5, ops  # counts, rows out and back; the backward's two
+        for s in drop["steps"][:-1]:
+            assert [(e["kind"], e["site"].split(" ")[0].split(":")[0]) for e in s["events"]] == \
+                [("sync", "nanopara/ep.py")], (rank, s["events"])
+        assert not drop["steps"][-1]["events"]
 
 if __name__ == "__main__":
     print(summarize(run(sys.argv[1:] or LAYOUTS)))
