@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 from nanopara import gpus as G
-from nanopara.config import Config, pp_layers_list
+from nanopara.config import Config, stage_layers
 from nanopara.plan_time import predict
 from nanopara.planner import Layout, Model, PlanError, Run
 
@@ -29,7 +29,7 @@ def run_of_config(cfg: Config, world: int, gpu: str, fabric: dict | None = None)
     graph = str(t.cuda_graph).lower()  # "auto": graphed where the trainer graphs by default (tp or pp, dp = cp = 1)
     graph = graph in ("true", "on") or (graph == "auto" and (p.tp > 1 or p.pp > 1) and dp == 1 and p.cp == 1)
     lay = Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, sp=p.sp, schedule=p.pp_schedule,
-                 virtual=p.pp_virtual, pp_layers=tuple(pp_layers_list(p.pp_layers) or ()), micro_batch=t.micro_batch,
+                 virtual=p.pp_virtual, pp_layers=tuple(stage_layers(cfg) or ()), micro_batch=t.micro_batch,
                  ac=t.activation_checkpointing, fp8=t.fp8, graph=graph,
                  kernels="torch" if m.kernels == "torch" else "triton", cp_impl=p.cp_impl,
                  sp_keep=p.sp_keep_gathered, reduce_bytes=2 if p.reduce_dtype == "bf16" else 4)
