@@ -1,25 +1,26 @@
-"""MoE on one GPU: grouped GEMM, permute / unpermute, and the MoE layer forward + backward against PyTorch.
+"""MoE on one GPU: grouped GEMM, permute / unpermute, the MoE layer fwd + bwd against PyTorch, the training step.
 
     python bench/bench_moe.py [--quick] [--out F.jsonl]     (~4 minutes on an H100, autotuning included)
+    python bench/bench_moe.py --sections=step [--out F.jsonl]    (5. only: gpt2_moe's step, eager vs CUDA graph)
     python bench/bench_moe.py --smoke                       (CPU, Triton interpreter, tiny shapes: the script runs)
 
 GPT-2 124M width (C = 768, experts C -> 4C -> C), E = 8 experts, top-2, bf16; every ratio is against a baseline
 timed in the same run on the same GPU. Sections:
 1. parity  the Triton MoE layer (bf16 autocast) against the fp32 per-expert loop: max error / max |ref| of y, dx
-           and each parameter grad, beside the PyTorch sorted path's bf16 error (tests/test_moe.py's gpu test
-           asserts Triton <= 2x that)
-2. gemm    grouped GEMM fwd / dgrad / wgrad TFLOP/s at R = 2 x 32768 rows, for the c_fc (N=3072, K=768) and
-           c_proj (N=768, K=3072) shapes, balanced and skewed groups (expert e's share ~ 1/(e+1)^1.5: 48% to one
-           expert), against one dense cuBLAS GEMM of the same FLOPs and torch._grouped_mm (where torch has it)
-           goals (issue #27): >= 0.85x dense with balanced groups, ahead of torch._grouped_mm. Where TMA runs
-           (sm_90+, or the interpreter under --smoke; --no-tma skips it) also through the TMA kernels (`triton_tma`
-           column; `triton` = the pointer kernels); each Triton cell: TFLOP/s, x dense and x _grouped_mm
+           and each parameter grad, beside the PyTorch sorted path's bf16 error (tests/test_moe.py's gpu test)
+2. gemm    grouped GEMM fwd / dgrad / wgrad TFLOP/s at R = 2 x 32768 rows, c_fc (N=3072, K=768) and c_proj
+           (N=768, K=3072), balanced and skewed groups (expert e's share ~ 1/(e+1)^1.5: 48% to one expert),
+           against one dense cuBLAS GEMM of the same FLOPs and torch._grouped_mm; goals (issue #27): >= 0.85x
+           dense balanced, ahead of _grouped_mm. Where TMA runs (sm_90+, the interpreter under --smoke; --no-tma
+           skips it) the TMA kernels too (`triton_tma`; `triton` = pointer kernels): TFLOP/s, x dense, x _grouped_mm
 3. moves   route / permute / unpermute fwd and bwd: ms, GB/s and % of the measured copy bandwidth, against
            PyTorch's index ops on the same order. Goal: >= 80% of copy
 4. layer   the MoE layer fwd + bwd (router, aux losses, dispatch, experts, combine) at B*T = 16384 and 32768
            tokens: triton vs the per-expert loop, the sorted-index PyTorch path, and sorted + torch._grouped_mm
-           (and triton_tma: grouped_gemm.TMA on, where TMA runs); speedup over the loop (goal >= 3x), TFLOP/s of
-           its expert GEMMs, its time over those GEMMs' alone (`grouped_mlp` on the sorted rows: the dispatch)
+           (and triton_tma); speedup over the loop (goal >= 3x), TFLOP/s of its expert GEMMs, its time over those
+           GEMMs' alone (`grouped_mlp` on the sorted rows: the dispatch)
+5. step    (--sections=step) train.py's step of gpt2_moe, micro-batch 8 x 1024, eager vs train.cuda_graph=true,
+           capacity 1.0 and dropless: ms, tok/s, MFU on active parameters, peak GB, last loss (equal in both modes)
 JSON lines (one per row, stamped by bench/harness.py) go to --out; tables to stdout.
 """
 from __future__ import annotations
@@ -206,13 +207,64 @@ def layer(args, timer):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# 5. the training step
+
+
+def train_step(args):
+    """train.py's step (parallelize -> Trainer) eager and graphed, per capacity: one row each, then the ratios."""
+    from nanopara.mesh import Mesh
+    from nanopara.report import flops_per_token
+    mesh = Mesh.build(device=args.device)
+    preset = "tiny_moe" if args.smoke else "gpt2_moe"
+    B, T = args.step_batch, args.step_seq
+    print(f"\n5. training step, {preset}, one device, micro-batch {B} x {T} ({args.dtype_name} autocast), "
+          f"{args.step_warmup} warm-up + {args.step_steps} timed steps; MFU on the active parameters")
+    print(f"{'capacity':>9} {'mode':>6} {'ms':>8} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GB':>8} "
+          f"{'loss':>9}")
+    rows = []
+    for cap in args.step_capacities:
+        for graph in (False, True) if args.device == "cuda" else (False,):  # a graph needs CUDA
+            cfg = H.make_cfg(preset, {"train.micro_batch": B, "train.seq_len": T, "model.moe_capacity": cap,
+                                      "train.cuda_graph": "true" if graph else "false"})
+            trainer, n_params = H.build_trainer(cfg, mesh)
+            batches = H.synthetic_batches(cfg, trainer.accum, mesh.device)
+            t = H.timed(lambda: H.train_step(trainer, batches), args.step_steps, args.step_warmup, mesh=mesh,
+                        each=True, peak_from_start=graph)
+            tps = B * T * trainer.accum / t["median_s"]
+            row = dict(section="step", preset=preset, capacity=cap, mode="graph" if graph else "eager",
+                       micro_batch=B, seq_len=T, step_ms=t["median_s"] * 1e3, tokens_per_s=tps,
+                       tflops=flops_per_token(cfg.model, n_params, T) * tps / 1e12, active_params=n_params,
+                       mfu=H.mfu(cfg, n_params, tps, 1, mesh.device), peak_gb=t["peak_gb"],
+                       loss_last=t["last"].item())
+            rows.append(row)
+            print(f"{cap:>9} {row['mode']:>6} {row['step_ms']:8.2f} {tps:10,.0f} {row['tflops']:8.1f} "
+                  f"{row['mfu']:6.1%} {row['peak_gb']:8.1f} {row['loss_last']:9.5f}")
+            trainer.close()
+            del trainer, batches
+            H.free()
+    by = {(r["capacity"], r["mode"]): r for r in rows}
+    for cap in args.step_capacities:
+        if (cap, "graph") in by:
+            e, g = by[(cap, "eager")], by[(cap, "graph")]
+            ratio = dict(section="step", capacity=cap, graph_over_eager=e["step_ms"] / g["step_ms"],
+                         loss_rel_diff=abs(g["loss_last"] - e["loss_last"]) / abs(e["loss_last"]))
+            rows.append(ratio)
+            print(f"capacity {cap}: graph {ratio['graph_over_eager']:.3f}x eager, last loss rel. diff "
+                  f"{ratio['loss_rel_diff']:.1e}")
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
 
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="the layer at 32768 tokens only")
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes (checks the script)")
-    p.add_argument("--sections", default="parity,gemm,moves,layer")
+    p.add_argument("--sections", default="parity,gemm,moves,layer", help="any of parity,gemm,moves,layer,step")
+    p.add_argument("--step-capacities", default="1.0,0", help="step: model.moe_capacity values (0: dropless)")
+    p.add_argument("--step-steps", type=int, default=20, help="step: timed steps per row")
+    p.add_argument("--step-warmup", type=int, default=10, help="step: untimed steps (autotuning, the capture)")
     p.add_argument("--no-tma", action="store_true", help="no rows for the grouped GEMM's TMA kernel")
     p.add_argument("--out", help="append JSON lines here")
     args = p.parse_args(argv)
@@ -222,6 +274,7 @@ def parse(argv=None):
             raise SystemExit("--smoke runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
         args.device, args.dtype, args.C, args.tokens, args.tokens_small = "cpu", torch.float32, 16, [40], 40
         args.skews = ["skewed"]
+        args.step_batch, args.step_seq = 2, 32
     else:
         if not torch.cuda.is_available():
             raise SystemExit("the benchmark needs a CUDA GPU (or --smoke on CPU)")
@@ -229,6 +282,8 @@ def parse(argv=None):
         args.tokens = [32768] if args.quick else [16384, 32768]
         args.tokens_small = 4096
         args.skews = ["balanced", "skewed"]
+        args.step_batch, args.step_seq = 8, 1024
+    args.step_capacities = [float(c) for c in args.step_capacities.split(",")]
     args.R = max(args.tokens) * args.k
     args.dtype_name = str(args.dtype).split(".")[-1]
     return args
@@ -250,6 +305,8 @@ def main(argv=None):
         rows += moves(args, timer, copy_bandwidth(args.device))
     if "layer" in sections:
         rows += layer(args, timer)
+    if "step" in sections:
+        rows += train_step(args)
     H.append_jsonl(args.out, rows)
     return rows
 

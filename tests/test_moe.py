@@ -646,6 +646,19 @@ def test_bench_moe_smoke(tmp_path):
     assert {"loop", "sorted", "grouped_mm", "triton", "grouped_mlp_only"} <= layer
 
 
+@pytest.mark.timeout_s(60)
+def test_bench_moe_step_smoke(tmp_path):
+    """bench_moe.py's step section (train.py's step, eager vs CUDA graph): on CPU the eager rows only."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import bench_moe
+    rows = bench_moe.main(["--smoke", "--sections=step", "--step-steps=1", "--step-warmup=1",
+                           "--out", str(tmp_path / "step.jsonl")])
+    assert [(r["capacity"], r["mode"]) for r in rows] == [(1.0, "eager"), (0.0, "eager")]
+    assert all(r["tokens_per_s"] > 0 and math.isfinite(r["loss_last"]) for r in rows)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # GPU: bf16 at the model's width
 
