@@ -1,5 +1,6 @@
 # nanopara: two commands do everything on a fresh machine
 #   make train [NGPU=N] [ARGS="--key=value ..."]    set up, prepare data if missing, train
+#              [RESTARTS=K [MIN_NGPU=M]]             restart after a crash, K times, with --resume (supervise.py)
 #   make test                                        set up, run the whole suite (GPU tests skip on CPU machines)
 #   make sample [RUN=runs/latest] [ARGS="--prompt=..."] text from a run's newest checkpoint (runs/latest: the last run)
 # On a machine whose python already has torch/triton/tiktoken (e.g. the GPU machines): add PY=python3.
@@ -8,6 +9,10 @@ VENV    ?= .venv
 PY      ?= $(VENV)/bin/python
 NGPU    ?= 1
 ARGS    ?=
+# RESTARTS=K: nanopara/supervise.py starts the NGPU processes and, after a crash, starts them again with --resume,
+# at most K times (0: no supervisor). MIN_NGPU=M < NGPU lets a restart continue on fewer GPUs when some stop answering
+RESTARTS ?= 0
+MIN_NGPU ?= $(NGPU)
 DATASET ?= shakespeare
 # train.py points runs/latest at the run it starts (runs/tiny on CPU, runs/default on a GPU)
 RUN     ?= runs/latest
@@ -50,7 +55,9 @@ train: setup
 	@ds=$$(echo "$(ARGS)" | sed -n 's/.*--data.dataset=\([^ ]*\).*/\1/p'); ds=$${ds:-$(DATASET)}; \
 	  case "$$ds" in *.bin|*/*|*\**) ;; *) ls data/shards/$$ds/*train*.bin >/dev/null 2>&1 || \
 	    $(PY) data/prepare.py $$ds || exit 1;; esac
-ifeq ($(NGPU),1)
+ifneq ($(RESTARTS),0)
+	$(PY) -m nanopara.supervise --restarts=$(RESTARTS) --nproc=$(NGPU) --min_nproc=$(MIN_NGPU) -- train.py $(TRAIN_ARGS)
+else ifeq ($(NGPU),1)
 	$(PY) train.py $(TRAIN_ARGS)
 else
 	@# one clear line for a bad configuration, instead of one per rank wrapped in torchrun's failure report
