@@ -105,7 +105,7 @@ def check_layer(rank, world, ep, k, capacity, skew, impl="sorted"):
     xs = [torch.randn(2, 5, 8, generator=g) for _ in range(world)]
     xs = [x.abs() for x in xs] if skew else xs  # skew: positive inputs, so expert 0's logit wins
     # reference: the full layer on every rank's tokens; expert grads summed over the ranks of my ep group
-    ref = _layer(k, capacity, skew)
+    ref = _layer(k, capacity, skew, impl)  # the same path on one device (triton vs sorted: tests/test_moe.py)
     outs, grads = [], []
     for x in xs:
         ref.zero_grad()
@@ -146,7 +146,8 @@ def _layer_worker(rank, world, cases):
     (2, [(2, 2, 0.0, False),    # ep, k, capacity, skew: dropless top-2
          (2, 1, 0.0, True),     # all tokens to expert 0: ep rank 1 receives nothing
          (2, 2, 1.0, True),     # capacity: experts 0 and 1 drop, the buffer's tail stays unused
-         (2, 2, 1.0, True, "triton")]),  # routing, permute, grouped GEMM and combine kernels around the exchange
+         (2, 2, 1.0, True, "triton"),  # routing, permute, grouped GEMM and combine kernels around the exchange
+         (2, 2, 0.0, False, "triton")]),  # dropless: the received rows moved to expert order by those kernels
     (4, [(2, 2, 0.0, False),    # two ep groups of 2
          (4, 2, 0.0, True)]),   # one expert per rank, two ranks idle
 ])

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kernels import grouped_gemm as gg
-from kernels.moe_route import (permute_ref, permute_triton, route_ref, route_triton, unpermute_ref,
+from kernels.moe_route import (padded_dest, permute_ref, permute_triton, route_ref, route_triton, unpermute_ref,
                                unpermute_triton)
 from nanopara.moe import (MoEConfig, MoEMLP, active_params, collect_stats, gate_weights, load_balance_loss,
                           moe_layers, set_aux_grad_scale, update_expert_bias, z_loss)
@@ -129,6 +129,36 @@ def test_permute_unpermute_match_reference(route_case, dtype):
     torch.testing.assert_close(wa.grad.double(), wb.grad, atol=1e-4 * C, rtol=1e-4)  # fp32 dot over C columns
     dropped = r.dest < 0
     assert (wa.grad[dropped] == 0).all()
+
+
+@pytest.mark.parametrize("route_case", [1, 3, 6])  # dropped tokens; one expert capped; k = 1 with capacity
+def test_padded_dest_and_unweighted_moves(route_case):
+    """padded_dest (expert parallel's fixed-size buffer, E x capacity rows): each kept assignment lands at
+    e * capacity + its rank within expert e, drops stay -1. The unweighted unpermute (ep.py's move back from the
+    local experts' order) equals the reference, and its backward is the permute: rows no assignment owns get
+    nothing (left unwritten), the others exactly their token's gradient."""
+    N, E, k, score, bias, capacity, kind = ROUTES[route_case]
+    r = route_ref(_logits(N, E, kind), k, score, 0.3 * torch.randn(E, generator=_gen(1)) if bias else None,
+                  capacity)
+    pad = padded_dest(r, capacity)
+    assert pad.dtype == torch.int32 and pad.shape == r.dest.shape
+    assert torch.equal(pad < 0, r.dest < 0)
+    for t in range(N):
+        for j in range(k):
+            if r.dest[t, j] >= 0:
+                e = r.idx[t, j].item()
+                assert pad[t, j] == e * capacity + r.dest[t, j] - r.offsets[e]
+    rows, C = E * capacity, 24
+    ys = torch.randn(rows, C, generator=_gen(2))
+    ya, yb = _leaf(ys), _leaf(ys)
+    out_t, out_r = unpermute_triton(ya, pad, None), unpermute_ref(yb, pad, None)
+    torch.testing.assert_close(out_t, out_r, rtol=1e-6, atol=1e-6)  # fp32 sums of k rows in slot order
+    dy = torch.randn(N, C, generator=_gen(3))
+    out_t.backward(dy)
+    out_r.backward(dy)
+    owned = torch.zeros(rows, dtype=torch.bool)
+    owned[pad[pad >= 0].long()] = True
+    assert torch.equal(ya.grad[owned], yb.grad[owned])  # copies of dy rows: exact
 
 
 # fp32: summation order; fp16/bf16: one rounding of an fp32 sum to 11 / 8 mantissa bits (values ~1-3)
