@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=2 bench/bench_ep.py --out=F.jsonl                     (~2 minutes on 2 x H100)
     torchrun --nproc_per_node=4 bench/bench_ep.py --layouts=single,dp4,ep4,ep2 --out=F.jsonl
+    torchrun --nproc_per_node=2 bench/bench_ep.py --capacity=1.0 --out=F.jsonl     (ep's fixed-size exchange)
     torchrun --nproc_per_node=2 bench/bench_ep.py --device=cpu --preset=tiny_moe \\
         --micro_batch=2 --seq_len=64 --steps=2 --warmup=1                             (CPU smoke: the script runs)
 
@@ -39,6 +40,8 @@ def parse():
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--kernels", default="auto", help="model.kernels: auto (Triton) | torch")
     ap.add_argument("--micro_batch", type=int, default=8)
+    ap.add_argument("--capacity", type=float, default=None, help="model.moe_capacity (default: the preset's; > 0: "
+                    "ep's fixed-size exchange, no host sync; 0: dropless, one split read per layer)")
     ap.add_argument("--seq_len", type=int, default=1024)
     ap.add_argument("--warmup", type=int, default=10, help="untimed steps (Triton autotuning happens here: the "
                     "received rows vary, and each new power-of-2 row bucket tunes the grouped GEMM once)")
@@ -119,13 +122,16 @@ def main():
                                                    and N % int(layout[2:]) == 0)):
             raise SystemExit(f"bench_ep.py: layout {layout!r} on {N} GPUs: use single, dp{N}, or epK with K "
                              f"dividing {N}")
-    H.printer(base)(H.banner(f"bench_ep {args.preset} B={args.micro_batch} T={args.seq_len} kernels={args.kernels}",
-                             base), flush=True)
+    H.printer(base)(H.banner(f"bench_ep {args.preset} B={args.micro_batch} T={args.seq_len} kernels={args.kernels}"
+                             f" capacity={args.capacity}", base), flush=True)
     rows = []
     for layout in layouts:
         ep = int(layout[2:]) if layout.startswith("ep") else 1
-        cfg = H.make_cfg(args.preset, {"model.kernels": args.kernels, "train.micro_batch": args.micro_batch,
-                                       "train.seq_len": args.seq_len, "parallel.ep": ep})
+        over = {"model.kernels": args.kernels, "train.micro_batch": args.micro_batch, "train.seq_len": args.seq_len,
+                "parallel.ep": ep}
+        if args.capacity is not None:
+            over["model.moe_capacity"] = args.capacity
+        cfg = H.make_cfg(args.preset, over)
         if layout == "single":
             if base.rank == 0:
                 rows.append(run(cfg, H.solo_mesh(base.device), args, layout))
@@ -138,8 +144,8 @@ def main():
                   for name in by if name.startswith("ep") for ref in ("single", f"dp{N}") if ref in by}
         print(H.table(rows, COLS))
         print("\n".join(f"{k}: {v:.3f}" for k, v in ratios.items()))
-        H.append_jsonl(args.out, [dict(r, preset=args.preset, kernels=args.kernels) for r in rows]
-                       + [{"section": "ratios", "preset": args.preset, **ratios}])
+        H.append_jsonl(args.out, [dict(r, preset=args.preset, kernels=args.kernels, capacity=args.capacity)
+                                  for r in rows] + [{"section": "ratios", "preset": args.preset, **ratios}])
     base.destroy()
 
 
