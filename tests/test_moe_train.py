@@ -13,6 +13,7 @@ from nanopara.cli import parse_args
 from nanopara.config import ConfigError, ModelConfig
 from nanopara.consolidate import full_model_state
 from nanopara.data import write_shard
+from nanopara.graph import GraphedMicroStep
 from nanopara.model import GPT
 from nanopara.moe import MoEMLP
 from nanopara.optim import param_groups
@@ -124,7 +125,6 @@ def test_presets():
 
 
 def _moe_step_cfg(capacity, device, graph=False, **model):
-    from nanopara.cli import parse_args
     return parse_args(["--preset=gpt2_moe" if device == "cuda" else "--preset=tiny_moe", "--model.n_layer=2",
                        f"--model.moe_capacity={capacity}", "--model.moe_bias_rate=0.001", "--train.sample_tokens=0",
                        f"--train.cuda_graph={'true' if graph else 'false'}",
@@ -132,8 +132,9 @@ def _moe_step_cfg(capacity, device, graph=False, **model):
 
 
 def _moe_losses(cfg, device, steps, accum, graphed_cls=None):
-    """Trainer steps on fresh random batches: (losses, MoE loads and stats per step, expert biases). graphed_cls: a
-    GraphedMicroStep class to install by hand (CPU: one that replays eagerly)."""
+    """Trainer steps on fresh random batches of 256 token ids at most (the loss falls as the model learns which):
+    (losses, MoE loads and stats per step, expert biases). graphed_cls: a GraphedMicroStep class to install by hand
+    (CPU: one that replays eagerly)."""
     from nanopara.mesh import Mesh
     from nanopara.moe import moe_layers
     from nanopara.parallel import parallelize
@@ -149,7 +150,7 @@ def _moe_losses(cfg, device, steps, accum, graphed_cls=None):
     for _ in range(steps):
         batches = []
         for _ in range(accum):
-            tok = torch.randint(0, cfg.model.vocab_size, (t.micro_batch, t.seq_len + 1), generator=g)
+            tok = torch.randint(0, min(cfg.model.vocab_size, 256), (t.micro_batch, t.seq_len + 1), generator=g)
             batches.append((tok[:, :-1].to(device), tok[:, 1:].to(device)))
         losses.append(trainer.forward_backward(batches).item())
         loads = [m.load.tolist() for m in moe_layers(trainer.engine.model)]  # what the bias update will read
@@ -161,27 +162,20 @@ def _moe_losses(cfg, device, steps, accum, graphed_cls=None):
     return losses, stats, biases
 
 
-class _EagerReplayStep:
+class _EagerReplayStep(GraphedMicroStep):
     """graph.GraphedMicroStep on CPU: its warm-up calls and `_before_capture` as graph.py runs them, then a 'graph'
     whose replay re-runs `_fwd_bwd` eagerly on the static inputs."""
 
-    def __new__(cls, *args, **kwargs):
-        from nanopara.graph import GraphedMicroStep
+    def _capture(self, x, y):
+        self.x, self.y = x.clone(), y.clone()
+        for _ in range(self.warmup):
+            self._fwd_bwd(self.x, self.y)
+        self._before_capture()
+        self.loss = torch.zeros(())
+        self.graph = self
 
-        class Step(GraphedMicroStep):
-            def _capture(self, x, y):
-                self.x, self.y = x.clone(), y.clone()
-                for _ in range(self.warmup):
-                    self._fwd_bwd(self.x, self.y)
-                self._before_capture()
-                self.loss = torch.zeros(())
-                step = self
-
-                class Replay:
-                    def replay(self):
-                        step.loss.copy_(step._fwd_bwd(step.x, step.y))
-                self.graph = Replay()
-        return Step(*args, **kwargs)
+    def replay(self):
+        self.loss.copy_(self._fwd_bwd(self.x, self.y))
 
 
 @pytest.mark.timeout_s(60)
