@@ -210,3 +210,21 @@ def test_graphed_moe_training_equals_eager_on_gpu(capacity):
         assert a.pop("loads") == b.pop("loads") and a == pytest.approx(b, rel=1e-5, abs=1e-6)
     for a, b in zip(gb, eb):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def test_cuda_graph_config_with_moe():
+    """train.cuda_graph=true takes MoE on the Triton path (capacity or dropless) and refuses the PyTorch paths (host
+    bounds) and expert parallel; auto graphs tp / pp MoE runs in capacity mode, dropless stays eager (unmeasured)."""
+    from nanopara.parallel import check_layout, use_cuda_graph
+    for extra in ([], ["--model.moe_capacity=1.0"], ["--model.moe_impl=triton"]):
+        cfg = parse_args(["--preset=tiny_moe", "--train.cuda_graph=true", *extra])
+        assert check_layout(cfg, 1, "cuda") == 1 and use_cuda_graph(cfg, 1, "cuda") == (True, "")
+    for extra, msg in ((["--model.moe_impl=sorted"], "moe_impl=sorted"), (["--model.moe_impl=grouped_mm"], "host"),
+                       (["--parallel.ep=2"], "expert parallel")):
+        with pytest.raises(ConfigError, match=msg):
+            parse_args(["--preset=tiny_moe", "--train.cuda_graph=true", *extra])
+    cfg = parse_args(["--preset=tiny_moe", "--parallel.tp=2", "--model.moe_capacity=1.0"])
+    assert use_cuda_graph(cfg, 2, "cuda") == (True, "")
+    cfg.model.moe_capacity = 0.0
+    on, why = use_cuda_graph(cfg, 2, "cuda")
+    assert not on and "MoE" in why
