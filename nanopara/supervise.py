@@ -14,7 +14,8 @@ after a crash, as a NCCL peer of a dead rank would wait in its collective; after
 A restart runs the same command with --resume (without --overwrite): train.py continues from the newest complete
 checkpoint. Each restart is one line (which rank, how, restart k of N, the step it resumes from); after N restarts
 the next failure is one line and that process's exit code. SIGINT/SIGTERM to the supervisor reach every process
-once (they save at the next step and exit 130/143; a second one: their default action), and nothing restarts.
+once (they save at the next step and exit 130/143; a second one: their default action), and nothing restarts; a
+SIGTERM only TERM_S later and where a process has not had one (a scheduler's preemption signals every process).
 Fewer processes only when asked (min_nproc < nproc, GPU runs): before a restart every GPU is probed, and with
 fewer answering the largest count >= min_nproc that `train.py --check_world` accepts continues, resharded
 (reshard.py: train.py resumes any layout). Otherwise the layout never changes by itself.
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -40,6 +42,7 @@ from nanopara.config import ConfigError
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 STOPS = {128 + s: s for s in STOP_SIGNALS}  # runguard.stop's exit codes
 HELD_S = 2.0    # a held traceback of a process still running after this long is shown (the process handled it)
+TERM_S = 2.0    # a SIGTERM is passed on this long after it came, to the processes that have not had one
 POLL_S = 0.05   # how often the supervisor looks at its processes
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 PR_SET_PDEATHSIG = 1
@@ -108,43 +111,59 @@ def _free_port() -> int:
 # ----------------------------------------------------------------------------------------------------------------
 class Worker:
     """One process of the group. Its stderr is passed on line by line, except a traceback: held until the process
-    ends, then shown or dropped (`finish`), or shown once the process has run on for HELD_S."""
+    ends, then shown or dropped (`finish`), or shown once the process has run on for HELD_S. The supervisor reads
+    every stderr from its one thread (select): a parent-death signal is sent each time the thread a child hangs
+    from ends, so helper threads would send a second SIGTERM, which runguard takes as "stop without saving"."""
 
     def __init__(self, rank: int, cmd: list[str], env: dict):
         parent = os.getpid()
-        self.rank, self.code, self.ended, self.held, self.since = rank, None, 0.0, None, 0.0
-        self.lock = threading.Lock()
+        self.rank, self.code, self.ended, self.eof, self.told = rank, None, 0.0, 0.0, False
+        self.held, self.since, self.partial = None, 0.0, b""
         self.proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, preexec_fn=lambda: _child_setup(parent))
-        self.pump = threading.Thread(target=self._pump, daemon=True)  # started once the group is (no thread forks)
+        self.fd = self.proc.stderr.fileno()
+        os.set_blocking(self.fd, False)
 
-    def _pump(self) -> None:
-        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # (the main thread takes them, or holds them)
-        for line in iter(self.proc.stderr.readline, b""):
-            with self.lock:
-                if self.held is None and b"Traceback (most recent call last)" in line:
-                    self.held, self.since = [], time.monotonic()
-                if self.held is not None:
-                    self.held.append(line)
-                else:
-                    _write_err(line)
-        try:  # its stderr closed: it ended (the time orders failures closer than the polling does)
-            self._end(self.proc.wait(timeout=1))
-        except subprocess.TimeoutExpired:
-            pass
+    def read(self) -> None:
+        """What its stderr holds now (the end of it: the time it ended, closer than the polling)."""
+        while not self.eof:
+            try:
+                data = os.read(self.fd, 1 << 16)
+            except BlockingIOError:
+                return
+            if not data:
+                self.eof = time.monotonic()
+                if self.partial:
+                    self._line(self.partial)
+                return
+            *lines, self.partial = (self.partial + data).split(b"\n")
+            for line in lines:
+                self._line(line + b"\n")
 
-    def _end(self, code: int) -> None:
-        with self.lock:
-            if self.code is None:
-                self.code, self.ended = code, time.monotonic()
+    def _line(self, line: bytes) -> None:
+        if self.held is None and b"Traceback (most recent call last)" in line:
+            self.held, self.since = [], time.monotonic()
+        if self.held is not None:
+            self.held.append(line)
+        else:
+            _write_err(line)
 
     def poll(self) -> int | None:
         if self.code is None and (code := self.proc.poll()) is not None:
-            self._end(code)
-        with self.lock:
-            if self.code is None and self.held and time.monotonic() - self.since > HELD_S:
-                _write_err(b"".join(self.held))
-                self.held = None
+            self.code, self.ended = code, self.eof or time.monotonic()
+        if self.code is None and self.held and time.monotonic() - self.since > HELD_S:
+            _write_err(b"".join(self.held))
+            self.held = None
         return self.code
+
+    def catches_sigterm(self) -> bool:
+        """Whether runguard's SIGTERM handler is set and has not fired (it puts the default action back when it
+        does): /proc/PID/status's SigCgt mask; True without /proc."""
+        try:
+            with open(f"/proc/{self.proc.pid}/status") as f:
+                caught = next(int(ln.split()[1], 16) for ln in f if ln.startswith("SigCgt:"))
+        except (OSError, StopIteration, ValueError, IndexError):
+            return True
+        return bool(caught >> (signal.SIGTERM - 1) & 1)
 
     def signal(self, sig: int) -> None:
         try:
@@ -153,12 +172,12 @@ class Worker:
             pass
 
     def finish(self, show: bool) -> None:
-        """After the process ended: its held traceback shown (or dropped), its stderr closed."""
-        self.pump.join(timeout=5)
-        with self.lock:
-            if show and self.held:
-                _write_err(b"".join(self.held))
-            self.held = None
+        """After the process ended: the rest of its stderr read, its held traceback shown (or dropped), closed."""
+        self.read()
+        if show and self.held:
+            _write_err(b"".join(self.held))
+        self.held = None
+        self.proc.stderr.close()
 
 
 def _write_err(b: bytes) -> None:
@@ -180,7 +199,7 @@ class Supervisor:
         self.script, self.args, self.nproc, self.restarts = script, list(args), nproc, restarts
         self.min_nproc, self.grace_s, self.python = min_nproc or nproc, grace_s, python
         self.workers: list[Worker] = []
-        self.signum = 0
+        self.signum, self.since = 0, 0.0
 
     def say(self, text: str, err: bool = False) -> None:
         print(f"supervise: {text}", file=sys.stderr if err else sys.stdout, flush=True)
@@ -199,11 +218,26 @@ class Supervisor:
                     w.signal(signal.SIGKILL)
 
     def _on_signal(self, signum, frame) -> None:
-        """Passed on to every process, each time (the second time they take their default action); no restart."""
-        self.signum = self.signum or signum
+        """No restart after this. SIGINT (a terminal's Ctrl-C reaches only the supervisor): passed on to every process
+        at once. SIGTERM: passed on TERM_S later, to the processes that still catch it (`pass_on`): a scheduler's
+        preemption signals every process, and a second SIGTERM would take a process's default action, without its
+        save. Any later signal: passed on to every process at once (their default action: stop now)."""
+        first, self.signum = not self.signum, self.signum or signum
+        if first:
+            self.since = time.monotonic()
+        if first and signum == signal.SIGTERM:
+            return
         for w in self.workers:
             if w.code is None:
                 w.signal(signum)
+                w.told = True
+
+    def pass_on(self) -> None:
+        if self.signum == signal.SIGTERM and time.monotonic() - self.since >= TERM_S:
+            for w in self.workers:
+                if w.code is None and not w.told and w.catches_sigterm():
+                    w.signal(signal.SIGTERM)
+                    w.told = True
 
     def _run(self) -> int:
         if self.cfg.ckpt.every == 0:
@@ -256,13 +290,18 @@ class Supervisor:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
         cmd = [self.python, self.script, *args]
         self.workers = [Worker(r, cmd, {**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(nproc)]
-        for w in self.workers:
-            w.pump.start()
 
     def watch(self) -> Worker | None:
         """Wait for the group to end; None when every process ended with 0, else the first that failed."""
         first, deadline = None, None
-        while any(w.poll() is None for w in self.workers):
+        while None in [w.poll() for w in self.workers]:  # (every one polled)
+            streams = {w.fd: w for w in self.workers if not w.eof}
+            if streams:  # (wakes at once for a line, or for the end of a stream: a process ending)
+                for fd in select.select(list(streams), [], [], POLL_S)[0]:
+                    streams[fd].read()
+            else:
+                time.sleep(POLL_S)
+            self.pass_on()
             failed = sorted((w for w in self.workers if w.code not in (None, 0)), key=lambda w: w.ended)
             if failed and first is None:  # after a crash nothing is left to wait for; an error: the others' lines
                 first = failed[0]            # (a stop saves: every process is waited for)
@@ -273,7 +312,6 @@ class Supervisor:
                     if w.code is None:
                         w.signal(signal.SIGKILL)
                 deadline = None
-            time.sleep(POLL_S)
         failed = sorted((w for w in self.workers if w.code != 0), key=lambda w: w.ended)
         first = first or (failed[0] if failed else None)
         for w in self.workers:  # the others' tracebacks only repeat that a peer died
