@@ -314,24 +314,36 @@ def test_ten_kills_at_random_moments_lose_only_the_steps_since_the_last_checkpoi
 # ----------------------------------------------------------------------------------------------------------------
 # what is not restarted, what gives up, what a hang becomes
 
-@pytest.mark.parametrize("target", ["supervisor", "rank 1"])
+@pytest.mark.parametrize("target", ["supervisor", "rank 1", "every process", "supervisor killed"])
 def test_sigterm_is_a_stop_after_the_save_and_nothing_restarts(shards, tmp_path, target):
     """SIGTERM to the supervisor (passed on to both ranks) or to one rank (runguard: all stop at one step): rank 0
-    saves and says so, every process exits 143, and so does the supervisor, with no restart."""
+    saves and says so, every process exits 143, and so does the supervisor, with no restart. The supervisor killed
+    (SIGKILL): its processes get SIGTERM (their parent-death signal) and stop the same way."""
     out = tmp_path / "run"
-    run = Run(tmp_path, ["--restarts=3", "--nproc=2"], argv(shards, out, "--train.steps=100000", "--ckpt.every=1000"))
+    run, pids = Run(tmp_path, ["--restarts=3", "--nproc=2"], argv(shards, out, "--train.steps=100000",
+                                                                  "--ckpt.every=1000")), {}
     try:
         pids = run.wait_for_workers(2)
         wait_rows(run, out, 3)
-        os.kill(run.proc.pid if target == "supervisor" else pids[1], signal.SIGTERM)
+        for pid in {"rank 1": [pids[1]], "every process": [run.proc.pid, *pids.values()]}.get(target, [run.proc.pid]):
+            os.kill(pid, signal.SIGKILL if target == "supervisor killed" else signal.SIGTERM)  # (every process: as a
+            # scheduler's preemption does; the supervisor must not pass a second SIGTERM on, which would kill them)
         code = run.wait(120)
+        t0 = time.monotonic()
+        while not _gone(pids.values()) and time.monotonic() - t0 < 120:
+            time.sleep(0.05)
     finally:
         run.kill_all()
-    assert code == 143 and run.err.read_text() == "", run.output()
+        for pid in pids.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    assert code == (-9 if target == "supervisor killed" else 143) and run.err.read_text() == "", run.output()
     said = [ln for ln in run.log.read_text().splitlines() if ln.startswith(("stopped by", "supervise:"))]
-    assert re.fullmatch(r"stopped by SIGTERM after step (\d+): saved checkpoint .*; continue with --resume \(exit "
-                        r"code 143\)", said[0]), said
-    assert said[1:] == ([] if target == "supervisor" else [
+    assert said and re.fullmatch(r"stopped by SIGTERM after step (\d+): saved checkpoint .*; continue with --resume "
+                                 r"\(exit code 143\)", said[0]), run.output()
+    assert said[1:] == ([] if target != "rank 1" else [
         f"supervise: rank {said[1][16]} exited with code 143: a stop, not a failure (the run saves before it stops); "
         f"not restarted"]), said
     assert published(out)[0] == int(said[0].split("after step ")[1].split(":")[0]) + 1
