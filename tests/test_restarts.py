@@ -240,13 +240,14 @@ def test_a_killed_rank_of_four_restarts_and_the_losses_continue_exactly(shards, 
 
 def _kill_when(run, out, rng, moment, pids) -> None:
     """Wait for the seeded moment of this attempt, then SIGKILL a seeded rank: `start` (0.1-2.5 s after the group
-    started: mostly while it imports, builds or loads), `step` (1-8 steps into training), `save` (0-6 steps in, the
-    instant a checkpoint's temporary directory appears: during its writes, or its publication)."""
+    started: mostly while it imports, builds or loads), `step` (1-8 steps into training), `save` (1-6 steps in, the
+    instant a checkpoint's temporary directory appears: during its writes, or its publication; by then the start
+    has removed what earlier kills left)."""
     rank, logged = rng.randrange(2), sum("loss" in r for r in rows(out))
     if moment == "start":
         time.sleep(rng.uniform(0.1, 2.5))
     else:
-        wait_rows(run, out, logged + rng.randint(1, 8) if moment == "step" else logged + rng.randint(0, 6))
+        wait_rows(run, out, logged + rng.randint(1, 8 if moment == "step" else 6))
     if moment == "save":
         root, t0 = out / "ckpt", time.monotonic()
         while not any(d.startswith("tmp-") for d in (os.listdir(root) if root.is_dir() else ())):
