@@ -390,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("script", help="train.py")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if "--help" in a.args or "-h" in a.args:  # the script's own help, nothing to supervise
+        return subprocess.call([sys.executable, a.script, *a.args])
     try:
         sup = Supervisor(a.script, a.args, a.nproc, a.restarts, a.min_nproc, a.grace_s)
     except ConfigError as e:
