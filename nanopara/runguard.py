@@ -18,8 +18,9 @@ next: 0.11 ms of host time a step on two H200s, no step-time change within noise
 all stop after the same step: train.between_steps saves a checkpoint (unless checkpoints are off: ckpt.every=0 and
 ckpt.final=false), prints one line and `stop` exits with 128 + the signal number: 143 after SIGTERM, 130 after
 SIGINT, what a shell reports for a process that signal killed, so schedulers and scripts see an unfinished run. A
-second signal of the same kind takes its default action at once. Bound: two steps and one save after the signal
-(torchrun's agent waits 30 s between its SIGTERM and its SIGKILL); `stop` waits for a background write.
+second signal takes its default action at once, except a SIGTERM within REPEAT_S of the first (a scheduler that
+signals every process while torchrun forwards its own: one notice, one save). Bound: two steps and one save after
+the signal (torchrun's agent waits 30 s between its SIGTERM and its SIGKILL); `stop` waits for a background write.
 """
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ import torch.distributed as dist
 
 from nanopara import async_save
 from nanopara.config import ConfigError
+
+REPEAT_S = 5.0  # a second SIGTERM sooner than this is the first notice again (the scheduler's and torchrun's copies)
 
 RUN_FILES = ("metrics.jsonl", "config.json", "run_info.txt")  # what a run writes beside ckpt/
 LOCK_FILE = ".lock"
@@ -287,8 +290,8 @@ class RunGuard:
         async_save.drain(self.out_dir, release=True)  # a checkpoint still being written is published first
         if self._dump:
             faulthandler.unregister(signal.SIGTERM)
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
+        for sig, old in self._old.items():  # after a SIGTERM stop the process is leaving: a late copy of the
+            signal.signal(sig, signal.SIG_IGN if sig == self.signum == signal.SIGTERM else old)  # notice must not kill it
         if self._dump:
             faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
         self._old, self._dump = {}, False
@@ -298,9 +301,22 @@ class RunGuard:
         return False
 
     def _on_signal(self, signum, frame) -> None:
-        """Only a flag (printing here could re-enter a write in progress); the same signal again: its old action."""
-        self.signum = self.signum or signum
-        signal.signal(signum, self._old.get(signum, signal.SIG_DFL))
+        """Only a flag (printing here could re-enter a write in progress); a second signal: its old action, but a
+        SIGTERM repeated within REPEAT_S of the first is the same notice delivered twice, and is dropped."""
+        now = time.monotonic()
+        if not self.signum:
+            self.signum, self._first_at = signum, now
+            if signum != signal.SIGTERM:
+                signal.signal(signum, self._old.get(signum, signal.SIG_DFL))
+            return
+        if signum == signal.SIGTERM == self.signum and now - self._first_at < REPEAT_S:
+            return
+        old = self._old.get(signum, signal.SIG_DFL)
+        signal.signal(signum, old)
+        if callable(old):
+            old(signum, frame)
+        elif old == signal.SIG_DFL:
+            os.kill(os.getpid(), signum)
 
     def agree_stop(self, last: bool = False) -> int:
         """The signal every rank stops for after this step (0: go on): the largest one any rank had received a step

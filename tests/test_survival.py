@@ -428,6 +428,26 @@ def test_sigterm_to_a_cli_run_saves_and_a_second_trainer_is_refused(shards, tmp_
     assert logged == list(range(step + 1))  # one run's log, every step up to the stop, none twice
 
 
+def test_a_sigterm_delivered_twice_is_one_notice_and_still_saves(shards, tmp_path):
+    """A scheduler signals every process while torchrun forwards its own SIGTERM: the second copy, within
+    runguard.REPEAT_S, must not kill the run before its save (it did: the second signal took the default action)."""
+    out = tmp_path / "run"
+    a = _train_cli(shards, out, "--model.n_embd=256", "--model.n_layer=4", "--train.micro_batch=32",
+                   "--train.seq_len=32")  # steps of ~0.2 s: the second copy lands inside the step the first stops
+    try:
+        _wait_for_steps(out, 3, [a])
+        a.send_signal(signal.SIGTERM)
+        time.sleep(0.03)
+        a.send_signal(signal.SIGTERM)
+        stdout, stderr = a.communicate(timeout=120)
+    finally:
+        a.kill()
+    assert a.returncode == 143 and stderr == "", stderr
+    last = stdout.strip().splitlines()[-1]
+    step = int(last.split("after step ")[1].split(":")[0])
+    assert checkpoint.latest(out).endswith(f"step_{step + 1:06d}")
+
+
 def _two_ranks(shards, out, *extra):
     port = free_port()
     return [_train_cli(shards, out, "--parallel.timeout_s=120", *extra,
