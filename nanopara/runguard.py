@@ -44,6 +44,19 @@ from nanopara.config import ConfigError
 
 REPEAT_S = 5.0  # a second SIGTERM sooner than this is the first notice again (the scheduler's and torchrun's copies)
 
+
+
+def _late_copy(first_at: float):
+    """SIGTERM's handler once a SIGTERM stop has left the guard: a copy within REPEAT_S of the first is dropped, a
+    later one takes the default action (the process is normally gone by then)."""
+    def handler(signum, frame):
+        if time.monotonic() - first_at >= REPEAT_S:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+    handler.runguard_late_copy = True
+    return handler
+
+
 RUN_FILES = ("metrics.jsonl", "config.json", "run_info.txt")  # what a run writes beside ckpt/
 LOCK_FILE = ".lock"
 
@@ -290,8 +303,9 @@ class RunGuard:
         async_save.drain(self.out_dir, release=True)  # a checkpoint still being written is published first
         if self._dump:
             faulthandler.unregister(signal.SIGTERM)
-        for sig, old in self._old.items():  # after a SIGTERM stop the process is leaving: a late copy of the
-            signal.signal(sig, signal.SIG_IGN if sig == self.signum == signal.SIGTERM else old)  # notice must not kill it
+        for sig, old in self._old.items():
+            late = sig == self.signum == signal.SIGTERM and old == signal.SIG_DFL  # leaving after a SIGTERM stop:
+            signal.signal(sig, _late_copy(self._first_at) if late else old)  # a late copy of it must not kill us
         if self._dump:
             faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
         self._old, self._dump = {}, False

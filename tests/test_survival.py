@@ -364,7 +364,10 @@ def test_a_signal_saves_at_the_next_step_boundary_and_resume_is_exact(shards, tm
     kill_at(monkeypatch, 3, lambda m: os.kill(os.getpid(), sig))  # during step 3
     with pytest.raises(SystemExit) as stop:
         train.main(argv(shards, out))
-    assert stop.value.code == 128 + sig and signal.getsignal(sig) is old and not (out / ".lock").exists()
+    now = signal.getsignal(sig)  # restored; after SIGTERM a handler that drops a late copy of it (runguard.REPEAT_S)
+    assert now is old or (sig == signal.SIGTERM and getattr(now, "runguard_late_copy", False))
+    signal.signal(sig, old)
+    assert stop.value.code == 128 + sig and not (out / ".lock").exists()
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line == (f"stopped by {sig.name} after step 3: saved checkpoint {out}/ckpt/step_000004; continue with "
                     f"--resume (exit code {128 + sig})")
