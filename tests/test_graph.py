@@ -166,6 +166,11 @@ def test_auto_takes_the_graph_where_it_pays_and_says_why_not():
     cfg.model.moe_experts, cfg.model.moe_top_k = 4, 2
     on, why = use_cuda_graph(cfg, 2, "cuda")
     assert not on and "MoE" in why
+    cfg.model.moe_capacity = 1.0  # fixed shapes, no host sync: graphed, on one GPU too (moe_step_graph_h200.txt)
+    assert use_cuda_graph(cfg, 2, "cuda") == (True, "")
+    cfg.parallel.pp = 1
+    assert use_cuda_graph(cfg, 1, "cuda") == (True, "") and use_cuda_graph(cfg, 1, "cpu") == (False, "")
+    cfg.parallel.pp, cfg.model.moe_capacity = 2, 0.0
     cfg.model.moe_experts, cfg.train.dtype = 0, "fp16"
     assert "fp16" in use_cuda_graph(cfg, 2, "cuda")[1]
     cfg.train.dtype = "bf16"
