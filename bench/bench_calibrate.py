@@ -6,11 +6,16 @@
 Sections, in order; one that would pass the time budget (--budget, 200 s) is skipped with a line:
   gemm       bf16 (torch.matmul: cuBLAS) and fp8 (torch._scaled_mm, one scale per tensor) TFLOP/s by shape class
              (the smallest of M, N, K: nanopara/gpus.py gemm_class)
-  attention  kernels/attention.py forward + backward, TFLOP/s with causal FLOPs (3.5 x the forward's 2*B*H*T^2*D)
+  attention  kernels/attention.py forward + backward at the presets' shapes (D 64: gpt2_124m, B*H 192; D 128: gpt_1b,
+             B*H 128; both T 1024; and T 16k), tuned outside the timing, GPU time by CUDA-graph replay (an eager
+             timing at D 64 measures the ~360 us of launches, not the kernel), TFLOP/s with causal FLOPs
   membw      D2D copy and an elementwise op (GELU), GB/s
-  host       host us per launch (a torch op), and the host time to issue a tiny GPT's forward + backward + step
-             per block and per step (two depths, GPU work negligible): our kernels, model.kernels=torch, activation
-             checkpointing full / selective, FP8 tensor, MoE
+  host       host us per launch (a torch op), and the host's own time to issue a tiny GPT's forward + backward +
+             step while the GPU is held busy (torch.cuda._sleep queued first, so nothing the host does waits for a
+             kernel): at two depths, us per block (the difference) and per step (the shallow step less its blocks),
+             each an issue time, so the step's part cannot go negative as a wall-time difference can; a step that
+             does wait (a host sync, a full launch queue) is timed by wall clock instead and says so. Variants: our
+             kernels, model.kernels=torch, activation checkpointing full / selective, FP8 tensor, MoE
   comm       (world >= 2) NCCL all-reduce, reduce-scatter, all-gather, all-to-all, send/recv pairs by size; whether
              an eager collective makes the host wait for the GPU work queued before it; host per block at tp2,
              tp2 + sp, dp (DDP) and per block-micro-batch at pp2 (1F1B), the rest of an even world as dp
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -38,7 +44,8 @@ GEMMS = {"xs": [(8192, 256, 768), (16384, 384, 2048)],
          "m": [(8192, 2048, 2048), (8192, 8192, 2048), (8192, 2048, 8192)],
          "l": [(8192, 4096, 4096), (8192, 4096, 14336)],
          "xl": [(8192, 8192, 8192), (16384, 8192, 8192)]}
-ATTN = {"64": (16, 12, 1024, 64), "128": (4, 16, 4096, 128), "128_long": (1, 16, 16384, 128)}
+# (B, H, T, D): gpt2_124m at micro-batch 16, gpt_1b at micro-batch 8 (the manifest's rows), one 16k sequence
+ATTN = {"64": (16, 12, 1024, 64), "128": (8, 16, 1024, 128), "128_long": (1, 16, 16384, 128)}
 SIZES = [2 ** 20, 2 ** 23, 2 ** 26, 2 ** 28]  # bytes: 1, 8, 64, 256 MiB
 T0 = time.perf_counter()
 
@@ -85,6 +92,10 @@ def gemm_section(dev) -> dict:
 
 
 def attention_section(dev, budget: float) -> dict:
+    """Fwd + bwd TFLOP/s of our attention at each ATTN shape: GPU time alone, what a step sees while the host runs
+    ahead (kernels/attention.py's own benchmark times its "graph" rows the same way; results/attention.txt)."""
+    import triton
+
     from kernels.attention import attention
     out = {}
     for name, (B, Hh, T, D) in ATTN.items():
@@ -93,9 +104,15 @@ def attention_section(dev, budget: float) -> dict:
             continue
         q, k, v = (torch.randn(B, Hh, T, D, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         do = torch.randn_like(q)
-        ms = H.bench_ms(lambda: attention(q, k, v, causal=True).backward(do), dev, grad_to_none=[q, k, v])
+
+        def step():
+            torch.autograd.grad(attention(q, k, v, causal=True), (q, k, v), do)
+        step()  # autotune this shape's (T, B*H) bucket outside the timing and the capture
+        H.sync(dev)
+        ms = triton.testing.do_bench_cudagraph(step, rep=50, return_mode="median") if dev.type == "cuda" else \
+            H.bench_ms(step, dev)
         out[name] = 3.5 * 2 * B * Hh * T * T * D / ms / 1e9  # causal: half of 4*B*H*T^2*D, fwd + bwd = 3.5 x fwd
-        print(f"  attention D={D} T={T}: {out[name]:.1f} TFLOP/s fwd+bwd", flush=True)
+        print(f"  attention D={D} B*H={B * Hh} T={T}: {out[name]:.1f} TFLOP/s fwd+bwd (graph replay)", flush=True)
     return out
 
 
@@ -119,6 +136,8 @@ TINY = {"model.n_embd": 256, "model.n_head": 4, "model.block_size": 128, "train.
 def count_syncs(fn) -> int:
     """Host-device synchronisations one call of fn makes (torch's sync debug mode warns on each)."""
     import warnings
+    if not torch.cuda.is_available():
+        return 0
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -130,23 +149,77 @@ def count_syncs(fn) -> int:
     return sum("synchroniz" in str(w.message).lower() for w in caught)
 
 
-def host_us(mesh, flags: dict, layers: tuple = (2, 6), n_micro: int = 1) -> tuple[float, float, float]:
-    """(us per block and micro-batch, us per step beside the blocks, host syncs per block and micro-batch) from
-    two depths of train.py's step."""
-    t, syncs = [], []
+def _hold_gpu(dev, seconds: float) -> None:
+    """Queue a kernel that spins `seconds` on this device's stream: what the host issues next waits behind it."""
+    if dev.type == "cuda":
+        torch.cuda._sleep(int(seconds * _clock_hz(dev)))
+
+
+_HZ = {}
+
+
+def _clock_hz(dev) -> float:
+    """Cycles a second of torch.cuda._sleep on this GPU (timed once with CUDA events)."""
+    if dev.index not in _HZ:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1000)
+        a.record()
+        torch.cuda._sleep(20_000_000)
+        b.record()
+        b.synchronize()
+        _HZ[dev.index] = 20_000_000 / (a.elapsed_time(b) * 1e-3)
+    return _HZ[dev.index]
+
+
+def issue_s(step, mesh, reps: int = 6) -> tuple[float, bool]:
+    """(seconds the host takes to issue one call of step(), whether it waited): the median over reps of the host
+    clock around step() while the GPU is held busy for 4x a synced step's wall time, the slowest rank's. A host that
+    waited (a sync, a full launch queue: the call took half the hold or more) gets the synced wall time instead."""
+    dev = mesh.device
+    H.sync(dev)
+    t0 = time.perf_counter()
+    step()
+    H.sync(dev)
+    hold = min(2.0, max(0.05, 4 * (time.perf_counter() - t0)))
+    times = []
+    for _ in range(reps):
+        if mesh.world > 1:
+            dist.barrier()
+        H.sync(dev)
+        _hold_gpu(dev, hold)
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    H.sync(dev)
+    med = H.max_over_ranks([statistics.median(times)], mesh)[0]
+    waited = dev.type == "cuda" and med > 0.5 * hold
+    if waited:
+        med = H.timed(step, steps=reps, warmup=1, mesh=mesh)["step_s"]
+    return med, waited
+
+
+def host_us(mesh, flags: dict, layers: tuple = (1, 4), n_micro: int = 1, per_rank: int = 1) -> dict:
+    """Host cost of train.py's step at two depths: {"layer_us": us a block and micro-batch (per_rank: blocks a rank
+    holds = layers / per_rank), "step_us": us a step beside them (>= 0), "syncs": host syncs a block, "waited"}."""
+    t, syncs, waited = [], [], False
     for L in layers:
         cfg = H.make_cfg("gpt2_124m", {**TINY, **flags, "model.n_layer": L,
                                        "train.tokens_per_step": 128 * n_micro * mesh.dp})
         trainer, _ = H.build_trainer(cfg, mesh)
         batches = H.synthetic_batches(cfg, trainer.accum, mesh.device)
-        t.append(H.timed(lambda: H.train_step(trainer, batches), steps=20, warmup=5, mesh=mesh)["step_s"])
-        syncs.append(count_syncs(lambda: H.train_step(trainer, batches)))
+        step = lambda: H.train_step(trainer, batches)  # noqa: E731
+        H.timed(step, steps=1, warmup=5, mesh=mesh)  # tuning, allocator, NCCL set-up
+        s, w = issue_s(step, mesh)
+        t.append(s)
+        waited |= w
+        syncs.append(count_syncs(step))
         trainer.close()
         del trainer
         H.free()
-    per_layer = (t[1] - t[0]) / (layers[1] - layers[0]) / n_micro
-    return (per_layer * 1e6, (t[0] - layers[0] * n_micro * per_layer) * 1e6,
-            max(0.0, (syncs[1] - syncs[0]) / (layers[1] - layers[0]) / n_micro))
+    blocks = [L / per_rank * n_micro for L in layers]  # block-micro-batches a rank issues
+    per = max(0.0, (t[1] - t[0]) / (blocks[1] - blocks[0]))
+    return {"layer_us": per * 1e6, "step_us": max(0.0, t[0] - blocks[0] * per) * 1e6,
+            "syncs": max(0.0, (syncs[1] - syncs[0]) / (blocks[1] - blocks[0])), "waited": waited}
 
 
 def launch_us(dev) -> float:
@@ -165,6 +238,12 @@ HOST_2GPU = {"tp2": ({"parallel.tp": 2}, 1), "tp2_sp": ({"parallel.tp": 2, "para
              "ep2": ({"parallel.ep": 2, **HOST_1GPU["moe"]}, 1)}
 
 
+def _put(out: dict, name: str, r: dict) -> None:
+    out["layer_us"][name], out["step_us"][name], out["syncs_per_layer"][name] = r["layer_us"], r["step_us"], r["syncs"]
+    if r["waited"]:
+        out.setdefault("waited", []).append(name)
+
+
 def host_section(mesh, budget: float) -> dict:
     out = {"launch_us": launch_us(mesh.device), "layer_us": {}, "step_us": {}, "syncs_per_layer": {}}
     print(f"  host per torch launch {out['launch_us']:.1f} us", flush=True)
@@ -172,9 +251,10 @@ def host_section(mesh, budget: float) -> dict:
         if left(budget) < 45:
             print(f"  host {name}: skipped (budget)")
             continue
-        out["layer_us"][name], out["step_us"][name], out["syncs_per_layer"][name] = host_us(mesh, flags)
-        print(f"  host {name}: {out['layer_us'][name]:.0f} us a block (fwd+bwd), {out['step_us'][name]:.0f} us "
-              f"a step beside, {out['syncs_per_layer'][name]:.1f} host syncs a block", flush=True)
+        r = host_us(mesh, flags)
+        _put(out, name, r)
+        print(f"  host {name}: {r['layer_us']:.0f} us a block (fwd+bwd), {r['step_us']:.0f} us a step beside, "
+              f"{r['syncs']:.1f} host syncs a block" + (" (waited: wall time)" if r["waited"] else ""), flush=True)
     return out
 
 
@@ -242,14 +322,14 @@ def host2_section(world, budget: float) -> dict:
             continue
         deg = {a: int(flags.get(f"parallel.{a}", 1)) for a in ("pp", "tp", "cp", "ep")}
         mesh = Mesh.build(dp=-1, pp=deg["pp"], tp=deg["tp"], cp=deg["cp"], ep=deg["ep"])
-        layers = (4, 8) if deg["pp"] > 1 else (2, 6)
-        per, step, syncs = host_us(mesh, flags, layers, m)
-        if deg["pp"] > 1:
-            per, syncs = 2 * per, 2 * syncs  # a rank holds half the blocks: per block it holds
-        out["layer_us"][name], out["step_us"][name], out["syncs_per_layer"][name] = per, step, syncs
+        # pp: a rank holds layers / pp blocks and issues each once a micro-batch (its own issue time, so the other
+        # stage's progress is not in it)
+        r = host_us(mesh, flags, (2, 4) if deg["pp"] > 1 else (1, 4), m, per_rank=deg["pp"])
+        _put(out, name, r)
         if mesh.is_main:
-            print(f"  host {name}: {per:.0f} us a block{' and micro-batch' if m > 1 else ''}, {step:.0f} us a step "
-                  f"beside, {syncs:.1f} host syncs a block", flush=True)
+            print(f"  host {name}: {r['layer_us']:.0f} us a block{' and micro-batch' if m > 1 else ''}, "
+                  f"{r['step_us']:.0f} us a step beside, {r['syncs']:.1f} host syncs a block"
+                  + (" (waited: wall time)" if r["waited"] else ""), flush=True)
     return out
 
 
@@ -281,6 +361,7 @@ def main():
             table.setdefault("host", {"layer_us": {}, "step_us": {}})
             for k in ("layer_us", "step_us", "syncs_per_layer"):
                 table["host"].setdefault(k, {}).update(h2[k])
+            table["host"]["waited"] = table["host"].get("waited", []) + h2.get("waited", [])
     table["seconds"] = time.perf_counter() - T0
     if mesh.is_main and args.out:
         old = {}

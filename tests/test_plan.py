@@ -126,3 +126,19 @@ def test_calibration_file_replaces_the_seeds(tmp_path):
     assert g.gemm_tflops["bf16"]["xl"] == G.SEEDS["H200"].gemm_tflops["bf16"]["xl"]
     assert g.host["layer_us"]["dense"] == 1000.0 and g.host_wait_share == 0.5 and "measured" in g.sources["host"]
     assert G.table(str(tmp_path))["H100"] is G.SEEDS["H100"]
+
+
+def test_bench_calibrate_on_cpu():
+    """bench/bench_calibrate.py's plumbing on CPU (a broken calibration wastes a GPU machine's time): attention at
+    the presets' shapes, the host probe's per-block and per-step issue times non-negative. Timings not asserted."""
+    import sys
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import torch
+
+    import bench_calibrate as BC
+    import harness as H
+    assert {k: (v[2], v[3]) for k, v in BC.ATTN.items()} == {"64": (1024, 64), "128": (1024, 128),
+                                                              "128_long": (16384, 128)}
+    assert BC.ATTN["64"][0] * BC.ATTN["64"][1] == 16 * 12 and BC.ATTN["128"][0] * BC.ATTN["128"][1] == 8 * 16
+    r = BC.host_us(H.solo_mesh(torch.device("cpu")), {}, layers=(1, 2))
+    assert r["layer_us"] > 0 and r["step_us"] >= 0 and r["syncs"] == 0 and not r["waited"]
