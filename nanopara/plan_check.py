@@ -3,11 +3,11 @@
 results/plan_manifest.jsonl holds one row per measured training step of nanopara's own trainer in results/ (the
 layout, model, tokens a step, GPU, date and revision, step time, tokens/s, peak memory and whether that is torch's
 max allocated or max reserved): built once by `python -m nanopara.plan_check --build` from the files named in
-SOURCES, then frozen. A new measurement joins as a new row with its revision (a faster revision is a new row, not a
-failure of an older one). Left out, with the reason in the manifest's first line: other trainers' baselines
-(torch DDP, torch.compile, torchao, nanoGPT), rows of trees older than their file's newest (`old_*`), options the
-planner does not model (tp_overlap > 0), the old ZB-H1 (before zb.py), profiles and kernel rows. Peak memory under
-a CUDA graph is not compared (the graph's pool is allocated before the peak counter is reset in bench_layout).
+SOURCES, then frozen. A new measurement joins as a new row with its revision (`--append`; a faster revision is a
+new row, not a failure of an older one). Left out, with the reason in the manifest's first line: other trainers'
+baselines (torch DDP, torch.compile, torchao, nanoGPT), rows of trees older than their file's newest (`old_*`),
+options the planner does not model (tp_overlap > 0), the old ZB-H1 (before zb.py), profiles and kernel rows. Peak
+memory under a CUDA graph is not compared (the graph's pool is allocated before bench_layout resets the counter).
 `check()` predicts each row (planner + plan_time with gpus.table()) and returns the table and the accuracy summary
 that tests/test_plan.py asserts; `python -m nanopara.plan_check` prints it (results/plan_check.txt).
 """
@@ -94,10 +94,14 @@ def render(res: dict) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--build", action="store_true", help="rebuild results/plan_manifest.jsonl from results/")
+    ap.add_argument("--append", action="store_true", help="append plan_manifest.APPENDED's new rows")
     args = ap.parse_args(argv)
     if args.build:
         from nanopara.plan_manifest import build
         build(MANIFEST)
+    if args.append:
+        from nanopara.plan_manifest import append
+        append(MANIFEST)
     print(render(check()))
 
 

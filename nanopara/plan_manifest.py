@@ -1,9 +1,10 @@
 """Builds results/plan_manifest.jsonl, the planner's frozen set of measured end-to-end rows, from results/ files.
 
 Run once (`python -m nanopara.plan_check --build`); afterwards the manifest is the record and new rows are
-appended with their revision. One reader per benchmark format: bench_layout.py rows (their train.py flags parsed
-by nanopara/cli.py), bench_pp.py, bench_dp.py, bench_tp.py, bench_ep.py, bench_recompute.py, bench_fp8_e2e.py,
-bench_gpt.py and bench/ab_train.sh rows. What is left out and why: plan_check's docstring, and the first line of
+appended with their revision (`--append`: APPENDED's rows not in it yet; frozen rows stay). One reader per
+benchmark format: bench_layout.py rows (their train.py flags parsed by nanopara/cli.py), bench_pp.py,
+bench_dp.py, bench_tp.py, bench_ep.py, bench_recompute.py, bench_fp8_e2e.py, bench_gpt.py, bench_moe.py's step
+and bench/ab_train.sh rows. What is left out and why: plan_check's docstring, and the first line of
 the manifest. Peak memory is torch's max allocated in every source here (bench/harness.py peak_gb, train.py's
 peak_mem_gb) but for the rows that recorded max reserved too (none of the step rows so far).
 """
@@ -55,7 +56,7 @@ def from_flags(flags: list, n_gpu: int) -> tuple:
     cfg = parse_args(list(flags))
     p, t, m = cfg.parallel, cfg.train, cfg.model
     dp = n_gpu // (p.tp * p.pp * p.cp)
-    layers = [int(x) for x in p.pp_layers.split(",")] if p.pp_layers.strip() else []
+    layers = [int(x) for x in p.pp_layers.split(",")] if p.pp_layers.strip() not in ("", "auto") else []
     lay = _lay(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, sp=p.sp, schedule=p.pp_schedule,
                virtual=p.pp_virtual, pp_layers=layers, micro_batch=t.micro_batch, ac=t.activation_checkpointing,
                fp8=t.fp8, graph=str(t.cuda_graph).lower() in ("true", "on"),
@@ -183,3 +184,39 @@ def build(path: str) -> list:
         f.write("# " + SKIPPED + "\n")
         f.writelines(json.dumps(r) + "\n" for r in rows)
     return rows
+
+
+# rows measured after the build: (file, revision); appended by `append`, never rebuilt
+APPENDED = [("scaleout_pp_graph_h200.jsonl", "git 557d434 + the pipeline CUDA graph (next commit), scaleout_h200.txt"),
+            ("scaleout_tp_h200.jsonl", "git 557d434 + the pipeline CUDA graph (next commit), scaleout_h200.txt"),
+            ("moe_step_graph_h200.jsonl", "tree after 273b1d4 (MoE step state on the device), moe_step_graph_h200.txt")]
+
+
+def moe_step_rows(name: str, rev: str) -> list:
+    out = []
+    for r in _jsonl(name):
+        if r.get("section") != "step" or "mode" not in r:
+            continue
+        graph = r["mode"] == "graph"
+        tokens = r["micro_batch"] * r["seq_len"]
+        out.append(_row(f"{name.split('.')[0]}:{r['mode']}_c{r['capacity']}", name, r["preset"],
+                        _lay(micro_batch=r["micro_batch"], graph=graph), r["seq_len"], tokens, r["gpu"], 1,
+                        r["date"], rev, r["step_ms"], None if graph else r["peak_gb"], note="bench_moe.py step"))
+    return out
+
+
+def append(path: str) -> list:
+    """Append APPENDED's rows that the manifest does not hold yet (by id); returns the rows added."""
+    with open(path) as f:
+        have = {json.loads(line)["id"] for line in f if line.strip() and not line.startswith("#")}
+    new = []
+    for name, rev in APPENDED:
+        rows = moe_step_rows(name, rev) if name.startswith("moe_step") else layout_rows(name)
+        for r in rows:
+            r["revision"] = rev
+            if r["id"] not in have:
+                new.append(r)
+                have.add(r["id"])
+    with open(path, "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in new)
+    return new
