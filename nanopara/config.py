@@ -107,7 +107,7 @@ class TrainConfig:
     max_bad_steps: int = 5       # consecutive non-finite losses before the run stops
     activation_checkpointing: str = "none"  # none | full (recompute each block in backward) | selective
     fp8: str = "none"            # none | tensor | row | block: Linears' GEMMs in FP8 (nanopara/fp8.py; lm_head stays)
-    fp8_filter: str = ""         # comma-separated globs of Linear names to put in FP8 ("" = every one but lm_head)
+    fp8_filter: str = "auto"     # auto (fp8.py's measured per-shape rule) | all (every Linear but lm_head) | globs
     fp8_delayed: bool = False    # tensor mode: X and dY scales from a 16-step amax history (one pass per cast)
     fp8_grad: str = "e5m2"       # dY's FP8 format: e5m2 (range) | e4m3 (precision, with its own scale)
     eval_every: int = 0          # steps between downstream evals (nanopara/evals.py) and at the last step; 0 = never
@@ -245,7 +245,7 @@ class Config:
         tp/sp (the column/row-parallel linears run FP8 on their shards, tp.py)."""
         t, p = self.train, self.parallel
         if t.fp8 == "none":
-            for key, set_ in (("fp8_filter", t.fp8_filter.strip()), ("fp8_delayed", t.fp8_delayed),
+            for key, set_ in (("fp8_filter", t.fp8_filter.strip() not in ("", "auto")), ("fp8_delayed", t.fp8_delayed),
                               ("fp8_grad", t.fp8_grad != "e5m2")):
                 if set_:
                     raise ConfigError(f"train.{key} applies to FP8 training only: set train.fp8=tensor|row|block")

@@ -30,7 +30,7 @@ from nanopara.cp import apply_cp, ring_of, shard_stage_inputs
 from nanopara.dp import DDP, SingleDevice
 from nanopara.engine import weak_method
 from nanopara.ep import apply_ep
-from nanopara.fp8 import FP8Recipe, apply_fp8
+from nanopara.fp8 import FP8Recipe, apply_fp8, fp8_share, resolve_filter, share_line
 from nanopara.mesh import Mesh, check_degrees
 from nanopara.pp import Pipeline, Stage, build_schedule, embedding_group, split_layers, split_model
 from nanopara.recompute import apply_activation_checkpointing
@@ -135,8 +135,9 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> Trainer:
     if cfg.train.activation_checkpointing != "none":
         apply_activation_checkpointing(list(model.transformer["h"].children()), cfg.train.activation_checkpointing)
     # 4b. FP8 (train.fp8): this rank's Linears (the whole model, or the pipeline stage's) swapped for FP8Linear,
-    #     the same Parameters, so the engine, checkpoints and a bf16 resume see no difference; lm_head stays
-    fp8 = _apply_fp8(model, cfg)
+    #     the same Parameters, so the engine, checkpoints and a bf16 resume see no difference; lm_head stays, and
+    #     by default (fp8_filter=auto) so does every Linear too small to gain (fp8.py's measured rule)
+    fp8 = _apply_fp8(model, cfg, mesh)
     model.to(mesh.device)
     tp_shards = shard_metadata(model, mesh)  # after the split: this stage's names
     ep_shards = {k: v for k, v in ep_shards.items() if k in dict(model.named_parameters())}  # pp: the stage's own
@@ -153,14 +154,20 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> Trainer:
                    pp_layers=pp_layers, tp_shards=tp_shards, ep_shards=ep_shards, fp8=fp8, graph=graph)
 
 
-def _apply_fp8(model: nn.Module, cfg: Config):
-    """fp8.apply_fp8 per train.fp8 / train.fp8_filter; returns the FP8State (its step() after each update) or None."""
+def _apply_fp8(model: nn.Module, cfg: Config, mesh: Mesh):
+    """fp8.apply_fp8 per train.fp8 / train.fp8_filter (auto: fp8.py's measured per-shape rule at this rank's tokens
+    a micro-step); says once which share of the Linears runs in FP8; returns the FP8State (its step() after each
+    update) or None."""
     t = cfg.train
     if t.fp8 == "none":
         return None
-    apply_fp8(model, t.fp8, filter=t.fp8_filter if t.fp8_filter.strip() else None,
+    tokens = t.micro_batch * t.seq_len // cfg.parallel.cp  # M of every Linear's GEMM (sp gathers the sequence back)
+    apply_fp8(model, t.fp8, filter=resolve_filter(t.fp8_filter, t.fp8, tokens, mesh.device.type),
               recipe=FP8Recipe(mode=t.fp8, grad_dtype=t.fp8_grad, delayed=t.fp8_delayed))
-    if not any(getattr(m, "fp8_state", None) is not None for m in model.modules()) and cfg.parallel.pp == 1:
+    share = fp8_share(model)
+    if mesh.rank == 0:
+        print(share_line(share, t.fp8, t.fp8_filter, tokens), flush=True)
+    if not share["fp8_linears"] and t.fp8_filter.strip() != "auto" and cfg.parallel.pp == 1:
         raise ConfigError(f"train.fp8_filter={t.fp8_filter!r} selects no Linear (names look like "
                           f"transformer.h.0.mlp.c_fc)")
     return model.fp8

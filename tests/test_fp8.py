@@ -456,6 +456,86 @@ def test_tiny_gpt_trains_in_every_mode():
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# train.fp8_filter=auto: the measured per-shape rule (models on the meta device: shapes only, no memory)
+
+def _preset_model(name, **over):
+    from nanopara.presets import PRESETS
+    cfg = PRESETS[name]()
+    for k, v in over.items():
+        setattr(cfg.train, k, v)
+    with torch.device("meta"):
+        return cfg, GPT(cfg.model)
+
+
+def _auto(name, mode, device="cuda", **over):
+    """(FP8 Linears' short names, share) of a preset under fp8_filter=auto, as parallel._apply_fp8 applies it."""
+    from nanopara.fp8 import fp8_share, resolve_filter
+    cfg, model = _preset_model(name, **over)
+    tokens = cfg.train.micro_batch * cfg.train.seq_len
+    apply_fp8(model, mode, filter=resolve_filter("auto", mode, tokens, device))
+    names = {n.split(".", 3)[-1] for n, m in model.named_modules() if getattr(m, "fp8_state", None) is not None}
+    return names, fp8_share(model)
+
+
+@pytest.mark.parametrize("name, mode, expected, count, flops", [  # FLOPs a token in C^2: 12 a block, Vp / C lm_head
+    # gpt2_124m (B 32 x 1024, C 768): every Linear below the smallest shape measured to gain (K*N/(K+N) <= 614)
+    ("gpt2_124m", "tensor", set(), 0, 0.0),
+    # gpt_1b (B 8 x 1024, C 2048): the MLP (1638: 1.15x / 1.19x) gains; c_attn (1536: 0.99x) and attn.c_proj do not
+    ("gpt_1b", "tensor", {"mlp.c_fc", "mlp.c_proj"}, 36, 18 * 8 / (18 * 12 + 50304 / 2048)),
+    ("gpt_1b", "row", set(), 0, 0.0),      # row: no shape measured to gain
+    ("gpt_1b", "block", set(), 0, 0.0),    # block: 0.27-0.75x everywhere
+    # gpt_3b (C 3072): c_attn (2304) and the MLP (2458) gain; attn.c_proj (1536) stays bf16
+    ("gpt_3b", "tensor", {"attn.c_attn", "mlp.c_fc", "mlp.c_proj"}, 78, 26 * 11 / (26 * 12 + 50304 / 3072)),
+])
+def test_auto_rule_picks_the_measured_layers(name, mode, expected, count, flops):
+    names, share = _auto(name, mode)
+    assert names == expected
+    assert share["fp8_linears"] == count and share["linears"] == {"gpt2_124m": 49, "gpt_1b": 73, "gpt_3b": 105}[name]
+    assert share["fp8_flop_share"] == pytest.approx(flops, rel=1e-3)
+
+
+def test_auto_rule_thresholds():
+    from nanopara.fp8 import auto_gains
+    assert auto_gains("tensor", 2048, 8192, 8192) and auto_gains("tensor", 8192, 2048, 8192)
+    assert not auto_gains("tensor", 2048, 6144, 8192) and not auto_gains("tensor", 2048, 2048, 8192)
+    assert not auto_gains("tensor", 2048, 8192, 4096)  # no measured row below 8192 tokens a micro-step
+    assert not any(auto_gains(m, 8192, 8192, 8192) for m in ("row", "block"))
+
+
+def test_auto_below_the_measured_tokens_and_on_cpu():
+    names, _ = _auto("gpt_1b", "tensor", micro_batch=4)  # 4096 tokens: not measured, bf16
+    assert names == set()
+    names, share = _auto("gpt2_124m", "tensor", device="cpu")  # CPU: nothing measured, every Linear but lm_head
+    assert share["fp8_linears"] == 48 and "lm_head" not in names
+
+
+def test_explicit_filters_override_auto():
+    from nanopara.fp8 import resolve_filter
+    assert resolve_filter("all", "tensor", 8192, "cuda") is None and resolve_filter("", "block", 1, "cuda") is None
+    assert resolve_filter("*.attn.c_proj", "tensor", 8192, "cuda") == "*.attn.c_proj"
+    cfg, model = _preset_model("gpt_1b")
+    apply_fp8(model, "tensor", filter=resolve_filter("*.attn.c_proj", "tensor", 8192, "cuda"))
+    assert {n.split(".", 3)[-1] for n, m in model.named_modules()
+            if getattr(m, "fp8_state", None) is not None} == {"attn.c_proj"}  # the rule would keep it bf16
+
+
+def test_startup_line_says_the_fp8_share(capsys):
+    """parallel._apply_fp8 prints once (rank 0) which share of the Linears runs in FP8, and why where none."""
+    import types
+    from nanopara.parallel import _apply_fp8
+    mesh = types.SimpleNamespace(rank=0, device=torch.device("cuda"))
+    for name, fp8, filt, line in (
+            ("gpt_1b", "tensor", "auto", "train.fp8=tensor fp8_filter=auto: 36 of 73 Linears in FP8, 60% of their"),
+            ("gpt2_124m", "tensor", "auto", "0 of 49 Linears in FP8, 0% of their FLOPs (no Linear of K*N/(K+N) >="),
+            ("gpt_1b", "row", "auto", "(no shape measured to gain in row mode"),
+            ("gpt2_124m", "block", "all", "train.fp8=block fp8_filter=all: 48 of 49 Linears in FP8, 69% of their")):
+        cfg, model = _preset_model(name)
+        cfg.train.fp8, cfg.train.fp8_filter = fp8, filt
+        assert _apply_fp8(model, cfg, mesh) is model.fp8
+        assert line in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # sm_90a compile (no GPU), and the GPU itself
 
 def test_kernels_compile_for_hopper_with_wgmma_and_tma():
