@@ -1,8 +1,9 @@
 """Presets: plain functions that return a Config, so a reader sees every number of a run in one place.
 
 `python train.py --preset=NAME` starts from PRESETS[NAME]() (cli.parse_args), then applies the overrides.
-tiny and tiny_moe are the CPU runs; the gpt2_* sizes are GPT-2's; gpt_1b is wide (head dim 128) for FP8 and TP;
-the *_16k / *_32k variants are the long-context runs of context parallel (cp.py). Tested by tests/test_config.py.
+tiny and tiny_moe are the CPU runs; the gpt2_* sizes are GPT-2's; gpt_1b and gpt_3b are wide (head dim 128) for FP8
+and TP; the *_16k / *_32k variants are the long-context runs of context parallel (cp.py). Tested by
+tests/test_config.py.
 """
 from __future__ import annotations
 
@@ -37,6 +38,17 @@ def gpt_1b() -> Config:
     """~1.0B parameters, wide (n_embd 2048) with head dim 128: large matmuls where FP8 and TP pay off."""
     c = _gpt2("gpt_1b", 18, 16, 2048, 3e-4)
     c.train.micro_batch = 8
+    return c
+
+
+def gpt_3b() -> Config:
+    """~3.1B parameters (26 x 3072, head dim 128): the dense size where FP8 should pay most on one 80 GB GPU (issue
+    #43). Micro-batch 8 keeps M = 8192 tokens a micro-step, the shape fp8.py's auto rule was measured at (there it
+    puts c_attn, c_fc and mlp.c_proj in FP8 tensor mode, 92 % of the blocks' Linear FLOPs). Selective activation
+    checkpointing: plan.py on one H100 predicts 64.8 GB (bf16) / 64.1 GB (FP8) of 85, room for the planner's 10 %;
+    without it 73.2 GB, too close; full checkpointing 53.2 GB but 24 % slower. lr: GPT-3 2.7B's 1.6e-4."""
+    c = _gpt2("gpt_3b", 26, 24, 3072, 1.6e-4)
+    c.train.micro_batch, c.train.activation_checkpointing = 8, "selective"
     return c
 
 
@@ -84,6 +96,6 @@ def tiny_moe() -> Config:
     return c
 
 
-PRESETS = {f.__name__: f for f in (tiny, gpt2_124m, gpt2_350m, gpt2_774m, gpt2_1558m, gpt_1b, gpt2_moe, tiny_moe,
-                                             gpt2_124m_16k, gpt_1b_32k)}
+PRESETS = {f.__name__: f for f in (tiny, gpt2_124m, gpt2_350m, gpt2_774m, gpt2_1558m, gpt_1b, gpt_3b, gpt2_moe,
+                                   tiny_moe, gpt2_124m_16k, gpt_1b_32k)}
 

@@ -20,6 +20,19 @@ def test_gpt2_shapes():
     assert big.head_dim == 128 and big.n_embd == 2048
 
 
+@pytest.mark.parametrize("fp8", ["none", "tensor"])
+def test_gpt_3b_fits_one_80gb_gpu_with_margin(fp8):
+    """~3B dense, d_model >= 3072, head dim 128; the planner (peak within 10 % of measured on 96 % of its rows)
+    predicts it fits one H100 with room for that 10 %, in bf16 and in FP8."""
+    from nanopara.plan_run import predict_config
+    from nanopara.planner import Model
+    cfg = parse_args(["--preset=gpt_3b", f"--train.fp8={fp8}"])
+    assert cfg.model.head_dim == 128 and cfg.model.n_embd >= 3072
+    assert 2.8e9 < Model.from_config(cfg.model, cfg.preset).params() < 3.3e9
+    p = predict_config(cfg, 1, "H100")
+    assert p["fits"] and 1.1 * p["reserved_gb"] < p["memory"]["capacity"] / 1e9
+
+
 def test_overrides_are_typed():
     cfg = parse_args(["--preset=tiny", "--train.steps=7", "--train.lr=1e-3", "--parallel.sp=false",
                       "--seed=3", "--resume=true", "--data.dataset=books", "--train.tokens_per_step=2.048e3"])
