@@ -3,10 +3,10 @@
 A GPU entry holds microbenchmark numbers only: GEMM TFLOP/s by shape class (bf16, fp8), the attention kernel's
 fwd+bwd TFLOP/s, memory-bound GB/s, host microseconds per launch and per transformer block (a tiny model whose GPU
 work is negligible, so the time is the host's), NCCL collectives and p2p by size, plus spec figures (memory, peak
-FLOP/s). Until bench/bench_calibrate.py has run on a GPU, the entries below are seeded from the kernel and comm
-benchmarks already in results/ and from published specs, each marked by `SOURCES`; where
-results/plan_gpus_<gpu>.json exists (bench_calibrate.py's output) its numbers replace the seeds. Nothing here is
-fitted to the end-to-end rows the planner is checked against (nanopara/plan_check.py).
+FLOP/s). The entries below are seeded from the kernel and comm benchmarks already in results/ and from published
+specs, each marked by `SOURCES`; H200 takes the first bench_calibrate table (results/calibrate_gpus_h200.json) but
+for what `ADOPTED` leaves out; where results/plan_gpus_<gpu>.json exists (bench_calibrate.py's output) its numbers
+replace the seeds. Nothing here is fitted to the end-to-end rows the planner is checked against (plan_check.py).
 
 Collectives: the time of a measured (kind, group size) is interpolated in log(bytes) between measured sizes
 (linear in bytes to the latency floor below the smallest); other group sizes convert through the ring's bus
@@ -123,10 +123,18 @@ _H200.sources.update({
 SEEDS = {"H100": _H100, "H200": _H200}
 
 
-def _load(seed: GPU, path: str) -> GPU:
-    """The seed with bench_calibrate.py's measured numbers in place (its sections only; the rest stay seeds)."""
+def _load(seed: GPU, path: str, drop: tuple = (), host_relative: bool = False) -> GPU:
+    """The seed with bench_calibrate.py's measured numbers in place (its sections only; the rest stay seeds).
+    drop: "section.key" entries not taken; host_relative: each host variant as its ratio to the file's own dense
+    block times the seed's dense block (the variants' costs are the software's, the dense block's the host CPU's)."""
     with open(path) as f:
         cal = json.load(f)
+    for d in drop:
+        sec, key = d.split(".")
+        cal.get(sec, {}).pop(key, None)
+        for sub in cal.get(sec, {}).values():
+            if isinstance(sub, dict):
+                sub.pop(key, None)
     g = copy.deepcopy(seed)
     where = f"{os.path.relpath(path, ROOT)} ({cal.get('gpu')}, {cal.get('date')}, git {cal.get('git')})"
     for key in ("gemm_tflops", "attention_tflops", "membw_gbs", "comm"):
@@ -135,24 +143,42 @@ def _load(seed: GPU, path: str) -> GPU:
                 getattr(g, key)[sub] = val if not isinstance(val, dict) else {**getattr(g, key).get(sub, {}),
                                                                                **val}
         if cal.get(key):
-            g.sources[key] = f"measured: {where}"
+            g.sources[key] = f"measured: {where}" + (f", less {', '.join(drop)}" if drop else "")
     for key in ("host_wait_share", "p2p_host_wait_share"):  # measured with the collectives
         setattr(g, key, next((v[key] for v in cal.get("comm", {}).values() if key in v), getattr(g, key)))
     if cal.get("host"):
-        h = cal["host"]
+        h = dict(cal["host"])
+        if host_relative and "dense" in h.get("layer_us", {}):
+            base, own = g.host["layer_us"]["dense"], h["layer_us"]["dense"]
+            h["layer_us"] = {k: v / own * base for k, v in h["layer_us"].items()}
         g.host["launch_us"] = h.get("launch_us", g.host["launch_us"])
         for k in ("layer_us", "step_us", "syncs_per_layer"):
             g.host.setdefault(k, {}).update(h.get(k, {}))
-        g.sources["host"] = f"measured: {where} (unmeasured variants keep their seeds)"
+        g.sources["host"] = f"measured: {where} (unmeasured variants keep their seeds" + \
+            ("; each variant as its ratio to the file's dense block x the seed's dense block)" if host_relative
+             else ")")
     if "membw_gbs" in cal and "elementwise" not in cal["membw_gbs"]:
         g.membw_gbs["elementwise"] = 0.8 * g.membw_gbs["copy"]
     return g
 
 
+# Calibrations taken into a seed, and what of them is not (notes/planner.md). The first 2 x H200 table: its head-dim-64
+# attention was timed eagerly at 87 TFLOP/s (the launches, not the kernel: attention.txt's graph replay says 261),
+# its per-step host figures come from a subtraction that went negative at pp2 (-19 ms), and its host ran the dense
+# block at 3.67 ms where bench_dp's host measure on the manifest's machines says 1.95: its variants are taken as
+# ratios to its own dense block (tp2 1.20, tp2 + sp 1.86, pp2 1.84, MoE 1.78, ep2 2.85, FP8 1.76, AC full 1.60).
+ADOPTED = {"H200": ("calibrate_gpus_h200.json", ("attention_tflops.64", "host.step_us"), True)}
+
+
 def table(results_dir: str | None = None) -> dict:
-    """{name: GPU}: the seeds, each replaced by results/plan_gpus_<name>.json's numbers where that file exists."""
+    """{name: GPU}: the seeds with ADOPTED's calibrations in, each replaced by results/plan_gpus_<name>.json's
+    numbers where that file exists (a newer bench_calibrate run)."""
+    res = results_dir or os.path.join(ROOT, "results")
     gpus = dict(SEEDS)
-    for path in sorted(glob.glob(os.path.join(results_dir or os.path.join(ROOT, "results"), "plan_gpus_*.json"))):
+    for key, (name, drop, rel) in ADOPTED.items():
+        if os.path.exists(os.path.join(res, name)):
+            gpus[key] = _load(gpus[key], os.path.join(res, name), drop, rel)
+    for path in sorted(glob.glob(os.path.join(res, "plan_gpus_*.json"))):
         with open(path) as f:
             name = json.load(f).get("gpu", "")
         key = next((k for k in SEEDS if k in name.upper()), None)
