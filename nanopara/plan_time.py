@@ -106,7 +106,11 @@ def _stage(run: Run, gpu, i: int, blocks: list[int]) -> dict:
         ce = CE_BYTES_TORCH if L.kernels == "torch" else 8.0
         head = f + b_ + t * m.vocab / L.tp * ce / (gpu.membw_gbs["copy"] * 1e9)
     dense, expert = stage_params(run, i, blocks)
-    per_micro = (10 + (6 if L.pp == 1 else 0)) * (dense + expert) / (gpu.membw_gbs["copy"] * 1e9)  # grads, casts
+    # passes over the stage's parameters each micro-step (model.matmul_weight): autocast's bf16 weight cast, 4 + 2
+    # bytes (pp: once a step, in step_time); the bf16 weight gradient cast to fp32, 2 + 4, and from the second
+    # micro-step on added into .grad, 4 + 4 + 4 (the first is written in place): elementwise kernels
+    grad_bytes = 18 - 12 / run.accum
+    per_micro = ((6 if L.pp == 1 else 0) + grad_bytes) * (dense + expert) / (gpu.membw_gbs["elementwise"] * 1e9)
     kinds["head"], kinds["params_pass"] = head, per_micro
     comm = micro_comm(run, gpu, blocks, kinds["attention"] / max(len(blocks), 1))
     steps_host = 0.0 if (L.graph or L.kernels == "cudnn") else gpu.host["step_us"].get("dense", 0) * 1e-6
