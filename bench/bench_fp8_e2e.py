@@ -1,7 +1,8 @@
 """FP8 training end to end on one GPU: nanopara's --train.fp8 modes and torchao float8 against bf16 (issue #26).
 
     python bench/bench_fp8_e2e.py [--presets gpt_1b,gpt2_124m] [--modes M,...] [--steps 15] [--warmup 5]
-        [--batch gpt_1b=8,gpt2_124m=32] [--seq 1024] [--profile] [--out F.jsonl]
+        [--batch gpt_1b=8,gpt2_124m=32] [--seq 1024] [--fp8_filter auto|all|GLOBS] [--profile] [--out F.jsonl]
+    python bench/bench_fp8_e2e.py --set gpt_3b [--fp8_filter all]        # a named row set (SETS below)
     python bench/bench_fp8_e2e.py --compare RUN_A RUN_B [--plot F.png]     # two train.py runs' loss curves
     python bench/bench_fp8_e2e.py --device cpu --presets tiny --modes bf16,tensor --steps 1 --warmup 1  # smoke
 
@@ -9,14 +10,15 @@ Throughput (the default): each mode a fresh model on a one-process mesh, train.p
 (model.kernels=auto, parallel.parallelize applies train.fp8, the Trainer re-casts the FP8 weights after every
 update; bf16 autocast, clip, fused AdamW). Modes:
     bf16                  train.fp8=none: each preset's reference (`x bf16` = tok/s over its tok/s)
-    tensor | row | block  train.fp8=tensor|row|block (nanopara/fp8.py; lm_head stays bf16)
+    tensor | row | block  train.fp8=tensor|row|block; --fp8_filter auto (fp8.py's measured rule) | all (lm_head stays)
     ao_tensorwise         torchao.float8.convert_to_float8_training (recipe tensorwise / rowwise) on the same GPT
     ao_rowwise            but lm_head, the same Trainer (a benchmark-only peer; not importable: the row says why)
     nanogpt               gpt2_124m only: bench_gpt.py's torch+compile mode (PyTorch ops under torch.compile)
     bf16+graph, tensor+graph, row+graph   forward + backward replayed from a CUDA graph (train.cuda_graph=true)
-Per mode: median step ms, tok/s, TFLOP/s, MFU, peak memory, last loss, the ratio to bf16, and the kernel tunings
-its warm-up ran (a fresh machine tunes each new FP8 GEMM shape once). --profile: then one step of the first
-preset's fastest nanopara FP8 mode (or --profile_mode) profiled: GPU ms per kernel kind and the costliest kernels.
+Per mode: median step ms, tok/s, TFLOP/s, MFU, peak memory, last loss, the ratio to bf16, the share of the Linears
+in FP8 (count and FLOPs, lm_head included: fp8.fp8_share), the kernel tunings its warm-up ran (a fresh machine tunes
+each new FP8 GEMM shape once). --profile: then one step of the first preset's fastest nanopara FP8 mode (or
+--profile_mode) profiled: GPU ms per kernel kind and the costliest kernels.
 --compare: final train loss (mean of the last --tail steps) and last validation loss of two runs, their relative
 gap (goal: within 1 %), the largest gap over the common validation steps, median tok/s; a PNG if matplotlib
 imports. The loss curves themselves (gpt_1b on books, bf16 and tensor): bench/run_set.py's `curves` set.
@@ -34,6 +36,7 @@ import torch
 
 import harness as H
 from kernels.tuning import STATS as TUNING
+from nanopara.fp8 import fp8_share
 from nanopara.mesh import Mesh
 from nanopara.report import flops_per_token, read_metrics
 
@@ -41,7 +44,9 @@ NANOPARA_FP8 = ("tensor", "row", "block")
 TORCHAO = {"ao_tensorwise": "tensorwise", "ao_rowwise": "rowwise"}
 GRAPHED = ("bf16+graph", "tensor+graph", "row+graph")  # the same, forward + backward replayed from a CUDA graph
 MODES = ("bf16", *NANOPARA_FP8, *TORCHAO, "nanogpt", *GRAPHED)
-DEFAULT_BATCH = {"gpt_1b": 8, "gpt2_124m": 32, "tiny": 2}
+DEFAULT_BATCH = {"gpt_1b": 8, "gpt_3b": 8, "gpt2_124m": 32, "tiny": 2}
+# named row sets: --set NAME = these presets and modes (gpt_3b: issue #43's goal, tensor >= 1.30x its best bf16)
+SETS = {"gpt_3b": ("gpt_3b", "bf16,bf16+graph,tensor,tensor+graph,row,block")}
 LR = 1e-5  # small: the weights barely move over the timed steps
 
 
@@ -59,6 +64,7 @@ def build(preset: str, mode: str, args, mesh):
     cfg = H.make_cfg(preset, {"model.kernels": "auto", "train.seq_len": seq_for(preset, args),
                               "train.micro_batch": batch_for(preset, args), "train.tokens_per_step": 0,
                               "train.fp8": base if base in NANOPARA_FP8 else "none",
+                              **({"train.fp8_filter": args.fp8_filter} if base in NANOPARA_FP8 else {}),
                               "train.cuda_graph": "true" if mode.endswith("+graph") else "false"})
     prepare = (lambda model: torchao_convert(model, TORCHAO[base])) if base in TORCHAO else None
     trainer, n_params = H.build_trainer(cfg, mesh, prepare)
@@ -78,6 +84,7 @@ def timed(preset, mode, args, mesh) -> dict:
     try:
         model = trainer.model
         fp8_linears = sum(type(m).__name__ in ("FP8Linear", "Float8Linear") for m in model.modules())
+        share = fp8_share(model) if trainer.fp8 is not None else {}
         batches = H.synthetic_batches(cfg, 1, mesh.device)
         t = H.timed(lambda: H.train_step(trainer, batches, LR), args.steps, args.warmup, mesh=mesh, each=True,
                     peak_from_start=cfg.train.cuda_graph == "true")
@@ -89,7 +96,10 @@ def timed(preset, mode, args, mesh) -> dict:
     return {"step_ms": t["median_s"] * 1e3, "step_ms_min": t["min_s"] * 1e3, "tokens_per_s": tok_s,
             "tflops": flops_per_token(cfg.model, n_params, cfg.train.seq_len) * tok_s / 1e12,
             "mfu": H.mfu(cfg, n_params, tok_s, 1, mesh.device), "loss_last": t["last"].item(),
-            "fp8_linears": fp8_linears, "weight_casts": casts, "peak_mem_gb": t["peak_gb"] or None}
+            "fp8_linears": fp8_linears, "weight_casts": casts, "peak_mem_gb": t["peak_gb"] or None,
+            "fp8_filter": cfg.train.fp8_filter if cfg.train.fp8 != "none" else None,
+            "linears": share.get("linears"), "fp8_flop_share": share.get("fp8_flop_share"),
+            "fp8_share": f"{share['fp8_linears']}/{share['linears']} {share['fp8_flop_share']:.0%}" if share else None}
 
 
 def nanogpt(preset, args, mesh) -> dict:
@@ -248,7 +258,7 @@ def throughput(args, mesh, emit) -> list[dict]:
 
 COLS = [("preset", "preset", ""), ("mode", "mode", ""), ("step_ms", "ms/step", ".1f"),
         ("tokens_per_s", "tok/s", ",.0f"), ("tflops", "TFLOP/s", ".1f"), ("mfu", "MFU", ".1%"),
-        ("peak_mem_gb", "peak GB", ".1f"),
+        ("peak_mem_gb", "peak GB", ".1f"), ("fp8_share", "FP8 lin/FLOPs", ""),
         ("vs_bf16", "x bf16", ".3f"), ("vs_nanogpt", "x nanoGPT", ".3f"), ("loss_last", "loss", ".3f"),
         ("error", "error", "")]
 
@@ -261,6 +271,8 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--fp8_filter", default="auto", help="train.fp8_filter of nanopara's FP8 modes: auto|all|globs")
+    ap.add_argument("--set", default="", choices=("", *SETS), help="a named row set: its presets and modes")
     ap.add_argument("--profile", action="store_true", help="profile one step of the first preset's best FP8 mode")
     ap.add_argument("--profile_mode", default="best", help="best (fastest nanopara FP8 mode measured) | a mode")
     ap.add_argument("--out", default="", help="append JSON lines here")
@@ -275,6 +287,8 @@ def main(argv=None):
         H.append_jsonl(args.out, r)
         print_compare(r)
         return [r]
+    if args.set:
+        args.presets, args.modes = SETS[args.set]
     args.batch_map = {k: int(v) for k, v in (kv.split("=") for kv in args.batch.split(",") if kv)}
     bad = [m for m in args.modes.split(",") if m not in MODES]
     if bad:

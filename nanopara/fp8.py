@@ -20,9 +20,8 @@ storage, the model's fp8 generation): nanopara's fused AdamW bumps no version, s
 a parameter or buffer; checkpoints add delayed scaling's amax histories (amax_state: a resume is exact; another
 layout takes merge_amax's). Where a data-parallel engine set `weight.grad_into` (engine.py), the wgrad GEMM writes
 dW straight into that view. CPU tensors run the PyTorch references of the same quantizations and GEMMs;
-`interpret=True` runs the Triton kernels under TRITON_INTERPRET=1 (tests).
-`train.fp8_filter=auto` (resolve_filter): the Linears a measured per-shape table says gain nothing stay in bf16.
-Called by parallel.py (apply_fp8) and tp.py (FP8 on the shards); tests/test_fp8.py; choices and numbers: notes/fp8.md.
+`interpret=True` runs the Triton kernels under TRITON_INTERPRET=1 (tests). train.fp8_filter=auto: resolve_filter.
+Callers: parallel.py (apply_fp8), tp.py (FP8 on the shards); tests/test_fp8.py; choices and numbers: notes/fp8.md.
 """
 from __future__ import annotations
 
@@ -323,11 +322,13 @@ def fp8_share(model: nn.Module) -> dict:
     return {"fp8_linears": n8, "linears": n, "fp8_flop_share": f8 / f if f else 0.0}
 
 
-def share_line(share: dict, mode: str, filter: str, tokens: int) -> str:
+def share_line(share: dict, mode: str, filter: str, tokens: int, device_type: str = "cuda") -> str:
     """The start-up line: which share of the Linears runs in FP8, and why where the rule chose none."""
     line = (f"train.fp8={mode} fp8_filter={filter or 'all'}: {share['fp8_linears']} of {share['linears']} Linears "
             f"in FP8, {share['fp8_flop_share']:.0%} of their FLOPs")
-    if share["fp8_linears"] == 0 and filter.strip() == "auto":
+    if filter.strip() == "auto" and device_type != "cuda":
+        line += f" (on {device_type} nothing is measured: every Linear but lm_head)"
+    elif share["fp8_linears"] == 0 and filter.strip() == "auto":
         why = (f"{tokens} tokens a micro-step < {AUTO_MIN_TOKENS}, the smallest measured" if
                tokens < AUTO_MIN_TOKENS and AUTO_MIN_KN[mode] is not None else
                f"no Linear of K*N/(K+N) >= {AUTO_MIN_KN[mode]:.0f}" if AUTO_MIN_KN[mode] is not None else

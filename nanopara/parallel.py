@@ -166,7 +166,7 @@ def _apply_fp8(model: nn.Module, cfg: Config, mesh: Mesh):
               recipe=FP8Recipe(mode=t.fp8, grad_dtype=t.fp8_grad, delayed=t.fp8_delayed))
     share = fp8_share(model)
     if mesh.rank == 0:
-        print(share_line(share, t.fp8, t.fp8_filter, tokens), flush=True)
+        print(share_line(share, t.fp8, t.fp8_filter, tokens, mesh.device.type), flush=True)
     if not share["fp8_linears"] and t.fp8_filter.strip() != "auto" and cfg.parallel.pp == 1:
         raise ConfigError(f"train.fp8_filter={t.fp8_filter!r} selects no Linear (names look like "
                           f"transformer.h.0.mlp.c_fc)")
