@@ -1,6 +1,7 @@
 """FP8 on one GPU: GEMMs, quantization kernels and the FP8 linear against cuBLAS and bf16, in one run.
 
     python bench/bench_fp8.py [--quick] [--only gemm,quant,linear] [--accum fast|precise|both] [--out F.jsonl]
+        [--linear_models gpt_1b,gpt_3b,gpt2_124m,gpt_1b_m4096]      # the linear section's models
     python bench/bench_fp8.py --ptxas [--quick] [--json]   # no GPU: every GEMM tile and quantization kernel,
                                                            # compiled for sm_90a: registers, spills, wgmma, TMA
 
@@ -17,7 +18,7 @@ Sections (each prints a table; every row also goes to --out as one JSON line, st
           % of the measured device-to-device copy bandwidth
   linear  FP8Linear forward + backward against the model's bf16 Linear under autocast (fp32 master weight), per
           mode, at each Linear of both models; the weight's cast is amortised over micro-batches (reused), and
-          also shown paid every call ("+cast": one micro-batch per optimizer step)
+          also shown paid every call ("+cast": one micro-batch per optimizer step); and what fp8.py's auto rule picks
 Timing: triton.testing.do_bench medians. The first use of each (shape, mode) tunes the GEMM (kernels/tuning.py
 keeps the pick per GPU in ~/.cache/nanopara/tuned.json; `python -m kernels.tuning --export` ships it).
 """
@@ -37,6 +38,8 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # (model, tokens per micro-step, C); its Linears (out, in): c_attn (3C, C), attn.c_proj (C, C), c_fc (4C, C),
 # mlp.c_proj (C, 4C)
 MODELS = [("gpt_1b", 8 * 1024, 2048), ("gpt2_124m", 32 * 1024, 768)]
+# more for the linear section (--linear_models): fp8.py's auto rule was measured at gpt_1b's shapes only
+MORE_LINEARS = [("gpt_3b", 8 * 1024, 3072), ("gpt_1b_m4096", 4 * 1024, 2048)]
 
 
 def linears(C):
@@ -225,12 +228,14 @@ def quant(out, quick):
           "scales not counted")
 
 
-def linear(out, quick):
-    from nanopara.fp8 import FP8Linear, FP8Recipe, FP8State
+def linear(out, quick, names=""):
+    """names: comma-separated models of MODELS + MORE_LINEARS (default: gpt_1b with --quick, else MODELS)."""
+    from nanopara.fp8 import FP8Linear, FP8Recipe, FP8State, auto_gains
     from nanopara.model import Linear
     print(f"\n{'FP8Linear fwd+bwd (M, N, K)':>34} {'bf16 ms':>8} | " + " | ".join(
-        f"{m:>6} ms {'x':>5} {'+cast x':>7}" for m in ("tensor", "row", "block")))
-    for model, M, C in MODELS[:1] if quick else MODELS:
+        f"{m:>6} ms {'x':>5} {'+cast x':>7}" for m in ("tensor", "row", "block")) + " | auto rule")
+    known = {m[0]: m for m in MODELS + MORE_LINEARS}
+    for model, M, C in [known[n] for n in names.split(",")] if names else MODELS[:1] if quick else MODELS:
         for name, N, K in linears(C):
             torch.manual_seed(0)
             base = Linear(K, N).to("cuda")
@@ -255,9 +260,15 @@ def linear(out, quick):
                 tc = _bench(lambda: step(lin, state), params)
                 row.update({f"{mode}_ms": t, f"{mode}_speedup": t16 / t, f"{mode}_cast_speedup": t16 / tc})
                 cells.append(f"{t:9.3f} {t16 / t:4.2f}x {t16 / tc:6.2f}x")
-            print(f"{f'{model} {name} ({M}, {N}, {K})':>34} {t16:8.3f} | " + " | ".join(cells))
+            # what fp8.py's train.fp8_filter=auto picks here, and '!' where this row's measurement disagrees
+            auto = [m for m in ("tensor", "row", "block") if auto_gains(m, K, N, M)]
+            row["auto_fp8"] = auto
+            flags = "".join("!" if (row[f"{m}_speedup"] > 1) != (m in auto) else "" for m in ("tensor", "row", "block"))
+            print(f"{f'{model} {name} ({M}, {N}, {K})':>34} {t16:8.3f} | " + " | ".join(cells) +
+                  f" | {','.join(auto) or 'bf16'} {flags}")
             H.append_jsonl(out, row)
-    print("x = bf16 ms / fp8 ms with the weight cast reused (micro-batches 2.. of a step); +cast x: cast every call")
+    print("x = bf16 ms / fp8 ms with the weight cast reused (micro-batches 2.. of a step); +cast x: cast every call;"
+          " auto rule: the modes fp8.py's fp8_filter=auto puts in FP8 here, '!' where the x column disagrees")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -351,6 +362,7 @@ def main():
     p.add_argument("--only", default="parity,gemm,quant,linear", help="comma-separated sections")
     p.add_argument("--accum", default="fast", choices=("fast", "precise", "both"), help="GEMM accumulation")
     p.add_argument("--out", help="append JSON lines here")
+    p.add_argument("--linear_models", default="", help="linear section: e.g. gpt_1b,gpt_3b,gpt2_124m,gpt_1b_m4096")
     p.add_argument("--ptxas", action="store_true", help="compile the kernels for sm_90a (no GPU) and report")
     p.add_argument("--json", action="store_true", help="--ptxas: one JSON list on stdout (the table on stderr)")
     args = p.parse_args()
@@ -375,7 +387,7 @@ def main():
     if "quant" in sections:
         quant(out, args.quick)
     if "linear" in sections:
-        linear(out, args.quick)
+        linear(out, args.quick, args.linear_models)
     print(f"\n{time.time() - t0:.0f} s")
 
 
