@@ -19,18 +19,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_manifest_against_the_goals():
     """The issue's goals: peak memory within 10 % and step time within 15 % of measured for >= 90 % of the rows, no
-    row past 30 %. Memory meets them. Step time does not with the seeded GPU table (results/plan_check.txt: 38 %
-    of rows within 15 %, worst 76 %): the misses are host- and sync-bound layouts (eager TP, pipelines at
-    micro-batch 2, MoE, ring attention at 4k chunks, kernels=torch rows on other hosts) whose host cost the seeds
-    do not know; bench/bench_calibrate.py measures it. Until a calibrated table meets the goal, the current
-    accuracy is asserted as a regression bound (a drift past it fails), with the goal beside it."""
+    row past 30 %. Memory meets them. Step time does not (results/plan_check.txt: 52 % of 139 rows within 15 %,
+    worst 76 %; it was 38 % of the 124 frozen rows before the per-micro-step parameter passes and H200's calibrated
+    table): the misses are host-bound layouts on H100's seeded host table (eager TP, eager pipelines at micro-batch 2,
+    MoE), ring attention at 4k chunks, FP8 and recompute rows whose machines differ by up to 1.5x for one layout.
+    Until a calibrated table meets the goal, the current accuracy is asserted as a regression bound (a drift past it
+    fails), with the goal beside it."""
     s = check()["summary"]
-    assert s["rows"] >= 120 and s["mem_rows"] >= 100
+    assert s["rows"] >= 139 and s["mem_rows"] >= 115
     assert s["mem_within"] >= GOAL["share"] and s["mem_worst"] <= GOAL["worst"], s
     if s["time_within"] >= GOAL["share"] and s["time_worst"] <= GOAL["worst"]:
         return  # the stated goal, met
-    assert s["time_within"] >= 0.37, s  # regression bound: results/plan_check.txt (38 % within 15 %)
-    assert s["time_worst"] <= 0.77, s   # regression bound: results/plan_check.txt (worst 76 %)
+    assert s["time_within"] >= 0.51, s  # regression bound: results/plan_check.txt (52 % within 15 %)
+    assert s["time_worst"] <= 0.77, s   # regression bound: results/plan_check.txt (worst 76 %, ep2 MoE on H100)
 
 
 def test_manifest_rows_carry_their_provenance():
