@@ -134,7 +134,8 @@ SETS = {
                Job("curve_124m", 1, ["train.py", "--preset=gpt2_124m", *BOOKS.split(), "--train.micro_batch=16",
                                      "--train.steps=3000", "--train.lr=1.2e-3", "--train.val_every=250",
                                      "--out_dir={out}/curve_124m", "--overwrite=true"], 5400),
-               *[Job(f"curve_1b_fp8_{m}", 1, ["train.py", "--preset=gpt_1b", *BOOKS.split(), f"--train.fp8={m}", "--train.fp8_filter=all",
+               *[Job(f"curve_1b_fp8_{m}", 1, ["train.py", "--preset=gpt_1b", *BOOKS.split(), f"--train.fp8={m}",
+                                              *(["--train.fp8_filter=all"] if m != "none" else []),
                                               "--train.micro_batch=8", "--train.steps=1000", "--train.val_every=250",
                                               f"--out_dir={{out}}/curve_1b_fp8_{m}", "--overwrite=true"], 3600)
                  for m in ("none", "tensor")],
