@@ -10,13 +10,12 @@ Sections, in order; one that would pass the time budget (--budget, 200 s) is ski
              B*H 128; both T 1024; and T 16k), tuned outside the timing, GPU time by CUDA-graph replay (an eager
              timing at D 64 measures the ~360 us of launches, not the kernel), TFLOP/s with causal FLOPs
   membw      D2D copy and an elementwise op (GELU), GB/s
-  host       host us per launch (a torch op), and the host's own time to issue a tiny GPT's forward + backward +
-             step while the GPU is held busy (torch.cuda._sleep queued first, so nothing the host does waits for a
-             kernel): at two depths, us per block (the difference) and per step (the shallow step less its blocks),
-             each an issue time, so the step's part cannot go negative as a wall-time difference can; a step that
-             does wait (a host sync, a full launch queue) is timed by wall clock instead and says so. Variants: our
-             kernels, model.kernels=torch, activation checkpointing full / selective, FP8 tensor, MoE; dense and
-             MoE again at 8 x 1024 tokens (does the host cost grow with the shape?)
+  host       host us per launch, and the host's own time to issue a tiny GPT's step while the GPU is held busy
+             (torch.cuda._sleep queued first: nothing the host does waits for a kernel) at two depths: us per block
+             (the difference) and per step (the shallow step less its blocks), both issue times, so neither goes
+             negative as wall-time differences can; a step that waits anyway (a sync, a full launch queue) is timed
+             by wall clock and listed under "waited". Our kernels, kernels=torch, AC full / selective, FP8, MoE;
+             dense and MoE again at 8 x 1024 tokens (does the host cost grow with the shape?)
   comm       (world >= 2) NCCL all-reduce, reduce-scatter, all-gather, all-to-all, send/recv pairs by size; whether
              an eager collective makes the host wait for the GPU work queued before it; host per block at tp2,
              tp2 + sp, dp (DDP) and per block-micro-batch at pp2 (1F1B), the rest of an even world as dp
