@@ -232,7 +232,7 @@ def launch_us(dev) -> float:
 HOST_1GPU = {"dense": {}, "torch_kernels": {"model.kernels": "torch"},
              "ac_full": {"train.activation_checkpointing": "full"},
              "ac_selective": {"train.activation_checkpointing": "selective"},
-             "fp8_tensor": {"train.fp8": "tensor"},
+             "fp8_tensor": {"train.fp8": "tensor", "train.fp8_filter": "all"},
              "moe": {"model.moe_experts": 8, "model.moe_top_k": 2, "model.moe_every": 1}}
 # the same at 8 x 1024 tokens a micro-batch (the manifest's MoE rows): does a block's host cost grow with the shape?
 # (issue times: the held GPU makes the kernels' own time irrelevant; the planner reads only the names above)
