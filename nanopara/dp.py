@@ -53,7 +53,9 @@ class SingleDevice(Engine):
 
     def zero_grad_buffers(self):
         """Zero every gradient in place (nanopara/graph.py: a captured backward accumulates into these buffers)."""
-        torch._foreach_zero_([p.grad for p in self.params if p.grad is not None])
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if grads:  # none yet before the first backward
+            torch._foreach_zero_(grads)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -147,8 +149,14 @@ class DDP(BucketHooks, Engine):
         return [(p.grad, param_kind(p)) for p in self.params]
 
     def _zero_grads(self):
-        for p in self.params:  # the buckets keep their memory; the next backward hands new gradients over
-            p.grad = None
+        if self.keep_grad_buffers:  # a CUDA graph (graph.py) accumulates into the bucket slots: keep them as .grad
+            for buf in self.bufs:
+                buf.zero_()
+            for p in self.params:
+                p.grad = self._slot[id(p)]
+        else:
+            for p in self.params:  # the buckets keep their memory; the next backward hands new gradients over
+                p.grad = None
         self._given.clear()
 
     def _extra_grads(self):

@@ -145,7 +145,8 @@ def load_named_optim_state(opt: torch.optim.Optimizer, names: dict, sd: dict) ->
 class Engine:
     sharded_grads = False  # True: the grads this rank holds are 1/N shards (their squares sum over dp x cp)
     label = "engine"       # for messages
-    keep_grad_buffers = False  # SingleDevice: zero .grad in place after a step instead of freeing (CUDA graphs)
+    keep_grad_buffers = False  # zero .grad in place after a step instead of freeing (CUDA graphs: fixed addresses)
+    reduced_in_graph = False   # graph.GraphedPipelineStep reduced the gradients inside its graph: step() does not
 
     def __init__(self, model: nn.Module, mesh: Mesh, cfg: Config):
         self.model, self.mesh, self.cfg, self.device = model, mesh, cfg, mesh.device
@@ -228,7 +229,8 @@ class Engine:
         queued, as torch's clip_grad_norm_ + step + norm.item() does; reading the norm first left the GPU idle
         while the host issued the clip and the update (124M's clip + update: 2.4-2.6 ms of GPU time that way,
         2.1 ms now; 2 x H100, B=16). CPU: the norm is read first and the for-loop AdamW runs as before."""
-        self._finish_grads()
+        if not self.reduced_in_graph:
+            self._finish_grads()
         self._live = set()
         pieces = self._grad_pieces()  # [(grad, kind)]: every gradient (or shard) this rank holds
         sum_over([g for g, k in pieces if k in PARTIAL_OVER_TP], self.tp_group)
@@ -326,6 +328,10 @@ class Engine:
         load_named_optim_state(self.optimizer, self.names, sd)
 
     # hooks for the subclasses
+    def zero_grad_buffers(self) -> None:
+        """Zero the gradients in place, keeping their tensors (graph.py: a captured backward writes into them)."""
+        self._zero_grads()
+
     def _before_backward(self): pass
     def _after_backward(self): pass
     def _finish_grads(self): pass

@@ -95,18 +95,25 @@ class GraphedPipelineStep:
 
     xs / ys: this stage's token ids / targets per micro-batch (None where the stage reads none), copied into static
     buffers before each replay; scale: the loss factor (constant: fp16's dynamic scale is refused). The returned
-    loss is a static buffer overwritten by the next replay."""
+    loss is a static buffer overwritten by the next replay. With dp > 1 (DDP or ZeRO-1) the gradient reduction is
+    part of the graph: the hooks' bucket launches are recorded where the capture's backward made them, the rest and
+    every wait at the end of the step (engine.reduced_in_graph), so the optimizer step stays eager."""
 
     def __init__(self, pipe, engine, fp8=None, warmup: int = 2):
         self.pipe, self.engine, self.fp8, self.warmup = pipe, engine, fp8, warmup
         self.graph, self.scale = None, None
         engine.keep_grad_buffers = True
+        engine.zero_grad_buffers()  # DDP: every .grad becomes its bucket slot now, before anything is captured
+        engine.reduced_in_graph = engine.n > 1  # pp x dp: the step's reduction is captured too (_step)
 
     def _step(self):
         from nanopara.pp import sync_tied_grads
+        self.engine._live = set()  # as step() leaves it: the warm-up steps run back to back, with no step() between
         with self.engine.no_sync():
             loss = self.pipe.step(self.xs, self.ys, self.scale)
         sync_tied_grads(self.pipe.chunks.values(), self.pipe.tied_group)
+        if self.engine.n > 1:  # DDP / ZeRO-1: the buckets the hooks launched, the rest, all waited for here, so
+            self.engine._finish_grads()  # the graph ends with every reduction joined and step() has none to do
         return loss.detach()
 
     def _capture(self, xs, ys):

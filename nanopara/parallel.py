@@ -55,10 +55,11 @@ def check_layout(cfg: Config, world: int, device_type: str) -> int:
                           f"{t.micro_batch}*{t.seq_len}*{dp} = {per_micro}")
     if t.cuda_graph == "true" and device_type != "cuda":  # graph.py; its config-only limits are in Config.check
         raise ConfigError("train.cuda_graph=true needs a CUDA device")
-    if t.cuda_graph == "true" and world != p.tp * p.pp:  # TP and PP communicate inside the step: a graph records it
+    if t.cuda_graph == "true" and world != p.tp * p.pp and not (p.pp > 1 and p.cp == 1):
         raise ConfigError("train.cuda_graph=true supports tensor and pipeline parallel (world size = parallel.tp * "
-                          "parallel.pp): data-parallel engines launch communication from Python hooks that a "
-                          "replay would skip")
+                          "parallel.pp), and data parallel under a pipeline (its whole step is one graph, the "
+                          "gradient reduction included): elsewhere the data-parallel engines launch communication "
+                          "from Python hooks between micro-steps, which a replay would skip")
     if t.cuda_graph == "true" and p.sp and cfg.model.dropout > 0:  # tp._PerRankDropoutRng: nothing of it would replay
         raise ConfigError("train.cuda_graph=true with parallel.sp=true and model.dropout > 0: each tp rank's dropout "
                           "RNG is swapped in and out by Python hooks around every forward (CUDA RNG state reads "
@@ -86,7 +87,8 @@ def use_cuda_graph(cfg: Config, world: int, device_type: str) -> tuple[bool, str
     if device_type != "cuda" or (p.tp * p.pp == 1 and not moe_fixed):
         return False, ""
     why = [reason for off, reason in (
-        (world != p.tp * p.pp, "data or context parallel (their engines' hooks launch communication from Python)"),
+        (world != p.tp * p.pp, "data or context parallel (their engines' hooks launch communication from Python; "
+                               "under a pipeline with cp = 1, train.cuda_graph=true graphs it: not yet measured)"),
         (t.dtype == "fp16", "fp16's loss scale changes between steps"),
         (t.compile, "train.compile"),
         (m.moe_experts > 0 and not (m.moe_capacity > 0 and m.moe_impl in ("auto", "triton")),

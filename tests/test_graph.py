@@ -26,9 +26,12 @@ def test_unsupported_runs_fail_before_any_work(tmp_path):
         check_layout(cfg, 4, "cuda")  # tp 2 x dp 2
     cfg.parallel.pp, cfg.train.tokens_per_step = 2, 4 * cfg.train.micro_batch * cfg.train.seq_len
     assert check_layout(cfg, 4, "cuda") == 4  # tp2 x pp2: the whole pipeline step is one graph (tests/test_pp.py)
+    cfg.train.tokens_per_step *= 2
+    assert check_layout(cfg, 8, "cuda") == 4  # tp2 x pp2 x dp2: the pipeline's graph holds the dp reduction too
+    cfg.parallel.cp, cfg.train.tokens_per_step = 2, cfg.train.tokens_per_step // 2
     with pytest.raises(ConfigError, match="supports tensor and pipeline parallel"):
-        check_layout(cfg, 8, "cuda")  # tp2 x pp2 x dp2
-    cfg.parallel.pp, cfg.parallel.tp = 2, 1
+        check_layout(cfg, 8, "cuda")  # tp2 x pp2 x cp2: the ring's engine hooks
+    cfg.parallel.cp, cfg.parallel.pp, cfg.parallel.tp = 1, 2, 1
     assert check_layout(cfg, 2, "cuda") == 4  # pp alone
     cfg.parallel.pp, cfg.train.tokens_per_step = 1, 0
     cfg.train.dtype = "fp16"  # the limits that need no world size: Config.check

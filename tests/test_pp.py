@@ -484,20 +484,22 @@ def test_pp2_dp2_matches_single_process(tmp_path):
     _check(tmp_path, 2, 2, {"1f1b": ("1f1b", 3, 1, 4, None), "zb": ("zb", 2, 1, 4, None)})
 
 
-def _graphed_worker(rank, world, out_file):
-    """pp2 through parallelize + Trainer on CUDA, eager and with train.cuda_graph (graph.GraphedPipelineStep)."""
+def _graphed_worker(rank, world, out_file, runs=(("1f1b", 0), ("zb", 0), ("interleaved", 0))):
+    """pp2 (x dp world/2) through parallelize + Trainer on CUDA, eager and with train.cuda_graph
+    (graph.GraphedPipelineStep; with dp > 1 the DDP / ZeRO-1 reduction inside the graph)."""
     from nanopara.config import Config
     from nanopara.parallel import parallelize
     torch.backends.cuda.matmul.allow_tf32 = False
-    mesh = Mesh.build(pp=2, device="cuda")
+    mesh = Mesh.build(pp=2, dp=world // 2, device="cuda")
     results = {}
-    for schedule in ("1f1b", "zb", "interleaved"):
+    for schedule, zero in runs:
         for graphed in (False, True):
             cfg = Config(device="cuda", seed=0)
             cfg.model = ModelConfig(n_layer=4, n_head=4, n_embd=64, block_size=32, vocab_size=256, kernels="triton")
             cfg.parallel.pp, cfg.parallel.pp_schedule = 2, schedule
             cfg.parallel.pp_virtual = 2 if schedule == "interleaved" else 1
-            cfg.train.micro_batch, cfg.train.seq_len, cfg.train.tokens_per_step = 4, 32, 4 * 4 * 32
+            cfg.parallel.dp, cfg.parallel.zero = mesh.dp, zero
+            cfg.train.micro_batch, cfg.train.seq_len, cfg.train.tokens_per_step = 4, 32, 4 * 4 * 32 * mesh.dp
             cfg.train.cuda_graph = "true" if graphed else "false"
             torch.manual_seed(0)
             trainer = parallelize(GPT(cfg.model), mesh, cfg)
@@ -507,7 +509,7 @@ def _graphed_worker(rank, world, out_file):
             for _ in range(5):  # the same batches every step: the loss must fall
                 losses.append(trainer.forward_backward(batches).item())
                 trainer.step(1e-2)
-            results[(schedule, graphed)] = dict(losses=losses, weights={
+            results[(schedule, zero, graphed)] = dict(losses=losses, weights={
                 n: q.detach().cpu() for n, q in trainer.model.named_parameters()})
             trainer.close()
             trainer.engine.close()
@@ -525,8 +527,26 @@ def test_pp2_graphed_step_trains_like_eager(tmp_path):
     for rank in range(2):
         res = torch.load(f"{tmp_path / 'res'}.{rank}", weights_only=False)
         for schedule in ("1f1b", "zb", "interleaved"):
-            eager, graph = res[(schedule, False)], res[(schedule, True)]
+            eager, graph = res[(schedule, 0, False)], res[(schedule, 0, True)]
             assert graph["losses"] == pytest.approx(eager["losses"], rel=1e-5, abs=1e-5), (schedule, graph, eager)
             assert graph["losses"][-1] < graph["losses"][0] - 0.1, schedule
             for n, w in eager["weights"].items():
                 torch.testing.assert_close(graph["weights"][n], w, atol=1e-5, rtol=1e-5, msg=f"{schedule} {n}")
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout_s(300)
+def test_pp2_dp2_graphed_step_trains_like_eager(tmp_path):
+    """pp2 x dp2 under one CUDA graph per rank, DDP's and ZeRO-1's bucket reductions captured inside it: the same
+    losses and weights as the eager pipeline step (4 GPUs)."""
+    if torch.cuda.device_count() < 4:
+        pytest.skip("needs 4 GPUs")
+    runs = (("1f1b", 0), ("1f1b", 1))
+    spawn(_graphed_worker, 4, str(tmp_path / "res"), runs)
+    for rank in range(4):
+        res = torch.load(f"{tmp_path / 'res'}.{rank}", weights_only=False)
+        for schedule, zero in runs:
+            eager, graph = res[(schedule, zero, False)], res[(schedule, zero, True)]
+            assert graph["losses"] == pytest.approx(eager["losses"], rel=1e-5, abs=1e-5), (zero, graph, eager)
+            for n, w in eager["weights"].items():
+                torch.testing.assert_close(graph["weights"][n], w, atol=1e-5, rtol=1e-5, msg=f"zero={zero} {n}")
