@@ -8,16 +8,17 @@ GraphedMicroStep (one GPU, tp): `model(x, y)` under autocast and `(loss * scale)
 buffers before each replay. Gradients accumulate in place into the existing .grad tensors (the engine zeroes them
 in place: `engine.keep_grad_buffers`); optimizer, clipping and logging stay eager. `warmup` eager calls first run
 on a side stream (tuning, compiling, allocator), and their gradients are zeroed.
-GraphedPipelineStep (pp, with or without tp): the whole step of this rank's schedule (every micro-batch's F/B/W, the
-send/recv batches, the loss broadcast, the tied-weight gradient sum), one graph per rank captured by all pp ranks at
-the same call; the schedule is static, so every replay repeats the same messages (notes/pp.md).
+GraphedStep: a whole step per rank, captured by every rank at the same call, with dp > 1 its DDP / ZeRO-1 gradient
+reduction too (the bucket hooks run during the capture, so it records their collectives). GraphedPipelineStep:
+this rank's pipeline schedule (F/B/W, send/recv, the loss broadcast, the tied-weight sum; notes/pp.md).
+GraphedAccumStep: the m micro-steps of a data-parallel step (with or without tp).
 
-Limits, checked by parallel.check_layout: CUDA; dp = cp = 1 (DDP/ZeRO launch communication from Python hooks, which
-a replay would skip); fixed shapes; no fp16 dynamic loss scaling; no dropout under sequence parallel (RNG swaps from
-Python hooks). FP8: the weight casts are captured and run on every replay; activation scales and delayed amax
-histories live on the device, so nothing syncs.
-Tested by tests/test_graph.py, tests/test_pp.py (GPU: graphed == eager) and tests/test_capture_safety.py (CPU, tp2
-+- sp and pp2: no host sync or host copy in the captured region, the same collectives each step).
+Limits, checked by parallel.check_layout: CUDA; cp = 1 and ZeRO <= 1 (the ring's and ZeRO-2/3's buffers are made
+from Python between micro-steps); fixed shapes; no fp16 dynamic loss scaling; no dropout under sequence parallel
+(RNG swaps from Python hooks). FP8: the weight casts are captured and run on every replay; activation scales and
+delayed amax histories live on the device. Tested by tests/test_graph.py, tests/test_pp.py (GPU: graphed == eager)
+and tests/test_capture_safety.py (CPU: tp2 +- sp, pp2, dp2, pp2 x dp2; no host sync or host copy in the captured
+region, the same collectives each step, every reduction waited for inside it).
 """
 from __future__ import annotations
 
@@ -89,29 +90,29 @@ class GraphedMicroStep:
             self.graph = None
 
 
-class GraphedPipelineStep:
-    """`step(xs, ys, scale) -> loss`: pp.Pipeline.step over the step's m micro-batches plus the tied-weight gradient
-    sum, replayed from one CUDA graph per rank (captured on the first call, by every pp rank at the same call).
+class GraphedStep:
+    """`step(xs, ys, scale) -> loss`: a whole optimizer step's micro-batches (`_body`) and, with dp > 1 (DDP or
+    ZeRO-1), the gradient reduction, replayed from one CUDA graph per rank (captured on the first call, by every rank
+    of the step's groups at the same call). xs / ys: token ids / targets per micro-batch (None where a pipeline
+    stage reads none), copied into static buffers before each replay; scale: the loss factor (constant: fp16's
+    dynamic scale is refused). The reduction: the engine's bucket hooks run during the capture, so each bucket's
+    collective is recorded where the backward completed it; the rest, and every wait, at the end of the step
+    (engine._finish_grads; engine.reduced_in_graph makes step() skip its own). The returned loss is a static
+    buffer overwritten by the next replay."""
 
-    xs / ys: this stage's token ids / targets per micro-batch (None where the stage reads none), copied into static
-    buffers before each replay; scale: the loss factor (constant: fp16's dynamic scale is refused). The returned
-    loss is a static buffer overwritten by the next replay. With dp > 1 (DDP or ZeRO-1) the gradient reduction is
-    part of the graph: the hooks' bucket launches are recorded where the capture's backward made them, the rest and
-    every wait at the end of the step (engine.reduced_in_graph), so the optimizer step stays eager."""
-
-    def __init__(self, pipe, engine, fp8=None, warmup: int = 2):
-        self.pipe, self.engine, self.fp8, self.warmup = pipe, engine, fp8, warmup
+    def __init__(self, engine, fp8=None, warmup: int = 2):
+        self.engine, self.fp8, self.warmup = engine, fp8, warmup
         self.graph, self.scale = None, None
         engine.keep_grad_buffers = True
         engine.zero_grad_buffers()  # DDP: every .grad becomes its bucket slot now, before anything is captured
-        engine.reduced_in_graph = engine.n > 1  # pp x dp: the step's reduction is captured too (_step)
+        engine.reduced_in_graph = engine.n > 1
+
+    def _body(self) -> torch.Tensor:
+        raise NotImplementedError
 
     def _step(self):
-        from nanopara.pp import sync_tied_grads
         self.engine._live = set()  # as step() leaves it: the warm-up steps run back to back, with no step() between
-        with self.engine.no_sync():
-            loss = self.pipe.step(self.xs, self.ys, self.scale)
-        sync_tied_grads(self.pipe.chunks.values(), self.pipe.tied_group)
+        loss = self._body()
         if self.engine.n > 1:  # DDP / ZeRO-1: the buckets the hooks launched, the rest, all waited for here, so
             self.engine._finish_grads()  # the graph ends with every reduction joined and step() has none to do
         return loss.detach()
@@ -154,3 +155,39 @@ class GraphedPipelineStep:
             torch.cuda.synchronize()
             self.graph.reset()
             self.graph = None
+
+
+class GraphedPipelineStep(GraphedStep):
+    """pp.Pipeline.step over this rank's schedule (every micro-batch's F/B/W, the send/recv batches, the loss
+    broadcast) plus the tied-weight gradient sum, as one graph per rank."""
+
+    def __init__(self, pipe, engine, fp8=None, warmup: int = 2):
+        super().__init__(engine, fp8, warmup)
+        self.pipe = pipe
+
+    def _body(self) -> torch.Tensor:
+        from nanopara.pp import sync_tied_grads
+        with self.engine.no_sync():
+            loss = self.pipe.step(self.xs, self.ys, self.scale)
+        sync_tied_grads(self.pipe.chunks.values(), self.pipe.tied_group)
+        return loss
+
+
+class GraphedAccumStep(GraphedStep):
+    """The m micro-steps of a data-parallel step (with or without tp), each forward under autocast and backward
+    through the engine (no_sync but for the last), as one graph per rank: one replay launches the step's kernels
+    and its dp collectives. scale: the loss factor of each micro-batch (1 / m: engine.backward takes 1 / (dp*cp))."""
+
+    def __init__(self, model, amp, engine, fp8=None, warmup: int = 2):
+        super().__init__(engine, fp8, warmup)
+        self.model, self.amp = model, amp
+
+    def _body(self) -> torch.Tensor:
+        loss = torch.zeros((), device=self.xs[0].device)
+        for i, (x, y) in enumerate(zip(self.xs, self.ys)):
+            with self.engine.no_sync(i < len(self.xs) - 1):
+                with self.amp():
+                    _, step_loss = self.model(x, y)
+                self.engine.backward(step_loss.float() * self.scale)
+            loss = loss + step_loss.detach().float()
+        return loss / len(self.xs)

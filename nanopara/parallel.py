@@ -55,11 +55,11 @@ def check_layout(cfg: Config, world: int, device_type: str) -> int:
                           f"{t.micro_batch}*{t.seq_len}*{dp} = {per_micro}")
     if t.cuda_graph == "true" and device_type != "cuda":  # graph.py; its config-only limits are in Config.check
         raise ConfigError("train.cuda_graph=true needs a CUDA device")
-    if t.cuda_graph == "true" and world != p.tp * p.pp and not (p.pp > 1 and p.cp == 1):
-        raise ConfigError("train.cuda_graph=true supports tensor and pipeline parallel (world size = parallel.tp * "
-                          "parallel.pp), and data parallel under a pipeline (its whole step is one graph, the "
-                          "gradient reduction included): elsewhere the data-parallel engines launch communication "
-                          "from Python hooks between micro-steps, which a replay would skip")
+    if t.cuda_graph == "true" and (p.cp > 1 or p.zero > 1):  # DDP / ZeRO-1's reduction is captured with the step
+        raise ConfigError("train.cuda_graph=true supports tensor, pipeline and data parallel with DDP or ZeRO-1 "
+                          "(the whole step is one graph, the gradient reduction included); not context parallel "
+                          "or ZeRO-2/3 (their engines free, gather and re-create buffers from Python between "
+                          "micro-steps, which a replay would skip)")
     if t.cuda_graph == "true" and p.sp and cfg.model.dropout > 0:  # tp._PerRankDropoutRng: nothing of it would replay
         raise ConfigError("train.cuda_graph=true with parallel.sp=true and model.dropout > 0: each tp rank's dropout "
                           "RNG is swapped in and out by Python hooks around every forward (CUDA RNG state reads "
@@ -87,8 +87,8 @@ def use_cuda_graph(cfg: Config, world: int, device_type: str) -> tuple[bool, str
     if device_type != "cuda" or (p.tp * p.pp == 1 and not moe_fixed):
         return False, ""
     why = [reason for off, reason in (
-        (world != p.tp * p.pp, "data or context parallel (their engines' hooks launch communication from Python; "
-                               "under a pipeline with cp = 1, train.cuda_graph=true graphs it: not yet measured)"),
+        (world != p.tp * p.pp, "data or context parallel (with DDP or ZeRO-1 and cp = 1, train.cuda_graph=true "
+                               "graphs the whole step, the reduction included: not yet measured on GPUs)"),
         (t.dtype == "fp16", "fp16's loss scale changes between steps"),
         (t.compile, "train.compile"),
         (m.moe_experts > 0 and not (m.moe_capacity > 0 and m.moe_impl in ("auto", "triton")),

@@ -72,10 +72,14 @@ class Trainer:
                             if g is not None]  # expert loads summed over the ranks that saw other tokens
         if cfg.train.compile:
             engine.model = torch.compile(engine.model)
-        if graph:  # parallel.use_cuda_graph: dp = cp = 1 (tp, pp), so no dp hooks a replay would skip
-            from nanopara.graph import GraphedMicroStep, GraphedPipelineStep
-            self.graphed = GraphedPipelineStep(pipeline, engine, fp8) if pipeline is not None else \
-                GraphedMicroStep(engine.model, self.amp, self.scaler.scale / accum, engine)
+        if graph:  # parallel.use_cuda_graph / check_layout: cp = 1, ZeRO <= 1 (graph.py)
+            from nanopara.graph import GraphedAccumStep, GraphedMicroStep, GraphedPipelineStep
+            if pipeline is not None:  # the whole pipeline step, dp's reduction included
+                self.graphed = GraphedPipelineStep(pipeline, engine, fp8)
+            elif engine.n > 1:  # every micro-step and dp's reduction
+                self.graphed = GraphedAccumStep(engine.model, self.amp, engine, fp8)
+            else:  # one micro-step, replayed m times
+                self.graphed = GraphedMicroStep(engine.model, self.amp, self.scaler.scale / accum, engine)
 
     @property
     def model(self):
@@ -98,6 +102,13 @@ class Trainer:
             set_aux_grad_scale(self.engine.model, scale / self.accum / self.engine.n)
         if self.pipeline is not None:
             loss = self._pipeline_step(batches, scale, weights)
+        elif self.graphed is not None and self.engine.n > 1:  # GraphedAccumStep: the step, one replay
+            if weights is not None:
+                raise ValueError("cuda_graph: per micro-batch loss weights change between steps; a replay has one")
+            xs = [x.to(self.device, non_blocking=True) for x, _ in batches]
+            ys = [y.to(self.device, non_blocking=True) for _, y in batches]
+            with self._moe_capture():
+                loss = self.graphed(xs, ys, scale / self.accum)
         else:
             loss = torch.zeros((), device=self.device)
             for micro, batch in enumerate(batches):

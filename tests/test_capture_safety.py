@@ -542,27 +542,39 @@ def test_pipeline_step_is_capture_safe():
             assert signature(steps[0]["collectives"]) == signature(cap["collectives"]), (schedule, rank)
 
 
-def _pp_dp_worker(rank, world, out_dir):
-    """pp2 x dp2 (DDP and ZeRO-1): the graph's flow (GraphedPipelineStep._step, whose end reduces the gradients;
-    then Trainer.step, which then reduces nothing) trains exactly as the eager pipeline step does, and its region is
-    capture-safe with every bucket's reduction issued and waited for inside it."""
+def _dp_worker(rank, world, pp, out_dir):
+    """dp2 x pp (pp 2: 4 ranks; pp 1: 2 ranks), DDP and ZeRO-1: the graph's flow (graph.GraphedPipelineStep or
+    GraphedAccumStep: `_step`, whose end reduces the gradients; then Trainer.step, which then reduces nothing) trains
+    exactly as the eager step does, and its region is capture-safe with every bucket's reduction issued and waited
+    for inside it."""
     global PROBE
     torch.set_num_threads(1)
     from nanopara.config import Config, ModelConfig
-    from nanopara.graph import GraphedPipelineStep
+    from nanopara.graph import GraphedAccumStep, GraphedPipelineStep
     from nanopara.mesh import Mesh
     from nanopara.model import GPT
     from nanopara.parallel import parallelize
-    mesh = Mesh.build(pp=2, dp=2, device="cpu")
+    from nanopara.trainer import mean_over
+    mesh = Mesh.build(pp=pp, dp=2, device="cpu")
     report = {}
 
-    def build(zero):
+    def build(zero, graphed=True):
         cfg = Config(device="cpu", seed=0)
         cfg.model = ModelConfig(n_layer=4, n_head=4, n_embd=64, block_size=32, vocab_size=250, kernels="torch")
-        cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.zero, cfg.parallel.bucket_mb = 2, 2, zero, 0.05
+        cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.zero, cfg.parallel.bucket_mb = pp, 2, zero, 0.05
         cfg.train.micro_batch, cfg.train.seq_len, cfg.train.tokens_per_step = 2, 16, 4 * 2 * 16 * 2
         torch.manual_seed(0)
-        return parallelize(GPT(cfg.model), mesh, cfg)
+        trainer = parallelize(GPT(cfg.model), mesh, cfg)
+        if not graphed:
+            return trainer, None, None
+        if pp > 1:
+            return trainer, GraphedPipelineStep(trainer.pipeline, trainer.engine), 1.0 / trainer.engine.n
+        return trainer, GraphedAccumStep(trainer.model, trainer.amp, trainer.engine), 1.0 / trainer.accum
+
+    def stage(trainer, batches):
+        if pp > 1:
+            return trainer._stage_data(batches)
+        return [x for x, _ in batches], [y for _, y in batches]
 
     gen = torch.Generator().manual_seed(1 + mesh.dp_rank)
     data = [[tuple(torch.randint(0, 250, (2, 16), generator=gen) for _ in range(2)) for _ in range(4)]
@@ -570,16 +582,14 @@ def _pp_dp_worker(rank, world, out_dir):
     for zero in (0, 1):
         runs = []
         for graphed in (False, True):
-            trainer = build(zero)
-            step = GraphedPipelineStep(trainer.pipeline, trainer.engine) if graphed else None
+            trainer, step, scale = build(zero, graphed)
             losses = []
             for batches in data:
                 if step is None:
                     loss = trainer.forward_backward(batches)
                 else:
-                    step.xs, step.ys = trainer._stage_data(batches)
-                    step.scale = 1.0 / trainer.engine.n  # what Trainer passes: the engine's 1/(dp*cp)
-                    from nanopara.trainer import mean_over
+                    step.xs, step.ys = stage(trainer, batches)
+                    step.scale = scale  # what Trainer passes
                     loss = mean_over(step._step(), mesh)
                 trainer.step(1e-2)
                 losses.append(loss.item())
@@ -592,10 +602,9 @@ def _pp_dp_worker(rank, world, out_dir):
         both = [torch.zeros(1, dtype=torch.float64) for _ in range(2)]                # data: equal weights after
         dist.all_gather(both, total, group=mesh.dp_group)                            # the steps = reduced grads
         assert torch.equal(both[0], both[1]), (zero, both)
-        trainer = build(zero)
-        step = GraphedPipelineStep(trainer.pipeline, trainer.engine)
-        step.xs, step.ys = trainer._stage_data(data[0])
-        step.scale = 0.5
+        trainer, step, scale = build(zero)
+        step.xs, step.ys = stage(trainer, data[0])
+        step.scale = scale
         PROBE = CaptureProbe().install()
         try:
             steps = []
@@ -617,14 +626,7 @@ def _pp_dp_worker(rank, world, out_dir):
     dist.destroy_process_group()
 
 
-@pytest.mark.timeout_s(180)
-def test_pipeline_step_with_data_parallel_is_capture_safe_and_trains_alike():
-    """pp2 x dp2 under train.cuda_graph=true: the captured step holds DDP's / ZeRO-1's bucket reductions, each
-    waited for inside it (the probe flags an async handle left unwaited), with no host sync; driven eagerly, the
-    graph's flow (reduction at the end of the step, none in Trainer.step) equals the eager pipeline bit for bit."""
-    with tempfile.TemporaryDirectory() as d:
-        spawn(_pp_dp_worker, 4, d)
-        reports = [json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(4)]
+def _check_dp_reports(reports):
     for rank, rep in enumerate(reports):
         for zero, op in (("zero0", "all_reduce"), ("zero1", "reduce_scatter")):
             steps = rep[zero]["steps"]
@@ -634,6 +636,26 @@ def test_pipeline_step_with_data_parallel_is_capture_safe_and_trains_alike():
             dp_ops = [c for c in cap["collectives"] if c["op"].startswith(op) and c["async_op"]]
             assert len(dp_ops) >= 2, (zero, ops)  # several buckets (bucket_mb=0.05), launched from the hooks
             assert signature(steps[0]["collectives"]) == signature(cap["collectives"]), (zero, rank)
+
+
+@pytest.mark.timeout_s(120)
+def test_data_parallel_step_is_capture_safe_and_trains_alike():
+    """dp2 under train.cuda_graph=true (graph.GraphedAccumStep): every micro-step and DDP's / ZeRO-1's bucket
+    reductions in one graph, each waited for inside it, no host sync; driven eagerly, the graph's flow (reduction
+    at the end of the step, none in Trainer.step) equals the eager step bit for bit."""
+    with tempfile.TemporaryDirectory() as d:
+        spawn(_dp_worker, 2, 1, d)
+        _check_dp_reports([json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(2)])
+
+
+@pytest.mark.timeout_s(180)
+def test_pipeline_step_with_data_parallel_is_capture_safe_and_trains_alike():
+    """pp2 x dp2 under train.cuda_graph=true: the captured step holds DDP's / ZeRO-1's bucket reductions, each
+    waited for inside it (the probe flags an async handle left unwaited), with no host sync; driven eagerly, the
+    graph's flow (reduction at the end of the step, none in Trainer.step) equals the eager pipeline bit for bit."""
+    with tempfile.TemporaryDirectory() as d:
+        spawn(_dp_worker, 4, 2, d)
+        _check_dp_reports([json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(4)])
 
 
 def test_probe_catches_what_it_claims():

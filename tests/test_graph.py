@@ -18,20 +18,21 @@ def test_unsupported_runs_fail_before_any_work(tmp_path):
     assert check_layout(cfg, 1, "cuda") == 1
     with pytest.raises(ConfigError, match="needs a CUDA device"):
         check_layout(cfg, 1, "cpu")
-    with pytest.raises(ConfigError, match="supports tensor and pipeline parallel"):
-        check_layout(cfg, 2, "cuda")  # dp = 2
-    cfg.parallel.tp = 2
+    assert check_layout(cfg, 2, "cuda") == 1  # dp2 (DDP): the step and its all-reduces, one graph (GraphedAccumStep)
+    cfg.parallel.zero = 2
+    with pytest.raises(ConfigError, match="not context parallel or ZeRO-2/3"):
+        check_layout(cfg, 2, "cuda")  # ZeRO-2 frees and re-creates gradient buffers from Python
+    cfg.parallel.zero, cfg.parallel.tp = 1, 2
     assert check_layout(cfg, 2, "cuda") == 1  # tp alone: its collectives are recorded (tests/test_tp.py, GPU)
-    with pytest.raises(ConfigError, match="supports tensor and pipeline parallel"):
-        check_layout(cfg, 4, "cuda")  # tp 2 x dp 2
+    assert check_layout(cfg, 4, "cuda") == 1  # tp 2 x dp 2, ZeRO-1
     cfg.parallel.pp, cfg.train.tokens_per_step = 2, 4 * cfg.train.micro_batch * cfg.train.seq_len
     assert check_layout(cfg, 4, "cuda") == 4  # tp2 x pp2: the whole pipeline step is one graph (tests/test_pp.py)
     cfg.train.tokens_per_step *= 2
     assert check_layout(cfg, 8, "cuda") == 4  # tp2 x pp2 x dp2: the pipeline's graph holds the dp reduction too
     cfg.parallel.cp, cfg.train.tokens_per_step = 2, cfg.train.tokens_per_step // 2
-    with pytest.raises(ConfigError, match="supports tensor and pipeline parallel"):
+    with pytest.raises(ConfigError, match="not context parallel"):
         check_layout(cfg, 8, "cuda")  # tp2 x pp2 x cp2: the ring's engine hooks
-    cfg.parallel.cp, cfg.parallel.pp, cfg.parallel.tp = 1, 2, 1
+    cfg.parallel.cp, cfg.parallel.pp, cfg.parallel.tp, cfg.parallel.zero = 1, 2, 1, 0
     assert check_layout(cfg, 2, "cuda") == 4  # pp alone
     cfg.parallel.pp, cfg.train.tokens_per_step = 1, 0
     cfg.train.dtype = "fp16"  # the limits that need no world size: Config.check
@@ -150,6 +151,37 @@ def test_train_py_tp2_graphed_run_exits(tmp_path, sp):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root)
     assert r.returncode == 0, r.stderr[-3000:]
     assert (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("zero", [0, 1])
+def test_train_py_dp2_graphed_equals_eager(tmp_path, zero):
+    """train.py at dp2 (DDP, ZeRO-1) with train.cuda_graph=true (graph.GraphedAccumStep: both micro-steps and the
+    bucket reductions in one graph per rank) logs the losses of the eager run (the same kernels in the same order)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import numpy as np
+    from nanopara.data import write_shard
+    rng = np.random.default_rng(0)
+    toks = rng.integers(0, 256, 40_000)
+    write_shard(str(tmp_path / "syn_train_000000.bin"), toks)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    losses = {}
+    for graph in ("false", "true"):
+        out = tmp_path / f"run_{graph}"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+               "--preset=tiny", f"--out_dir={out}", f"--data.dataset={tmp_path / 'syn_train_*.bin'}",
+               "--model.vocab_size=256", "--model.block_size=64", "--train.micro_batch=4", "--train.seq_len=64",
+               "--train.tokens_per_step=1024", "--train.steps=6", "--train.warmup_steps=2", "--train.val_every=0",
+               "--train.sample_tokens=0", "--ckpt.final=false", f"--parallel.zero={zero}",
+               f"--train.cuda_graph={graph}"]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root)
+        assert r.returncode == 0, r.stderr[-3000:]
+        losses[graph] = [json.loads(ln)["loss"] for ln in open(out / "metrics.jsonl") if '"loss"' in ln]
+    assert len(losses["true"]) == 6 and losses["true"] == pytest.approx(losses["false"], rel=1e-5, abs=1e-5)
 
 
 def test_auto_takes_the_graph_where_it_pays_and_says_why_not():
