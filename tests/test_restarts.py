@@ -15,33 +15,23 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
 import train
 from nanopara import checkpoint, supervise
-from nanopara.data import write_shard
 from tests.distributed import spawn
+from tests.tiny_run import tiny_argv, write_tiny_shards
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    d = tmp_path_factory.mktemp("rsshards")
-    rng = np.random.default_rng(3)
-    toks = np.where(rng.random(30000) < 0.1, rng.integers(0, 256, 30000), np.tile(np.arange(0, 200, 3), 500)[:30000])
-    write_shard(str(d / "s_train_000000.bin"), toks)
-    write_shard(str(d / "s_val_000000.bin"), toks[:3000])
-    return str(d / "s_*.bin")
+    return write_tiny_shards(tmp_path_factory.mktemp("rsshards"), seed=3)
 
 
 def argv(shards, out_dir, *extra):
-    return ["--preset=tiny", "--device=cpu", f"--out_dir={out_dir}", f"--data.dataset={shards}",
-            "--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=32",
-            "--model.vocab_size=256", "--model.kernels=torch", "--train.micro_batch=4", "--train.seq_len=16",
-            "--train.warmup_steps=2", "--train.val_every=0", "--train.sample_tokens=0", "--train.lr=1e-2",
-            "--train.log_every=1", "--parallel.timeout_s=60", *extra]
+    return tiny_argv(shards, out_dir, "--parallel.timeout_s=60", *extra, steps=None)
 
 
 def _reference(rank, world, args):
