@@ -475,6 +475,22 @@ def test_check_layout_refuses_sp_dropout_under_a_graph():
     assert check_layout(cfg, 2, "cuda") == 1
 
 
+def _probe_graphed_step(step, engine, warmup: int = 2) -> list:
+    """graph.GraphedStep's capture sequence under PROBE: `warmup` eager `_step` calls, the in-place zeroing, then the
+    `_step` a capture would record; one report per phase."""
+    steps = []
+    for i in range(warmup):
+        with PROBE.region() as res:
+            step._step()
+        steps.append(dict(phase=f"warmup{i}", **res))
+    engine.zero_grad_buffers()
+    with PROBE.region() as res:
+        loss = step._step()
+    steps.append(dict(phase="capture", **res))
+    assert torch.isfinite(loss)
+    return steps
+
+
 def _pp_worker(rank, world, schedules, out_dir):
     """graph.GraphedPipelineStep's region on 2 gloo pp ranks: warm-up `_step` calls, the in-place zeroing, then the
     `_step` a capture would record (the whole step of this rank's schedule, the tied-weight sum included)."""
@@ -502,17 +518,7 @@ def _pp_worker(rank, world, schedules, out_dir):
             step = GraphedPipelineStep(trainer.pipeline, trainer.engine, warmup=2)
             step.xs, step.ys = trainer._stage_data(batches)
             step.scale = 1.0
-            steps = []
-            for i in range(2):
-                with PROBE.region() as res:
-                    step._step()
-                steps.append(dict(phase=f"warmup{i}", **res))
-            trainer.engine.zero_grad_buffers()
-            with PROBE.region() as res:
-                loss = step._step()
-            steps.append(dict(phase="capture", **res))
-            assert torch.isfinite(loss)
-            report[schedule] = steps
+            report[schedule] = _probe_graphed_step(step, trainer.engine)
             trainer.engine.close()
     finally:
         PROBE.uninstall()
@@ -607,15 +613,7 @@ def _dp_worker(rank, world, pp, out_dir):
         step.scale = scale
         PROBE = CaptureProbe().install()
         try:
-            steps = []
-            for i in range(2):
-                with PROBE.region() as res:
-                    step._step()
-                steps.append(dict(phase=f"warmup{i}", **res))
-            trainer.engine.zero_grad_buffers()
-            with PROBE.region() as res:
-                step._step()
-            steps.append(dict(phase="capture", **res))
+            steps = _probe_graphed_step(step, trainer.engine)
         finally:
             PROBE.uninstall()
         report[f"zero{zero}"] = dict(steps=steps, losses=plain)
@@ -829,13 +827,7 @@ def _pp_moe_worker(rank, world, out_dir):
         step = GraphedPipelineStep(trainer.pipeline, trainer.engine, warmup=1)
         step.xs, step.ys = trainer._stage_data(batches)
         step.scale = 1.0
-        with PROBE.region() as res:
-            step._step()
-        steps.append(dict(phase="warmup0", **res))
-        trainer.engine.zero_grad_buffers()
-        with PROBE.region() as res:
-            step._step()
-        steps.append(dict(phase="capture", **res))
+        steps += _probe_graphed_step(step, trainer.engine, warmup=1)
         trainer.engine.close()
     finally:
         PROBE.uninstall()
