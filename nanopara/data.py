@@ -71,6 +71,12 @@ def get_tokenizer():
     try:
         return tiktoken.get_encoding("gpt2")
     except Exception as e:  # tiktoken raises network errors of several libraries when offline
+        mirror = default_mirror()
+        cache = os.path.join(mirror, "tiktoken_cache") if mirror else ""
+        if cache and os.path.isdir(cache) and os.environ.get("TIKTOKEN_CACHE_DIR") != cache:
+            # a cache found first (TIKTOKEN_CACHE_DIR, or tiktoken's default in /tmp) lacked or spoilt the files
+            os.environ["TIKTOKEN_CACHE_DIR"] = cache
+            return get_tokenizer()
         raise RuntimeError(
             f"cannot load tiktoken's GPT-2 encoding ({type(e).__name__}: {str(e)[:200]}); offline, set "
             f"TIKTOKEN_CACHE_DIR to a folder of tiktoken's cached files (e.g. shared/data/tiktoken_cache) or "

@@ -62,10 +62,28 @@ def test_tokenizer_error_is_one_clear_line(monkeypatch):
 
     def offline(name):
         raise ConnectionError("no network")
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", os.environ.get("TIKTOKEN_CACHE_DIR", ""))  # restored after the test
     monkeypatch.setattr(tiktoken, "get_encoding", offline)
     with pytest.raises(RuntimeError, match="set TIKTOKEN_CACHE_DIR") as e:
         get_tokenizer()
     assert "\n" not in str(e.value)
+
+
+def test_tokenizer_falls_back_to_the_mirror(monkeypatch, tmp_path):
+    """A cache dir that lacks (or holds spoilt) files makes tiktoken try the network; offline, get_tokenizer then
+    takes the mirror's tiktoken_cache/ (a GPU machine whose /tmp cache was spoilt failed this way)."""
+    import tiktoken
+    real, mirror = tiktoken.get_encoding, tmp_path / "mirror"
+    (mirror / "tiktoken_cache").mkdir(parents=True)
+
+    def offline_unless_mirror(name):
+        if os.environ.get("TIKTOKEN_CACHE_DIR") != str(mirror / "tiktoken_cache"):
+            raise ConnectionError("no network")
+        return real(name)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty"))
+    monkeypatch.setenv("NANOPARA_MIRROR", str(mirror))
+    monkeypatch.setattr(tiktoken, "get_encoding", offline_unless_mirror)
+    assert get_tokenizer().n_vocab == 50257
 
 
 def test_shard_roundtrip(tmp_path):
