@@ -34,16 +34,29 @@ def sha256_of(file: str) -> str:
     return _HASHED[key]
 
 
+KICK_BYTES = 256 << 20  # start the disk's writeback every this many bytes written
+
+
 class _Hashing:
-    """A binary file that hashes and counts what is written through it (torch.save writes it front to back)."""
+    """A binary file that hashes and counts what is written through it (torch.save writes it front to back).
+
+    Every KICK_BYTES it asks the kernel to start writing the bytes so far back to disk (posix_fadvise DONTNEED
+    starts writeback without waiting, and drops the pages once clean). Without it a host with a large page cache
+    holds the whole shard dirty until the fsync, and the disk starts only then: hashing and copying (~10 s for
+    12 GB) and the disk (~14 s at 0.87 GB/s) ran one after the other instead of together (notes/checkpoints.md)."""
 
     def __init__(self, f):
-        self.f, self.h, self.n = f, hashlib.sha256(), 0
+        self.f, self.h, self.n, self.kicked = f, hashlib.sha256(), 0, 0
 
     def write(self, b) -> int:
         self.h.update(b)
         self.n += memoryview(b).nbytes
-        return self.f.write(b)
+        written = self.f.write(b)
+        if self.n - self.kicked >= KICK_BYTES and hasattr(os, "posix_fadvise"):
+            self.f.flush()
+            os.posix_fadvise(self.f.fileno(), self.kicked, self.n - self.kicked, os.POSIX_FADV_DONTNEED)
+            self.kicked = self.n
+        return written
 
     def flush(self) -> None:
         self.f.flush()
