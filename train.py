@@ -86,6 +86,9 @@ def build_loaders(cfg: Config, mesh: Mesh, log) -> tuple[TokenLoader, TokenLoade
             raise ConfigError("train.cuda_graph=true with loss-masked (SFT) shards: each micro-batch's loss is "
                               "weighted by its trained-token count, which a graph replay's fixed scale cannot do; "
                               "drop one")
+        if cfg.parallel.tp_streams > 1:  # tp_streams.py: the halves' mean losses are averaged with equal weights
+            raise ConfigError("parallel.tp_streams=2 with loss-masked (SFT) shards: the two halves of a micro-batch "
+                              "would need their trained-token counts as weights; use parallel.tp_streams=1")
     first = loader.state_dict()
     next(loader)  # opens the first shard now
     loader.load_state_dict(first)

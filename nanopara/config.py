@@ -67,6 +67,8 @@ class ParallelConfig:
     tp_overlap: int = 0          # TP: row blocks per GEMM, each block's collective under the next one's GEMM
                                  # (tp_linear.py); 0 = off: one collective per op. Off by default: 4 blocks
                                  # measured 27-29% slower in eager mode, where the host already limits TP (notes/tp.md)
+    tp_streams: int = 1          # TP: 2 = each micro-batch as two halves on two CUDA streams (nanopara/tp_streams.py):
+                                 # one computes while the other's collectives run; for CUDA graphs, not yet measured
     sp_keep_gathered: bool = False  # SP: column layers keep their gathered (B, T, C) input for dW: one all-gather a
                                  # layer fewer in backward, 2 x B*T*C bytes a block more held (default: regather)
     pp_schedule: str = "1f1b"    # gpipe | 1f1b | interleaved (needs pp_virtual >= 2) | zb (ZB-H1, zero bubble)
@@ -209,6 +211,7 @@ class Config:
         if p.sp and t.seq_len % p.tp:
             raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by parallel.tp={p.tp} (needed by sp)")
         self._check_cp()
+        self._check_tp_streams()
         self._check_pipeline()
         self._check_evals()
         self._check_moe()
@@ -238,6 +241,23 @@ class Config:
         if p.cp_impl == "ulysses" and heads % p.cp:
             raise ConfigError(f"parallel.cp_impl=ulysses splits each rank's model.n_head/parallel.tp = {heads} heads "
                               f"over parallel.cp={p.cp} ranks: they must divide (or use parallel.cp_impl=ring)")
+
+    def _check_tp_streams(self) -> None:
+        """parallel.tp_streams=2 (nanopara/tp_streams.py): each micro-batch as two halves on two streams."""
+        m, p, t = self.model, self.parallel, self.train
+        why = p.tp_streams > 1 and next((w for off, w in (
+            (p.tp == 1, "parallel.tp > 1 (it hides tensor parallel's collectives)"),
+            (t.micro_batch % p.tp_streams, f"train.micro_batch={t.micro_batch} divisible by it (equal halves)"),
+            (p.pp > 1 or p.cp > 1, "parallel.pp = 1 and parallel.cp = 1 (not built for them yet)"),
+            (m.moe_experts > 0, "a dense model (model.moe_experts=0: the halves' aux losses and expert loads)"),
+            (t.fp8 != "none", "train.fp8=none (the FP8 weight casts are cached across the two streams)"),
+            (t.compile, "train.compile=false (it runs the model's stages, not a compiled forward)"),
+            (p.zero > 1, "parallel.zero <= 1 (ZeRO-2/3 reduce or gather per micro-step from Python)"),
+            (p.grad_dests == "on", "parallel.grad_dests=auto|off (each weight gets two gradients a micro-step)"),
+            (p.sp and m.dropout > 0, "model.dropout=0 under parallel.sp=true (its per-rank RNG hooks wrap the "
+                                     "forward, which the halves' stages bypass)")) if off), None)
+        if why:
+            raise ConfigError(f"parallel.tp_streams={p.tp_streams} needs {why}")
 
     def _check_fp8(self) -> None:
         """FP8 (nanopara/fp8.py) with the layouts it is not built for; compile is fine (one graph break per FP8
@@ -411,6 +431,7 @@ _RULES = [
     ("parallel.dp", ">= 1, or -1 (whatever is left of the world size)", lambda v: v >= 1 or v == -1),
     *[(f"parallel.{k}", ">= 1", _positive) for k in ("tp", "pp", "pp_virtual", "cp", "ep", "timeout_s")],
     ("parallel.tp_overlap", ">= 0", _non_negative),
+    ("parallel.tp_streams", "1 or 2", lambda v: v in (1, 2)),
     ("parallel.zero", "0, 1, 2 or 3", lambda v: v in (0, 1, 2, 3)),
     ("parallel.bucket_mb", "> 0", lambda v: v > 0),
     ("parallel.zero3_unit_blocks", ">= 1 (or 0: auto)", _non_negative),

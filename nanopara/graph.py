@@ -12,6 +12,8 @@ GraphedStep: a whole step per rank, captured by every rank at the same call, wit
 reduction too (the bucket hooks run during the capture, so it records their collectives). GraphedPipelineStep:
 this rank's pipeline schedule (F/B/W, send/recv, the loss broadcast, the tied-weight sum; notes/pp.md).
 GraphedAccumStep: the m micro-steps of a data-parallel step (with or without tp).
+tp_streams=2 (parallel.tp_streams): each micro-step is tp_streams.split_fwd_bwd, two halves on two side streams,
+which the capture records as two branches.
 
 Limits, checked by parallel.check_layout: CUDA; cp = 1 and ZeRO <= 1 (the ring's and ZeRO-2/3's buffers are made
 from Python between micro-steps); fixed shapes; no fp16 dynamic loss scaling; no dropout under sequence parallel
@@ -24,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from nanopara.tp_streams import make_streams, split_fwd_bwd
+
 
 class GraphedMicroStep:
     """`step(x, y) -> loss`: one forward + backward, replayed from a CUDA graph captured on the first call.
@@ -34,12 +38,16 @@ class GraphedMicroStep:
     replay: read or accumulate it before calling again.
     """
 
-    def __init__(self, model, amp, scale: float, engine, warmup: int = 3):
+    def __init__(self, model, amp, scale: float, engine, warmup: int = 3, tp_streams: int = 1):
         self.model, self.amp, self.scale, self.engine, self.warmup = model, amp, scale, engine, warmup
         self.graph = None
+        self.split = tp_streams > 1  # the batch in two halves on two streams, made once (the capture reuses them)
+        self.streams = make_streams(engine.device) if self.split else None
         engine.keep_grad_buffers = True
 
     def _fwd_bwd(self, x, y):
+        if self.split:
+            return split_fwd_bwd(self.model, self.amp, x, y, self.scale, self.streams)
         with self.amp():
             _, loss = self.model(x, y)
         (loss.float() * self.scale).backward()
@@ -178,16 +186,22 @@ class GraphedAccumStep(GraphedStep):
     through the engine (no_sync but for the last), as one graph per rank: one replay launches the step's kernels
     and its dp collectives. scale: the loss factor of each micro-batch (1 / m: engine.backward takes 1 / (dp*cp))."""
 
-    def __init__(self, model, amp, engine, fp8=None, warmup: int = 2):
+    def __init__(self, model, amp, engine, fp8=None, warmup: int = 2, tp_streams: int = 1):
         super().__init__(engine, fp8, warmup)
         self.model, self.amp = model, amp
+        self.split = tp_streams > 1
+        self.streams = make_streams(engine.device) if self.split else None
 
     def _body(self) -> torch.Tensor:
         loss = torch.zeros((), device=self.xs[0].device)
         for i, (x, y) in enumerate(zip(self.xs, self.ys)):
-            with self.engine.no_sync(i < len(self.xs) - 1):
-                with self.amp():
-                    _, step_loss = self.model(x, y)
-                self.engine.backward(step_loss.float() * self.scale)
+            with self.engine.no_sync(i < len(self.xs) - 1 or self.split):  # split: reduced by _step, after the join
+                if self.split:
+                    step_loss = split_fwd_bwd(self.model, self.amp, x, y, self.scale, self.streams,
+                                              self.engine.backward)
+                else:
+                    with self.amp():
+                        _, step_loss = self.model(x, y)
+                    self.engine.backward(step_loss.float() * self.scale)
             loss = loss + step_loss.detach().float()
         return loss / len(self.xs)

@@ -325,17 +325,25 @@ class GPT(nn.Module):
         pos: (T,) positions of idx's tokens when they are not pos0, pos0+1, ... (context parallel's chunks,
         cp.py; decode.py's device-side position, which a CUDA graph replays at any step); the caller checked them
         against block_size."""
-        B, T = idx.shape
+        x, ops, m = self.embed(idx, pos0, pos), self.ops_for(idx.device), None
+        for i, block in enumerate(self.transformer.h):
+            x, m = block(x, ops, None if kv_caches is None else kv_caches[i], m)
+        return self.head(x, m, targets)
+
+    def embed(self, idx, pos0: int = 0, pos=None):
+        """forward's first stage: token + position embeddings (then dropout), the residual stream (B, T, C).
+        forward runs embed, the blocks, head; tp_streams.py runs the same stages for two halves of a batch."""
+        T = idx.shape[1]
         if pos is None:
             if pos0 + T > self.cfg.block_size:
                 raise ValueError(f"sequence of {pos0 + T} tokens exceeds the model's context of {self.cfg.block_size}")
             pos = torch.arange(pos0, pos0 + T, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
-        x = F.dropout(x, self.cfg.dropout, self.training)
-        ops = self.ops_for(idx.device)
-        m = None
-        for i, block in enumerate(self.transformer.h):
-            x, m = block(x, ops, None if kv_caches is None else kv_caches[i], m)
+        return F.dropout(x, self.cfg.dropout, self.training)
+
+    def head(self, x, m, targets=None):
+        """forward's last stage: the last block's (x, m) -> final LayerNorm, lm_head -> (logits, loss or None)."""
+        ops = self.ops_for(x.device)
         x = ops.layernorm(x, self.transformer.ln_f) if m is None else ops.add_layernorm(m, x, self.transformer.ln_f)[0]
         logits = self.lm_head(x)  # (B, T, Vp)
         loss = None if targets is None else self.loss_fn(logits, targets)

@@ -20,8 +20,8 @@ RES = os.path.join(ROOT, "results")
 SKIPPED = ("left out: other trainers' baselines (torch DDP, torch.compile, torchao, nanoGPT), trees older than "
            "their file's newest (old_*, tp2_gpt_1b_h100's machine 1, cp2_16k_h100_2's 'before' rows, fp8_e2e's "
            "block mode before the fix), "
-           "tp_overlap > 0 (not modelled), the ZB-H1 rows before zb.py, profiles and kernel rows; memory not "
-           "compared under CUDA graphs (bench_layout resets the peak after the graph's pool is allocated)")
+           "tp_overlap > 0 and tp_streams = 2 (not modelled), the ZB-H1 rows before zb.py, profiles and kernel rows; "
+           "memory not compared under CUDA graphs (bench_layout resets the peak after the graph's pool is allocated)")
 
 
 def _jsonl(name):
@@ -72,7 +72,7 @@ def layout_rows(name: str, skip=()) -> list:
         if r["label"].startswith("old_") or i in skip or r.get("machine") == 1:  # machine 1: before host fixes
             continue
         cfg, lay, tokens, overlap = from_flags(r["flags"], r["n_gpu"])
-        if overlap:
+        if overlap or cfg.parallel.tp_streams > 1:  # (not modelled)
             continue
         rev = f"tree {r.get('tree', '.')}" + (f", machine {r['machine']}" if "machine" in r else "")
         peak = None if lay["graph"] else r["peak_mem_gb"]

@@ -26,6 +26,7 @@ from nanopara.config import Config
 from nanopara.mesh import Mesh
 from nanopara.moe import loads_counted_once, set_aux_grad_scale, step_stats, update_expert_bias
 from nanopara.optim import LossScaler
+from nanopara.tp_streams import make_streams, split_fwd_bwd
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -72,14 +73,18 @@ class Trainer:
                             if g is not None]  # expert loads summed over the ranks that saw other tokens
         if cfg.train.compile:
             engine.model = torch.compile(engine.model)
+        n_streams = cfg.parallel.tp_streams  # 2: each micro-batch as two halves on two streams (tp_streams.py)
+        self.split = n_streams > 1
+        self.streams = make_streams(mesh.device) if self.split and not graph else None  # (a graph makes its own)
         if graph:  # parallel.use_cuda_graph / check_layout: cp = 1, ZeRO <= 1 (graph.py)
             from nanopara.graph import GraphedAccumStep, GraphedMicroStep, GraphedPipelineStep
             if pipeline is not None:  # the whole pipeline step, dp's reduction included
                 self.graphed = GraphedPipelineStep(pipeline, engine, fp8)
             elif engine.n > 1:  # every micro-step and dp's reduction
-                self.graphed = GraphedAccumStep(engine.model, self.amp, engine, fp8)
+                self.graphed = GraphedAccumStep(engine.model, self.amp, engine, fp8, tp_streams=n_streams)
             else:  # one micro-step, replayed m times
-                self.graphed = GraphedMicroStep(engine.model, self.amp, self.scaler.scale / accum, engine)
+                self.graphed = GraphedMicroStep(engine.model, self.amp, self.scaler.scale / accum, engine,
+                                                tp_streams=n_streams)
 
     @property
     def model(self):
@@ -97,6 +102,10 @@ class Trainer:
                              f"a step (train.tokens_per_step / (micro_batch * seq_len * dp))")
         if loss_fn is not None and (self.pipeline is not None or self.graphed is not None):
             raise ValueError("forward_backward(loss_fn=...) needs a layout without pipeline stages or CUDA graphs")
+        if self.split and (weights is not None or loss_fn is not None):
+            raise ValueError("parallel.tp_streams=2 averages the mean losses of two equal halves of each micro-batch: "
+                             "per micro-batch loss weights (train.token_weights: loss-masked shards) and a loss_fn "
+                             "do not fit; use parallel.tp_streams=1")
         scale = self.scaler.scale
         if self.cfg.model.moe_experts:  # the aux loss's gradient gets the factor the LM loss gets below
             set_aux_grad_scale(self.engine.model, scale / self.accum / self.engine.n)
@@ -118,6 +127,10 @@ class Trainer:
                 if self.graphed is not None:  # one GPU or tp alone: no gradient communication to skip
                     with self._moe_capture():
                         step_loss = self.graphed(x, y)
+                elif self.split:  # under no_sync: engine.step reduces after both streams joined (tp_streams.py)
+                    with self.engine.no_sync():
+                        step_loss = split_fwd_bwd(self.engine.model, self.amp, x, y, scale / self.accum,
+                                                  self.streams, self.engine.backward)
                 else:
                     with self.engine.no_sync(micro < self.accum - 1):
                         with self.amp():

@@ -297,6 +297,8 @@ LAYOUTS = {  # label -> (parallel flags, train flags, model flags)
     "old_sp_positions": (dict(sp=True), dict(), dict()),  # the probe's own check: SP positions built on the host
     "tp2_sp_moe": (dict(sp=True), dict(), dict(n_embd=16, moe_experts=4, moe_top_k=2, moe_every=2, moe_capacity=1.0,
                                                 moe_impl="triton", moe_bias_rate=0.01)),  # test_moe_* below
+    "tp2_streams2": (dict(tp_streams=2), dict(), dict()),  # tp_streams.py: two halves, block by block
+    "tp2_sp_streams2": (dict(sp=True, tp_streams=2), dict(), dict()),
 }
 
 
@@ -332,7 +334,8 @@ def _run_layout(label, mesh, warmup=2):
         import types
         wpe = engine.model.transformer.wpe
         wpe.forward = types.MethodType(_old_sp_positions, wpe)
-    micro = GraphedMicroStep(engine.model, trainer.amp, 0.5, engine, warmup=warmup)
+    micro = GraphedMicroStep(engine.model, trainer.amp, 0.5, engine, warmup=warmup,
+                             tp_streams=cfg.parallel.tp_streams)
     gen = torch.Generator().manual_seed(1)
     x = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=gen)
     y = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=gen)
@@ -459,6 +462,28 @@ def test_tp_sp_micro_step_is_capture_safe():
     assert tp_ops == {"all_reduce"} and "all_reduce" in sp_ops  # the loss's two all-reduces
     assert sp_ops & {"all_gather_into_tensor", "all_gather_single"} and \
         sp_ops & {"reduce_scatter_tensor", "reduce_scatter_single"}  # (torch 2.13 renamed them *_single)
+
+
+def test_tp_streams_micro_step_is_capture_safe():
+    """parallel.tp_streams=2 (tp_streams.split_fwd_bwd in GraphedMicroStep._fwd_bwd), tp2 +- sp: the region a
+    capture records makes no host sync or host copy, both ranks issue the same collectives, warm-up and capture
+    alike, and each half issues tp2's own: twice as many, on half the rows."""
+    reports = run(("tp2", "tp2_sp", "tp2_streams2", "tp2_sp_streams2"))
+    text = summarize(reports)
+    print(text)
+    for rank, rep in reports.items():
+        for label in ("tp2_streams2", "tp2_sp_streams2"):
+            steps = rep[label]["steps"]
+            assert not rep[label]["mismatch"] and not rep[label]["refused"], text
+            assert steps[-1]["phase"] == "capture" and not steps[-1]["events"], (label, rank, steps[-1]["events"])
+            for s in steps[:-1]:  # warm-up: only the first call's one-off host work (SP's cached row positions)
+                assert all(e["kind"] in ("h2d", "host_tensor") for e in s["events"]), (label, s["events"])
+            one = rep[label.replace("_streams2", "")]["steps"][-1]["collectives"]
+            two = steps[-1]["collectives"]
+            assert len(two) == 2 * len(one) and {c["op"] for c in two} == {c["op"] for c in one}, label
+            if label == "tp2_streams2":  # the all-reduced activations (B, T, C): B = 2 rows, 1 a half
+                rows = [{c["shapes"][0][0] for c in cs if len(c["shapes"][0]) == 3} for cs in (one, two)]
+                assert rows == [{2}, {1}], rows
 
 
 def test_check_layout_refuses_sp_dropout_under_a_graph():

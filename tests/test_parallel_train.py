@@ -122,6 +122,15 @@ def test_tp_matches_single_process_losses_and_weights(shards, reference, tmp_pat
         torch.testing.assert_close(got, ref, atol=WEIGHT_ATOL, rtol=0, msg=name)
 
 
+@pytest.mark.parametrize("sp", ["false", "true"])
+def test_tp2_streams2_matches_single_process(shards, reference, tmp_path, sp):
+    """parallel.tp_streams=2 from the command line: each micro-batch of 8 as two halves of 4 (nanopara/tp_streams.py),
+    the same losses as one process (tests/test_tp_streams.py compares it with tp_streams=1 more closely)."""
+    losses = run_parallel(tmp_path, f"tp2streams2sp{sp}", 2, argv(shards, tmp_path / "run", 8, "--parallel.tp=2",
+                                                                  f"--parallel.sp={sp}", "--parallel.tp_streams=2"))
+    np.testing.assert_allclose(losses, reference, atol=ATOL, rtol=0)
+
+
 def test_tp2_resume_is_bit_exact(shards, tmp_path):
     tp = ["--parallel.tp=2", "--parallel.sp=true"]
     full = run_parallel(tmp_path, "full", 2, argv(shards, tmp_path / "full", 8, *tp))
