@@ -10,7 +10,7 @@
   layouts     bench_layout on gpt_1b, one row per layout: 1 GPU, dp2, tp2, tp2+sp, pp2 (gpipe, 1f1b, interleaved,
               zb), cp2 at 16k tokens, on 4 and 8 GPUs dp and 3D rows; then engines against torch DDP (bench_dp),
               tp (bench_tp), pp schedules and bubbles (bench_pp), cp (bench_cp), ring all-reduce vs NCCL (bench_comm)
-  scaleout    gpt_1b on 2 GPUs: tp2 and pp2 (schedules, eager and graphed) against one GPU at the same micro-batch
+  scaleout    gpt_1b on 2 GPUs: tp2 (+sp, +tp_streams=2) and pp2 (schedules, eager, graphed) against one GPU
   fp8         FP8 GEMMs, casts and linear against cuBLAS (bench_fp8); FP8 training against bf16 and torchao
   moe         grouped GEMM, routing and the MoE layer against PyTorch (bench_moe); expert parallel (bench_ep)
   post_train  generation against Hugging Face (bench_generate); SFT (bench_sft); SFT then RL (post_train_demo)
@@ -105,6 +105,11 @@ SETS = {
         scaleout("1gpu_mb8", 1, "--train.micro_batch=8", base=""),
         scaleout("1gpu_mb2", 1, "--train.micro_batch=2", base=""),
         scaleout("tp2_graph", 2, "--train.micro_batch=8 --parallel.tp=2 --train.cuda_graph=true"),
+        scaleout("tp2_graph_streams2", 2, "--train.micro_batch=8 --parallel.tp=2 --train.cuda_graph=true "
+                 "--parallel.tp_streams=2"),
+        scaleout("tp2_sp_graph", 2, "--train.micro_batch=8 --parallel.tp=2 --parallel.sp=true --train.cuda_graph=true"),
+        scaleout("tp2_sp_graph_streams2", 2, "--train.micro_batch=8 --parallel.tp=2 --parallel.sp=true "
+                 "--train.cuda_graph=true --parallel.tp_streams=2"),
         scaleout("pp2_1f1b_mb2_eager", 2, f"{PP2_MB2} --parallel.pp_layers=10,8", base="1gpu_mb2"),
         scaleout("pp2_1f1b_mb2_graph", 2, f"{PP2_MB2} --parallel.pp_layers=10,8 --train.cuda_graph=true",
                  base="1gpu_mb2"),

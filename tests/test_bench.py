@@ -148,11 +148,12 @@ def test_trainer_step_on_a_solo_mesh():
 # ---- the benches ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("layout", [["--parallel.pp=2", "--parallel.pp_schedule=1f1b"], ["--parallel.tp=2"],
-                                    ["--parallel.dp=2"]])
+                                    ["--parallel.dp=2"],
+                                    ["--parallel.tp=2", "--parallel.tp_streams=2", "--train.micro_batch=2"]])
 def test_bench_layout_runs_train_layouts_on_cpu(tmp_path, layout):
     """bench_layout.py through the Trainer on 2 gloo processes: a pipeline, tp, and dp with accumulation each give
     one row whose tokens/s counts every micro-step of train.tokens_per_step, with its profile's fields; dp also
-    against a one-process baseline row in the same file."""
+    against a one-process baseline row in the same file; tp with parallel.tp_streams=2 (the flag passes through)."""
     flags = ["--preset=tiny", "--train.micro_batch=1", "--train.seq_len=32", "--train.tokens_per_step=128", *layout]
     out = tmp_path / "layouts.jsonl"
     args = ["--steps", "1", "--warmup", "1", "--out", str(out)]
@@ -165,7 +166,9 @@ def test_bench_layout_runs_train_layouts_on_cpu(tmp_path, layout):
     r = _torchrun(2, "bench_layout.py", *args, "--label", "x", "--baseline", "one", "--", *flags)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     rec = rows[-1]
-    assert rec["label"] == "x" and rec["micro_steps"] == 128 // (32 * dp) and rec["n_gpu"] == 2
+    mb = 2 if "--train.micro_batch=2" in layout else 1  # (the last repeated key wins)
+    assert rec["label"] == "x" and rec["micro_steps"] == 128 // (32 * dp * mb) and rec["n_gpu"] == 2
+    assert rec["flags"][-len(layout):] == layout
     assert rec["tokens_per_s"] == pytest.approx(128 / (rec["step_ms"] / 1e3))
     assert rec["layout"]["dp"] == dp and {"gpu", "date", "git"} <= set(rec)
     assert rec["kernel_ms_by_kind"] and rec["profiled_step_span_ms"] > 0 and 0 < rec["gpu_busy_share"] <= 1
