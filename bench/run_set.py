@@ -110,6 +110,9 @@ SETS = {
         scaleout("tp2_sp_graph", 2, "--train.micro_batch=8 --parallel.tp=2 --parallel.sp=true --train.cuda_graph=true"),
         scaleout("tp2_sp_graph_streams2", 2, "--train.micro_batch=8 --parallel.tp=2 --parallel.sp=true "
                  "--train.cuda_graph=true --parallel.tp_streams=2"),
+        scaleout("dp2_zero1", 2, "--train.micro_batch=8 --parallel.dp=2 --parallel.zero=1"),
+        scaleout("dp2_zero1_graph", 2, "--train.micro_batch=8 --parallel.dp=2 --parallel.zero=1 --train.cuda_graph=true"),
+        scaleout("dp2_zero3", 2, "--train.micro_batch=8 --parallel.dp=2 --parallel.zero=3"),
         scaleout("pp2_1f1b_mb2_eager", 2, f"{PP2_MB2} --parallel.pp_layers=10,8", base="1gpu_mb2"),
         scaleout("pp2_1f1b_mb2_graph", 2, f"{PP2_MB2} --parallel.pp_layers=10,8 --train.cuda_graph=true",
                  base="1gpu_mb2"),
