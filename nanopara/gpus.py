@@ -5,8 +5,10 @@ fwd+bwd TFLOP/s, memory-bound GB/s, host microseconds per launch and per transfo
 work is negligible, so the time is the host's), NCCL collectives and p2p by size, plus spec figures (memory, peak
 FLOP/s). The entries below are seeded from the kernel and comm benchmarks already in results/ and from published
 specs, each marked by `SOURCES`; H200 takes the first bench_calibrate table (results/calibrate_gpus_h200.json) but
-for what `ADOPTED` leaves out; where results/plan_gpus_<gpu>.json exists (bench_calibrate.py's output) its numbers
-replace the seeds. Nothing here is fitted to the end-to-end rows the planner is checked against (plan_check.py).
+for what `ADOPTED` leaves out, H100 what of it is NCCL's or the code's (`SHARED`: collectives, host syncs); where
+results/plan_gpus_<gpu>.json exists (bench_calibrate.py's output) its numbers replace the seeds. Also the MoE
+expert MLP's rate by rows an expert and FP8's modes (results/moe_h100.txt, fp8_h100.txt). Nothing here is fitted
+to the end-to-end rows the planner is checked against (plan_check.py).
 
 Collectives: the time of a measured (kind, group size) is interpolated in log(bytes) between measured sizes
 (linear in bytes to the latency floor below the smallest); other group sizes convert through the ring's bus
@@ -38,6 +40,15 @@ def gemm_class(m: int, n: int, k: int) -> str:
     return next(c for c, edge in GEMM_CLASSES if d < edge)
 
 
+def grouped_tflops(gpu, rows_per_expert: float) -> float:
+    """The MoE expert MLP's fwd + bwd TFLOP/s at this many rows an expert: log-log between the measured points,
+    their slope beyond them (fewer rows an expert: fewer, emptier tiles)."""
+    (r0, t0), (r1, t1) = sorted(gpu.grouped_mlp)[:1] + sorted(gpu.grouped_mlp)[-1:]
+    if r1 == r0:
+        return t0
+    return t0 * (max(rows_per_expert, 1.0) / r0) ** (math.log(t1 / t0) / math.log(r1 / r0))
+
+
 @dataclass
 class GPU:
     name: str
@@ -52,6 +63,8 @@ class GPU:
     host_wait_share: float = 0.0  # share of queued GPU work an eager collective makes the host wait for
     p2p_host_wait_share: float = 0.0  # the same for a send/recv pair (pipeline, ring attention)
     latency_us: float = 15.0      # a collective's floor within a node
+    grouped_mlp: list = field(default_factory=list)  # [[rows per expert, TFLOP/s]]: MoE expert MLP fwd + bwd
+    fp8_modes: dict = field(default_factory=dict)    # {mode: (GEMM rate / tensorwise, ps a quantized element)}
     sources: dict = field(default_factory=dict)
 
 
@@ -83,6 +96,14 @@ _H100 = GPU(
                       "sdpa_128": 265.0},
     membw_gbs={"copy": 3001.0, "elementwise": 0.8 * 3001.0},
     host=copy.deepcopy(_HOST), comm={"2": _derived(_AR2, 2), "4": _derived(_AR4, 4)},
+    # results/moe_h100.txt section 4, "GEMMs only": grouped_mlp_triton fwd + bwd (both expert GEMMs, bias + GELU
+    # epilogues, bias gradients) on dropless routing's sorted rows, E = 8, C = 768: 32,768 rows 3.276 ms, 65,536 6.149
+    grouped_mlp=[[4096.0, 283.2], [8192.0, 301.8]],
+    # results/fp8_h100.txt, gpt_1b's four Linear shapes (class m), our kernels: GEMM TFLOP/s tensor 1088 (mean of
+    # 1254 / 447 / 1257 / 1393), row 1202, block 780; quantization of an activation and its transpose for one fwd +
+    # bwd, per element (8192 x 2048): tensor X (+X^T) 50.2 us, row X rows 23.7 + X cols 71.3, block X 1x128 (+X^T) 65.7
+    fp8_modes={"tensor": (1.0, 50.2e6 / 16777216), "row": (1202 / 1088, 95.0e6 / 16777216),
+               "block": (780 / 1088, 65.7e6 / 16777216)},
     sources={
         "mem_gb": "spec: H100 SXM 80 GB HBM3, 79.2 GiB as torch reports it",
         "peak": "spec: NVIDIA H100 SXM dense bf16 989 TFLOP/s, fp8 1979 (report.PEAK_FLOPS)",
@@ -106,7 +127,10 @@ _H100 = GPU(
                 "moe +600: assumed. All until bench_calibrate measures them",
         "comm": "all-reduce: results/comm_2.json, comm_4.json (NCCL 2.28.9 on H200 NVLink 4, the same NVSwitch "
                 "fabric as H100 SXM); the other collectives and p2p derived from it at equal bus bandwidth",
-        "latency_us": "assumed: NCCL small-message floor on NVLink, ~10-20 us (nccl-tests)"})
+        "latency_us": "assumed: NCCL small-message floor on NVLink, ~10-20 us (nccl-tests)",
+        "grouped_mlp": "results/moe_h100.txt section 4 (grouped_mlp_triton fwd + bwd, GEMMs only, 4,096 and 8,192 "
+                       "rows an expert)",
+        "fp8_modes": "results/fp8_h100.txt (GEMM table at gpt_1b's shapes; quantization kernels at 8192 x 2048)"})
 
 _H200 = copy.deepcopy(_H100)
 _H200.name, _H200.mem_gb = "H200", 150.75
@@ -168,6 +192,28 @@ def _load(seed: GPU, path: str, drop: tuple = (), host_relative: bool = False) -
 # block at 3.67 ms where bench_dp's host measure on the manifest's machines says 1.95: its variants are taken as
 # ratios to its own dense block (tp2 1.20, tp2 + sp 1.86, pp2 1.84, MoE 1.78, ep2 2.85, FP8 1.76, AC full 1.60).
 ADOPTED = {"H200": ("calibrate_gpus_h200.json", ("attention_tflops.64", "host.step_us"), True)}
+# What a calibration measures that is not the chip's or the host CPU's, taken by the other GPUs: NCCL's collectives
+# and send/recv by size on 2 GPUs with the host's wait on them (H100 SXM and H200 share NVLink 4 and NVSwitch; the
+# seeds' all-reduce rows are H200's already) and the host syncs a block makes (the code's: ep2's split sizes).
+SHARED = {"H100": ("calibrate_gpus_h200.json", ("comm", "syncs_per_layer"))}
+
+
+def _share(seed: GPU, path: str, parts: tuple) -> GPU:
+    """The seed with `parts` of another GPU's calibration: "comm" (rows and wait shares), "syncs_per_layer"."""
+    with open(path) as f:
+        cal = json.load(f)
+    g = copy.deepcopy(seed)
+    where = f"{os.path.relpath(path, ROOT)} ({cal.get('gpu')}, {cal.get('date')})"
+    if "comm" in parts:
+        for n, rows in cal.get("comm", {}).items():
+            g.comm[n] = {**g.comm.get(n, {}), **{k: v for k, v in rows.items() if isinstance(v, list)}}
+            g.host_wait_share = rows.get("host_wait_share", g.host_wait_share)
+            g.p2p_host_wait_share = rows.get("p2p_host_wait_share", g.p2p_host_wait_share)
+        g.sources["comm"] = f"measured on the same NVLink 4 / NVSwitch fabric: {where}; the rest " + g.sources["comm"]
+    if "syncs_per_layer" in parts:
+        g.host["syncs_per_layer"] = dict(cal.get("host", {}).get("syncs_per_layer", {}))
+        g.sources["host"] += f"; host syncs a block: {where}"
+    return g
 
 
 def table(results_dir: str | None = None) -> dict:
@@ -178,6 +224,9 @@ def table(results_dir: str | None = None) -> dict:
     for key, (name, drop, rel) in ADOPTED.items():
         if os.path.exists(os.path.join(res, name)):
             gpus[key] = _load(gpus[key], os.path.join(res, name), drop, rel)
+    for key, (name, parts) in SHARED.items():
+        if os.path.exists(os.path.join(res, name)):
+            gpus[key] = _share(gpus[key], os.path.join(res, name), parts)
     for path in sorted(glob.glob(os.path.join(res, "plan_gpus_*.json"))):
         with open(path) as f:
             name = json.load(f).get("gpu", "")

@@ -11,7 +11,8 @@ plus a p2p message a stage crossing. After the last micro-batch: data-parallel r
 reduce-scatter + all-gather, ZeRO-3 gathers per micro-step), overlapped with the last backward but its last bucket
 (the tied embedding's gradient completes last), with 30 % of the overlapped time added to compute (notes/dp.md:
 the backward slows ~1 ms under ~2 ms of all-reduce against a no-communication control), then AdamW's 29 bytes a
-parameter plus the norm's read (kernels/adamw.py) at copy bandwidth.
+parameter plus the norm's read (kernels/adamw.py) at copy bandwidth. Under a CUDA graph every micro-step adds its
+weight gradients into the kept .grad (18 bytes a parameter, zeroed once a step), where eager writes the first.
 """
 from __future__ import annotations
 
@@ -108,8 +109,10 @@ def _stage(run: Run, gpu, i: int, blocks: list[int]) -> dict:
     dense, expert = stage_params(run, i, blocks)
     # passes over the stage's parameters each micro-step (model.matmul_weight): autocast's bf16 weight cast, 4 + 2
     # bytes (pp: once a step, in step_time); the bf16 weight gradient cast to fp32, 2 + 4, and from the second
-    # micro-step on added into .grad, 4 + 4 + 4 (the first is written in place): elementwise kernels
-    grad_bytes = 18 - 12 / run.accum
+    # micro-step on added into .grad, 4 + 4 + 4 (the first is written in place): elementwise kernels. Under a CUDA
+    # graph .grad stays allocated and every micro-step adds into it (graph.py; notes/tp.md: `add<float>` 2.4 ms of
+    # a graphed tp2 step that the eager one-GPU step does not run), zeroed once a step in step_time
+    grad_bytes = 18.0 if L.graph else 18 - 12 / run.accum
     per_micro = ((6 if L.pp == 1 else 0) + grad_bytes) * (dense + expert) / (gpu.membw_gbs["elementwise"] * 1e9)
     kinds["head"], kinds["params_pass"] = head, per_micro
     comm = micro_comm(run, gpu, blocks, kinds["attention"] / max(len(blocks), 1))
@@ -147,6 +150,8 @@ def step_time(run: Run) -> dict:
     dp = _dp(run, gpu, s["dense"], s["expert"], s["bwd_gpu"], k == 0)
     opt_params = (s["dense"] + s["expert"]) / (L.dp * L.cp if L.zero >= 1 else 1)
     opt = (29 * opt_params + 4 * (s["dense"] + s["expert"])) / (gpu.membw_gbs["copy"] * 1e9)
+    if L.graph:  # the kept gradients zeroed in place (engine.zero_grad_buffers): 4 bytes written a parameter
+        opt += 4 * (s["dense"] + s["expert"]) / (gpu.membw_gbs["copy"] * 1e9)
     if p > 1:
         opt += 6 * (s["dense"] + s["expert"]) / (gpu.membw_gbs["copy"] * 1e9)  # one weight cast a step
         if run.model.tied:  # the tied embedding's two halves summed between the first and last stage

@@ -9,8 +9,10 @@ activations per block and micro-batch in units of tokens x C bytes (recompute.py
 selective, 6 full for GPT-2; tp shards the matmul parts, sp everything; Korthikanti et al. 2022) times the
 micro-batches in flight (1F1B: p - i on stage i, GPipe m, interleaved Megatron's warm-up count, ZB-H1 p), the
 loss's logits, one block's backward workspace, communication buffers, and the caching allocator's slack.
-Step time: GEMMs at the GPU table's TFLOP/s for their shape class, attention at its kernel's rate, memory-bound
-bytes at elementwise GB/s, the optimizer, each axis's communication (TP/SP and ring/Ulysses CP and EP exposed,
+Step time: GEMMs at the GPU table's TFLOP/s for their shape class (FP8: each scaling mode's measured GEMM rate and
+quantization time an element), MoE's expert MLP at the grouped MLP's measured rate for its rows an expert,
+attention at its kernel's rate, memory-bound bytes at elementwise GB/s, the optimizer, each axis's
+communication (TP/SP and ring/Ulysses CP and EP exposed,
 DP overlapped with the last backward but its last bucket), the pipeline bubble from the stages' action times, and
 a host floor: every micro-batch takes max(GPU, host) where the host issues each block's kernels at the table's
 us per block for this layout's variant (eager; a CUDA graph replays for ~nothing). Tokens/s and MFU as train.py
@@ -310,16 +312,15 @@ def block_gpu(run: Run, gpu, moe: bool) -> dict:
     t, tp, fp8 = L.micro_batch * s, L.tp, L.fp8 != "none"
     lin = [(m.qkv_out / tp, m.d), (m.d, m.d / tp)]
     mlp = [((2 if m.swiglu else 1) * m.ffn / tp, m.d), (m.d, m.ffn / tp)]
-    gemm = [_linear_s(gpu, t, n, k, fp8) for n, k in lin]
-    if moe:  # experts whole on each tp rank (sp: its own tokens); grouped GEMMs at 0.75x dense cuBLAS (the
-        rows = t * m.top_k / (tp if L.sp else 1)  # Triton kernel's 0.67-0.81x in results/moe_h100.txt)
-        for n, k in ((m.ffn, m.d), (m.d, m.ffn)):
-            fw = 2 * rows * n * k
-            tf = gpu.gemm_tflops["bf16"][G.gemm_class(rows / m.experts, n, k)] * 1e12 * 0.75
-            gemm.append((fw / tf, 2 * fw / tf))
-        gemm.append(_linear_s(gpu, t, m.experts, m.d, False))
+    mode = gpu.fp8_modes.get(L.fp8, (1.0, None)) if fp8 else (1.0, None)  # GEMM rate / tensorwise, ps an element
+    gemm = [_linear_s(gpu, t, n, k, fp8, mode[0]) for n, k in lin]
+    if moe:  # experts whole on each tp rank (sp: its own tokens; ep: the rows routed to its E/ep experts): the
+        rows = t * m.top_k / (tp if L.sp else 1)  # grouped MLP, epilogues and bias gradients in, at its measured
+        fw = 2 * rows * (3 if m.swiglu else 2) * m.ffn * m.d  # rate for this many rows an expert
+        tf = G.grouped_tflops(gpu, rows * L.ep / m.experts) * 1e12
+        gemm += [(fw / tf, 2 * fw / tf), _linear_s(gpu, t, m.experts, m.d, False)]
     else:
-        gemm += [_linear_s(gpu, t, n, k, fp8) for n, k in mlp]
+        gemm += [_linear_s(gpu, t, n, k, fp8, mode[0]) for n, k in mlp]
     fwd = sum(g[0] for g in gemm)
     bwd = sum(g[1] for g in gemm)
     key = "64" if m.hd < 128 else ("128_long" if s * L.cp >= 16384 else "128")
@@ -331,12 +332,17 @@ def block_gpu(run: Run, gpu, moe: bool) -> dict:
     rep, shd = 58.0, 36.0 + 34.0 * f / 4  # bytes/token/C, fwd+bwd: LayerNorms and residual; MLP act, bias grads
     if L.kernels == "torch":  # eager LayerNorm ~1.9x our bytes (results/bench_layernorm.txt), unfused residual
         rep += 96.0           # adds and the LayerNorm outputs' casts (notes/e2e.md)
+    if moe:  # the MLP's activation and bias passes are inside the grouped MLP's measured time
+        shd -= 34.0 * f / 4
     mem_bytes = t * m.d * ((rep + shd) / tp if L.sp else rep + shd / tp)
-    if moe:
-        mem_bytes += t * m.top_k * m.d * 2 * 8  # permute, unpermute, fwd and bwd
-    if fp8:
-        mem_bytes += t * m.d * 96 / tp  # quantize X, dY and their transposes (docs: ~196 KB/token/layer at C=2048)
+    if moe:  # permute, unpermute, fwd and bwd (results/moe_h100.txt section 3: 75-88 % of copy bandwidth)
+        mem_bytes += t * m.top_k * m.d * 2 * 8
     memb = mem_bytes / (gpu.membw_gbs["elementwise"] * 1e9)
+    if fp8 and mode[1] is not None:  # each FP8 Linear quantizes its input X and output gradient dY (and their
+        # transposes) once a micro-batch, at the mode's measured time an element (gpus.fp8_modes)
+        memb += t * sum(n + k for n, k in lin + ([] if moe else mlp)) * mode[1] * 1e-12
+    elif fp8:
+        memb += t * m.d * 96 / tp / (gpu.membw_gbs["elementwise"] * 1e9)  # X, dY and transposes: ~96 bytes a C
     out = {"gemm": fwd + bwd, "attention": attn, "memory_bound": memb, "fwd_share": (fwd + attn / 3.5) /
            max(fwd + bwd + attn, 1e-12)}
     if L.ac == "full":

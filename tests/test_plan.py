@@ -19,19 +19,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_manifest_against_the_goals():
     """The issue's goals: peak memory within 10 % and step time within 15 % of measured for >= 90 % of the rows, no
-    row past 30 %. Memory meets them. Step time does not (results/plan_check.txt: 52 % of 139 rows within 15 %,
-    worst 76 %; it was 38 % of the 124 frozen rows before the per-micro-step parameter passes and H200's calibrated
-    table): the misses are host-bound layouts on H100's seeded host table (eager TP, eager pipelines at micro-batch 2,
-    MoE), ring attention at 4k chunks, FP8 and recompute rows whose machines differ by up to 1.5x for one layout.
-    Until a calibrated table meets the goal, the current accuracy is asserted as a regression bound (a drift past it
-    fails), with the goal beside it."""
+    row past 30 %. Memory meets them. Step time does not (results/plan_check.txt: 63 % of 139 rows within 15 %,
+    worst 67 %; 52 % / 76 % before the graphs' gradient traffic, the measured grouped MLP, FP8's modes and the
+    shared NCCL rows and host syncs; notes/planner.md): the misses are eager steps whose host and GPU times add up
+    on H100 (eager TP, eager pipelines with our kernels, MoE, FP8, recompute on the slower hosts), ring attention at
+    4k chunks. Until a calibrated table meets the goal, the current accuracy is asserted as a regression bound (a
+    drift past it fails), with the goal beside it."""
     s = check()["summary"]
     assert s["rows"] >= 139 and s["mem_rows"] >= 115
     assert s["mem_within"] >= GOAL["share"] and s["mem_worst"] <= GOAL["worst"], s
     if s["time_within"] >= GOAL["share"] and s["time_worst"] <= GOAL["worst"]:
         return  # the stated goal, met
-    assert s["time_within"] >= 0.51, s  # regression bound: results/plan_check.txt (52 % within 15 %)
-    assert s["time_worst"] <= 0.77, s   # regression bound: results/plan_check.txt (worst 76 %, ep2 MoE on H100)
+    assert s["time_within"] >= 0.62, s  # regression bound: results/plan_check.txt (63 % within 15 %)
+    assert s["time_worst"] <= 0.68, s   # regression bound: results/plan_check.txt (worst 67 %, dp4 MoE on H100)
 
 
 def test_manifest_rows_carry_their_provenance():
@@ -62,6 +62,23 @@ def test_step_items_add_up_and_pipeline_bubble_shrinks():
     for p in runs.values():
         assert sum(p["time"]["items"].values()) == pytest.approx(p["step_s"])
     assert runs["interleaved"]["time"]["items"]["bubble"] < runs["1f1b"]["time"]["items"]["bubble"]
+
+
+def test_step_mechanisms_move_the_right_way():
+    """The modelled mechanisms, each against its own source: a graphed step adds into kept gradients (notes/tp.md),
+    FP8 block scaling runs slower GEMMs and longer quantizations than tensorwise (results/fp8_h100.txt), the grouped
+    MLP is slower an expert row at fewer rows (results/moe_h100.txt), H100 takes the calibration's NCCL rows and
+    host syncs (same NVLink fabric, same code), not its host CPU's block times."""
+    m = Model(name="gpt_1b", n_layer=18, n_head=16, d=2048)
+    it = lambda **kw: predict(Run(m, Layout(micro_batch=8, **kw), tokens_per_step=8192))["time"]["items"]  # noqa
+    assert it(graph=True)["params_pass"] == pytest.approx(2 * it()["params_pass"])  # cast 6 + grads 18 bytes, not 6
+    tensor, row, block = (it(fp8=f, graph=True) for f in ("tensor", "row", "block"))
+    assert block["gemm"] > tensor["gemm"] > row["gemm"] and row["memory_bound"] > block["memory_bound"] > \
+        tensor["memory_bound"]
+    h100, h200 = G.table()["H100"], G.table()["H200"]
+    assert G.grouped_tflops(h100, 2048) < G.grouped_tflops(h100, 4096) < G.grouped_tflops(h100, 8192)
+    assert h100.comm["2"]["all_gather"] == h200.comm["2"]["all_gather"] and h100.host["syncs_per_layer"]["ep2"] == 3
+    assert h100.host["layer_us"] == G.SEEDS["H100"].host["layer_us"]
 
 
 @pytest.mark.parametrize("kw, text", [
