@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -35,6 +36,7 @@ def sha256_of(file: str) -> str:
 
 
 KICK_BYTES = 256 << 20  # start the disk's writeback every this many bytes written
+PARALLEL_HASH_BYTES = 1 << 20  # a write this large is hashed on a second thread beside the write itself
 
 
 class _Hashing:
@@ -43,15 +45,23 @@ class _Hashing:
     Every KICK_BYTES it asks the kernel to start writing the bytes so far back to disk (posix_fadvise DONTNEED
     starts writeback without waiting, and drops the pages once clean). Without it a host with a large page cache
     holds the whole shard dirty until the fsync, and the disk starts only then: hashing and copying (~10 s for
-    12 GB) and the disk (~14 s at 0.87 GB/s) ran one after the other instead of together (notes/checkpoints.md)."""
+    12 GB) and the disk (~14 s at 0.87 GB/s) ran one after the other instead of together (notes/checkpoints.md).
+    With a `pool`, a large write's sha256 runs on the pool's thread while this thread copies it into the file; the
+    write returns only when both are done, so no buffer is read after torch.save takes it back."""
 
-    def __init__(self, f):
-        self.f, self.h, self.n, self.kicked = f, hashlib.sha256(), 0, 0
+    def __init__(self, f, pool=None):
+        self.f, self.h, self.n, self.kicked, self.pool = f, hashlib.sha256(), 0, 0, pool
 
     def write(self, b) -> int:
-        self.h.update(b)
-        self.n += memoryview(b).nbytes
-        written = self.f.write(b)
+        n = memoryview(b).nbytes
+        if self.pool is not None and n >= PARALLEL_HASH_BYTES:  # hash on the pool's thread while this one writes
+            hashed = self.pool.submit(self.h.update, b)  # (both release the GIL); done before `b` is given back
+            written = self.f.write(b)
+            hashed.result()
+        else:
+            self.h.update(b)
+            written = self.f.write(b)
+        self.n += n
         if self.n - self.kicked >= KICK_BYTES and hasattr(os, "posix_fadvise"):
             self.f.flush()
             os.posix_fadvise(self.f.fileno(), self.kicked, self.n - self.kicked, os.POSIX_FADV_DONTNEED)
@@ -64,8 +74,8 @@ class _Hashing:
 
 def write_shard(state: dict, file: str) -> tuple[int, str]:
     """(bytes, sha256) of `state` written to `file` through a temporary name, on disk (fsync) when it returns."""
-    with open(file + ".tmp", "wb") as f:
-        out = _Hashing(f)
+    with open(file + ".tmp", "wb") as f, ThreadPoolExecutor(1, thread_name_prefix="nanopara-sha256") as pool:
+        out = _Hashing(f, pool)
         torch.save(state, out)
         f.flush()
         os.fsync(f.fileno())

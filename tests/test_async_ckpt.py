@@ -456,18 +456,33 @@ def test_bench_ckpt_smoke_on_cpu(tmp_path, capsys):
 
 def test_the_shard_writer_starts_writeback_as_it_goes_and_hashes_the_file(tmp_path, monkeypatch):
     """shard_io kicks the disk every KICK_BYTES (posix_fadvise over the bytes since the last kick, in order, without
-    gaps), and the sha256 it returns is the file's."""
+    gaps), hashes large writes on a second thread, and the sha256 it returns is the file's."""
     import hashlib
     from nanopara import shard_io
     if not hasattr(os, "posix_fadvise"):
         pytest.skip("no posix_fadvise on this platform")
-    kicks = []
+    import threading
+    kicks, hashed_on, real_sha256 = [], set(), hashlib.sha256
+
+    class Sha:  # hashlib's sha256, noting which threads fed it
+        def __init__(self):
+            self.h = real_sha256()
+
+        def update(self, b):
+            hashed_on.add(threading.current_thread().name.split("_")[0])
+            self.h.update(b)
+
+        def hexdigest(self):
+            return self.h.hexdigest()
+    monkeypatch.setattr(shard_io.hashlib, "sha256", Sha)
     monkeypatch.setattr(shard_io, "KICK_BYTES", 1 << 16)
+    monkeypatch.setattr(shard_io, "PARALLEL_HASH_BYTES", 100_000)  # tensors on the second thread, headers here
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: kicks.append((off, n, advice)))
     state = {f"w{i}": torch.randn(40_000) for i in range(5)}  # 160 kB a tensor: a kick after each
     n, sha = shard_io.write_shard(state, str(tmp_path / "s.pt"))
     data = (tmp_path / "s.pt").read_bytes()
-    assert n == len(data) and sha == hashlib.sha256(data).hexdigest()
+    assert n == len(data) and sha == real_sha256(data).hexdigest()
+    assert hashed_on == {"MainThread", "nanopara-sha256"}
     assert len(kicks) >= 5 and all(a == os.POSIX_FADV_DONTNEED for *_, a in kicks)
     assert kicks[0][0] == 0 and all(o2 == o1 + n1 for (o1, n1, _), (o2, _, _) in zip(kicks, kicks[1:]))
     assert torch.equal(torch.load(tmp_path / "s.pt")["w3"], state["w3"])
