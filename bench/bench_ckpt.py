@@ -1,7 +1,7 @@
 """Training throughput with checkpoints: none, blocking saves, asynchronous saves (nanopara/async_save.py).
 
     python bench/bench_ckpt.py [--preset gpt_1b] [--every 50] [--periods 3] [--modes none,blocking,async,none]
-                               [--ckpt_dir D] [--out F] [-- FLAGS]
+                               [--each] [--ckpt_dir D] [--out F] [-- FLAGS]
 
 train.py's step (config -> GPT -> parallelize -> Trainer: bf16 autocast, fused AdamW) on synthetic tokens, 32 x
 1,024 tokens a step by default, one trainer for every mode (the same model and memory). After --warmup steps, the
@@ -13,13 +13,15 @@ the mean of the `none` rows: over the steps (what a long run sees: each save's h
 previous write are inside the steps), and with the final wait for the last background write added (paid once per
 run, at its end; in this short window it weighs ~periods times more than in a run of 1,000s of steps). Also:
 seconds each save held the training thread (the whole write when blocking; the snapshot when async), checkpoint
-GB; the writer's own lines say how long each background write took. On CPU: a smoke run (tests/test_async_ckpt.py).
+GB; the writer's own lines say how long each background write took. --each syncs and times every step and gives
+the median step with a background write in flight and without. On CPU: a smoke run (tests/test_async_ckpt.py).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import shutil
+import statistics
 import time
 
 import torch
@@ -42,22 +44,30 @@ class _Position:
 def run_mode(mode: str, args, cfg, mesh, trainer, batches, steps: int) -> dict:
     out_dir = os.path.join(args.ckpt_dir, mode)
     shutil.rmtree(out_dir, ignore_errors=True)
-    pos, held, saved = _Position(), [], []
+    pos, held, saved, each = _Position(), [], [], {"writing": [], "idle": []}
+    writer = async_save.writer_for(out_dir)
     H.sync(mesh.device)
-    t0 = time.perf_counter()
+    t0 = t_mark = time.perf_counter()
     for i in range(1, steps + 1):
         H.train_step(trainer, batches)
         pos.sample += trainer.accum * cfg.train.micro_batch
+        if args.each:  # each step synced and timed, filed by whether a background write was in flight at its end
+            H.sync(mesh.device)
+            now = time.perf_counter()
+            each["writing" if writer.busy() else "idle"].append(1e3 * (now - t_mark))
         if mode != "none" and (i - args.every // 2) % args.every == 0:
             t1 = time.perf_counter()
             checkpoint.save_training(out_dir, i, mesh, trainer, pos, {"config": cfg.to_dict()}, keep=1,
                                      background=mode == "async")
             held.append(time.perf_counter() - t1)
+            t_mark = time.perf_counter()  # the next step's time starts after the save's held time
             published = checkpoint.latest(out_dir, checksums=False)  # async: the previous save's, now published
             if mode == "blocking" or saved:
                 want = i if mode == "blocking" else saved[-1]
                 assert (published or "").endswith(f"step_{want:06d}"), f"{mode}: step {want} unpublished ({published})"
             saved.append(i)
+        elif args.each:
+            t_mark = time.perf_counter()
     H.sync(mesh.device)
     t_steps = time.perf_counter() - t0
     failure = async_save.drain(out_dir, release=True)
@@ -71,13 +81,16 @@ def run_mode(mode: str, args, cfg, mesh, trainer, batches, steps: int) -> dict:
     return {"mode": mode, "preset": cfg.preset, "steps": steps, "every": args.every, "saves": len(saved),
             "tokens_per_s": tokens / t_all, "tokens_per_s_steps": tokens / t_steps, "step_ms": 1e3 * t_steps / steps, "drain_s": t_all - t_steps,
             "held_s": held, "held_mean_s": sum(held) / len(held) if held else 0.0, "ckpt_gb": gb,
-            "tokens_per_step": trainer.accum * cfg.train.micro_batch * cfg.train.seq_len}
+            "tokens_per_step": trainer.accum * cfg.train.micro_batch * cfg.train.seq_len,
+            **({f"step_ms_{k}": v for k, v in each.items()} if args.each else {}),
+            **({f"median_step_ms_{k}": statistics.median(v) for k, v in each.items() if v} if args.each else {})}
 
 
 COLS = [("mode", "mode", ""), ("steps", "steps", "d"), ("saves", "saves", "d"), ("step_ms", "ms/step", ".1f"),
         ("tokens_per_s_steps", "tok/s", ",.0f"), ("vs_none_steps", "vs none", ".3f"),
         ("held_mean_s", "held s/save", ".2f"), ("drain_s", "final wait s", ".2f"),
-        ("tokens_per_s", "tok/s with it", ",.0f"), ("vs_none", "vs none with it", ".3f"), ("ckpt_gb", "ckpt GB", ".2f")]
+        ("tokens_per_s", "tok/s with it", ",.0f"), ("vs_none", "vs none with it", ".3f"), ("ckpt_gb", "ckpt GB", ".2f"),
+        ("median_step_ms_idle", "idle ms", ".1f"), ("median_step_ms_writing", "writing ms", ".1f")]
 
 
 def main(argv=None):
@@ -89,6 +102,8 @@ def main(argv=None):
     ap.add_argument("--base_periods", type=int, default=1, help="--every-step periods of the mode without them")
     ap.add_argument("--modes", default="none,blocking,async,none", help="in this order; `none` rows are the baseline")
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--each", action="store_true", help="sync and time every step: median step ms with a background "
+                                                        "write in flight and without (columns `writing`, `idle`)")
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--micro_batch", type=int, default=8)
     ap.add_argument("--tokens_per_step", type=int, default=32768)

@@ -441,7 +441,7 @@ def test_bench_ckpt_smoke_on_cpu(tmp_path, capsys):
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import bench_ckpt
     rows = bench_ckpt.main(["--device=cpu", "--preset=tiny", "--every=2", "--periods=2", "--base_periods=1",
-                            "--seq=16", "--micro_batch=2", "--tokens_per_step=64", "--warmup=1",
+                            "--seq=16", "--micro_batch=2", "--tokens_per_step=64", "--warmup=1", "--each",
                             f"--ckpt_dir={tmp_path / 'ck'}", f"--out={tmp_path / 'rows.jsonl'}", "--",
                             "--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=32",
                             "--model.vocab_size=256", "--model.kernels=torch"])
@@ -451,6 +451,7 @@ def test_bench_ckpt_smoke_on_cpu(tmp_path, capsys):
     assert all(r["tokens_per_s"] > 0 and r["tokens_per_s_steps"] >= r["tokens_per_s"] and r["gpu"] == "cpu"
                for r in lines)
     assert abs(lines[0]["vs_none"] + lines[3]["vs_none"] - 2) < 1e-9  # against the mean of the two `none` rows
+    assert all(len(r["step_ms_idle"]) + len(r["step_ms_writing"]) == r["steps"] for r in lines)  # --each: all steps
     assert capsys.readouterr().out.count(" published: ") == 2 and not os.listdir(tmp_path / "ck")
 
 
