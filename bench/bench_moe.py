@@ -1,7 +1,8 @@
 """MoE on one GPU: grouped GEMM, permute / unpermute, the MoE layer fwd + bwd against PyTorch, the training step.
 
     python bench/bench_moe.py [--quick] [--out F.jsonl]     (~4 minutes on an H100, autotuning included)
-    python bench/bench_moe.py --sections=step [--out F.jsonl]    (5. only: gpt2_moe's step, eager vs CUDA graph)
+    python bench/bench_moe.py --sections=step [--step-profile] [--out F.jsonl]   (5. only: gpt2_moe's step, eager vs
+                                                                                   CUDA graph; a profile of each)
     python bench/bench_moe.py --smoke                       (CPU, Triton interpreter, tiny shapes: the script runs)
 
 GPT-2 124M width (C = 768, experts C -> 4C -> C), E = 8 experts, top-2, bf16; every ratio is against a baseline
@@ -239,6 +240,9 @@ def train_step(args):
             rows.append(row)
             print(f"{cap:>9} {row['mode']:>6} {row['step_ms']:8.2f} {tps:10,.0f} {row['tflops']:8.1f} "
                   f"{row['mfu']:6.1%} {row['peak_gb']:8.1f} {row['loss_last']:9.5f}")
+            if args.step_profile:  # one more step under the profiler: where the step's GPU time goes, by kind
+                row.update(H.kernel_summary(H.profile(lambda: H.train_step(trainer, batches), mesh.device), top=25))
+                print(H.summary_lines(row, f"capacity {cap} {row['mode']}"))
             trainer.close()
             del trainer, batches
             H.free()
@@ -265,6 +269,7 @@ def parse(argv=None):
     p.add_argument("--step-capacities", default="1.0,0", help="step: model.moe_capacity values (0: dropless)")
     p.add_argument("--step-steps", type=int, default=20, help="step: timed steps per row")
     p.add_argument("--step-warmup", type=int, default=10, help="step: untimed steps (autotuning, the capture)")
+    p.add_argument("--step-profile", action="store_true", help="step: a profiled step per row (kernel kinds, top 25)")
     p.add_argument("--no-tma", action="store_true", help="no rows for the grouped GEMM's TMA kernel")
     p.add_argument("--out", help="append JSON lines here")
     args = p.parse_args(argv)
