@@ -81,6 +81,8 @@ class ParallelConfig:
     zero3_unit_blocks: int = 0   # ZeRO-3 gathers this many consecutive blocks as one unit: fewer hooks and
                                  # collectives per step, as many times the gathered bytes (> n_layer: one unit);
                                  # 0 = auto: the fewest blocks that hold >= zero3.UNIT_MIN_PARAMS parameters
+    zero_prefetch: str = "auto"  # ZeRO-1/2: parameter all-gathers waited per block in the next forward (zero.py)
+                                 # auto (on for ZeRO-1/2 where safe: zero.zero_prefetch) | true | false
     timeout_s: int = 600         # collective timeout: a rank mismatch errors instead of hanging forever
 
 
@@ -167,6 +169,7 @@ class Config:
                                     ("train.dtype", t.dtype, ("auto", "bf16", "fp16", "fp32")),
                                     ("parallel.reduce_dtype", p.reduce_dtype, ("fp32", "bf16")),
                                     ("parallel.grad_dests", p.grad_dests, ("auto", "on", "off")),
+                                    ("parallel.zero_prefetch", p.zero_prefetch, ("auto", "true", "false")),
                                     ("parallel.pp_schedule", p.pp_schedule, ("gpipe", "1f1b", "interleaved", "zb")),
                                     ("parallel.cp_impl", p.cp_impl, ("ring", "ulysses")),
                                     ("train.activation_checkpointing", t.activation_checkpointing,

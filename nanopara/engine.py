@@ -18,7 +18,9 @@ weight, `p.pp_tied_copy`, skipped); `p.sp_partial` grads are summed over tp firs
 backwards under no_sync and call `sync_from_now` from each chunk's last backward (pp.Pipeline's on_last_backward).
 Checkpoints: model_state_dict()/state_dict() return this rank's part; an unsharded optimizer's is {"format": "full",
 "step", "state": {name: {"exp_avg", "exp_avg_sq"}}}. Every engine loads the full forms (resharding) and its own
-layout (bit-exact resume). Hooks hold the engine weakly (`weak_method`), so `del engine` frees everything.
+layout (bit-exact resume). ZeRO-1/2's parameter all-gathers may still run after step() (zero.py's prefetch): read
+or write parameters outside a forward only after `wait_params()`. Hooks hold the engine weakly (`weak_method`), so
+`del engine` frees everything.
 Buckets and flat buffers: buckets.py. Used by dp.py, zero.py and zero3.py; tested through them by tests/test_dp.py.
 """
 from __future__ import annotations
@@ -172,6 +174,7 @@ class Engine:
         """Wait for the gradient communication in flight (starts none) and remove this engine's hooks from the
         model (idempotent). Not needed to free memory (hooks hold the engine weakly, so `del engine` frees it);
         call it before handing the model to another engine, so the old hooks stop running."""
+        self.wait_params()
         self._wait_inflight()
         for h in self._handles:
             h.remove()
@@ -229,6 +232,7 @@ class Engine:
         queued, as torch's clip_grad_norm_ + step + norm.item() does; reading the norm first left the GPU idle
         while the host issued the clip and the update (124M's clip + update: 2.4-2.6 ms of GPU time that way,
         2.1 ms now; 2 x H100, B=16). CPU: the norm is read first and the for-loop AdamW runs as before."""
+        self.wait_params()  # (ZeRO prefetch: a gather still in flight sends the shard this update writes)
         if not self.reduced_in_graph:
             self._finish_grads()
         self._live = set()
@@ -303,6 +307,7 @@ class Engine:
         return [t for st in self.optimizer.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
 
     def model_state_dict(self) -> dict:
+        self.wait_params()
         return {name: p.detach() for name, p in self.model.named_parameters()}  # the tied lm_head.weight once
 
     def load_model_state_dict(self, sd: dict) -> None:
@@ -313,6 +318,7 @@ class Engine:
         unexpected = [k for k in sd if k not in dict(self.model.named_parameters(remove_duplicate=False))]
         if missing or unexpected:
             raise ValueError(f"checkpoint does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        self.wait_params()
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 p.copy_(sd[name])
@@ -330,7 +336,12 @@ class Engine:
     # hooks for the subclasses
     def zero_grad_buffers(self) -> None:
         """Zero the gradients in place, keeping their tensors (graph.py: a captured backward writes into them)."""
+        self.wait_params()
         self._zero_grads()
+
+    def wait_params(self) -> None:
+        """Make the current stream wait for every parameter all-gather still in flight (ZeRO-1/2's prefetch,
+        zero.py; no host sync on GPU): whatever reads or writes parameters outside a hooked forward calls it."""
 
     def _before_backward(self): pass
     def _after_backward(self): pass

@@ -144,6 +144,7 @@ class GraphedStep:
             self.loss = self._step()
 
     def __call__(self, xs, ys, scale: float):
+        self.engine.wait_params()  # ZeRO prefetch: a replay runs no hooks; the stream waits for every gather
         if self.graph is None:
             self.scale = scale
             self._capture(xs, ys)

@@ -36,7 +36,7 @@ from nanopara.pp import Pipeline, Stage, build_schedule, embedding_group, split_
 from nanopara.recompute import apply_activation_checkpointing
 from nanopara.tp import apply_tp, shard_metadata
 from nanopara.trainer import Trainer, autocast
-from nanopara.zero import Zero
+from nanopara.zero import Zero, zero_prefetch
 from nanopara.zero3 import Zero3
 
 
@@ -64,6 +64,9 @@ def check_layout(cfg: Config, world: int, device_type: str) -> int:
         raise ConfigError("train.cuda_graph=true with parallel.sp=true and model.dropout > 0: each tp rank's dropout "
                           "RNG is swapped in and out by Python hooks around every forward (CUDA RNG state reads "
                           "and writes), which a capture cannot record: set model.dropout=0 or turn one of the two off")
+    if p.zero_prefetch == "true" and (p.zero not in (1, 2) or p.tp_streams > 1 or t.compile):
+        raise ConfigError("parallel.zero_prefetch=true applies to ZeRO-1/2 (parallel.zero=1|2; ZeRO-3 gathers its own "
+                          "units) without parallel.tp_streams=2 or train.compile (they bypass or trace its hooks)")
     m = tokens_per_step // per_micro
     if p.pp > 1:  # the micro-batches are the pipeline's: 1F1B-type schedules need m >= pp, interleaved m % pp == 0
         try:
@@ -152,6 +155,10 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> Trainer:
     graph, why = use_cuda_graph(cfg, mesh.world, mesh.device.type)
     if why and mesh.rank == 0:  # the fast path is not taken: say so once, and run the eager step
         print(f"train.cuda_graph=auto: eager step, because of {why}", flush=True)
+    why = zero_prefetch(cfg)[1]
+    if why and mesh.rank == 0:
+        print(f"parallel.zero_prefetch=auto: off (the all-gathers are waited for after the step), because of {why}",
+              flush=True)
     return Trainer(engine, mesh, cfg, check_layout(cfg, mesh.world, mesh.device.type), pipeline=pipe,
                    pp_layers=pp_layers, tp_shards=tp_shards, ep_shards=ep_shards, fp8=fp8, graph=graph)
 

@@ -263,6 +263,7 @@ def update(trainer, ro: Rollout, lr: float, *, clip_eps: float, kl_coef: float =
 
     loss = trainer.forward_backward(rows, loss_fn=loss_fn).item()
     norm = trainer.step(lr)
+    trainer.engine.wait_params()  # ZeRO prefetch: sampling next may replay a decode.py graph, which runs no hooks
     tot = all_sum(torch.stack(stats).sum(0), group, n)
     N = max(n_tok.item(), 1.0)
     return {"loss": loss, "clip_frac": tot[0].item() / N, "kl": tot[1].item() / N, "grad_norm": norm,

@@ -174,6 +174,8 @@ class Trainer:
         the FP8 weight casts go stale and MoE's expert biases move. Returns the norm: a float, or with sync=False
         on GPU a 0-dim device tensor nobody waited for."""
         norm = self.engine.step(lr, grad_scale=self.scaler.scale, sync=sync)
+        # ZeRO prefetch (zero.py): the parameter all-gathers may still run; neither of these reads a parameter (the
+        # FP8 casts happen in each layer's forward, after its block's wait; the MoE update reads buffers)
         if self.fp8 is not None:  # the fused AdamW bumps no version counter: re-cast the FP8 weights
             self.fp8.step()
         if self.cfg.model.moe_experts:
@@ -190,6 +192,7 @@ class Trainer:
     def evaluate(self, batches: list) -> float:
         """The mean loss of batches [(x, y)], forwards only, over every micro-batch and the dp x cp ranks."""
         model = self.engine.model
+        self.engine.wait_params()  # (the hooked forwards would wait too; not every stage's reader is hooked)
         model.eval()
         try:
             if self.pipeline is not None:

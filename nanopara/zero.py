@@ -7,21 +7,21 @@ owns [lo, hi) of each and steps AdamW on views of that slice (m, v: flat (padded
 ZeRO-1 (P_os): a bucket whose gradients are all in is reduce-scattered (async, overlapping backward; each rank
   receives the sum of its 1/N), each rank updates its slice, and the flat parameter buffers are all-gathered after
   the step. no_sync skips the reduction as in DDP. Both collectives run in place (f.grad's / f.param's own [lo, hi)
-  is the shard), so ZeRO-1 adds no buffers.
+  is the shard), so ZeRO-1 adds no buffers. Prefetch (parallel.zero_prefetch, ZeRO-1/2): the gathers are issued in
+  forward order and each is waited for (stream-level) by its flat's first reader's forward pre-hook, overlapping
+  the next forward; any other reader of parameters (checkpoints, a CUDA graph's replay) calls `wait_params` first.
 ZeRO-2 (P_os+g): a bucket's full gradient exists only until its reduce-scatter ends (at most `max_inflight` = 2
   bucket copies at once); the rank keeps its shard. The Linear weights' gradient casts write into the bucket's send
   buffer (gradient destinations, Engine._set_grad_dests; parallel.grad_dests=off: none), the other gradients are
-  copied in at launch. The backward's last reductions are left in flight: under gradient accumulation they run
-  beside the next micro-step's forward. ZeRO-2 reduces on every micro-step and accumulates shards (no_sync is a
-  no-op: skipping the reduction would mean holding the full gradient, which ZeRO-2 exists to avoid).
+  copied in at launch. The backward's last reductions stay in flight beside the next micro-step's forward. ZeRO-2
+  reduces every micro-step and accumulates shards (no_sync is a no-op: it would hold the full gradient).
 
-Expert parallel (ep.py): expert buckets are flats of their own, sharded over the edp group instead of dp x cp;
-their shards resume on the same layout only.
+Expert parallel (ep.py): expert flats are sharded over the edp group instead of dp x cp (same layout to resume).
 Checkpoint form of anything sharded (ZeRO optimizer states; ZeRO-3 parameters):
     {"format": "flat_shard", "rank": r, "world": N, "step": int, "flats": [{"params": [[name, shape, offset], ...],
      "numel", "padded", "lo", "hi", <key>: (hi-lo,) tensor}]}     key: "param" or "exp_avg" / "exp_avg_sq"
-`unshard_model` / `unshard_optimizer` turn all ranks' shards into engine.py's full forms (to reshard).
-Tested by tests/test_dp.py (against the single process, resume, memory); bench/bench_dp.py; notes/dp.md.
+`unshard_model` / `unshard_optimizer` turn all ranks' shards into engine.py's full forms (to reshard). Tested by
+tests/test_dp.py (against the single process, resume, memory), tests/test_zero_prefetch.py; bench/; notes/dp.md.
 """
 from __future__ import annotations
 
@@ -33,8 +33,22 @@ import torch.nn as nn
 
 from nanopara.config import Config
 from nanopara.buckets import BucketHooks, Flat, grad_buckets, reduce_group, views
-from nanopara.engine import Engine, NoWork, check_fp32
+from nanopara.engine import Engine, NoWork, check_fp32, weak_method
 from nanopara.mesh import Mesh
+
+
+def zero_prefetch(cfg: Config) -> tuple[bool, str]:
+    """(whether ZeRO-1/2's parameter all-gathers overlap the next forward, why auto left them off) for
+    parallel.zero_prefetch: true / false as given (parallel.check_layout refuses an impossible true); auto: on for
+    ZeRO-1/2 (the same numerics: only where the step waits for the gathers moves) except where a forward does not
+    run through the hooked blocks, below. Never ZeRO-3 (zero3.py gathers its own units)."""
+    p = cfg.parallel
+    if p.zero not in (1, 2) or p.zero_prefetch != "auto":
+        return p.zero in (1, 2) and p.zero_prefetch == "true", ""
+    why = [reason for off, reason in (
+        (p.tp_streams > 1, "parallel.tp_streams=2 (its two streams run the model's stages, not its hooked forward)"),
+        (cfg.train.compile, "train.compile (the waiting hooks would be traced into the compiled graph)")) if off]
+    return not why, "; ".join(why)
 
 # ----------------------------------------------------------------------------------------------------------------
 # checkpoints: every rank's shards -> full tensors
@@ -86,8 +100,12 @@ class Zero(BucketHooks, Engine):
         check_fp32(self.params)
         self.stage, self.label = stage, f"ZeRO-{stage}"
         self._works = []  # (flat, work, reduced shard, sent): reduce-scatters in flight
+        self._pending = {}  # flat index -> its parameter all-gather in flight (prefetch: waited at first use)
         self._make_flats()
         self._make_optimizer()
+        self.prefetch = stage < 3 and zero_prefetch(cfg)[0]
+        if self.prefetch:
+            self._install_prefetch()
 
     def _make_flats(self):
         """One Flat per gradient bucket; the module's parameters become views of the flat parameter buffers."""
@@ -250,10 +268,57 @@ class Zero(BucketHooks, Engine):
 
     def _after_step(self):
         # in place (the input is the output's own [lo, hi), which NCCL and gloo allow): no (shard,) copies
+        if self.prefetch:  # in the order the next forward reads the flats; each waited by its first reader
+            self.wait_params()
+            for i in self._gather_order:
+                f = self.flats[i]
+                self._pending[i] = dist.all_gather_into_tensor(f.param, f.param[f.lo:f.hi], group=f.group,
+                                                               async_op=True)
+            return
         works = [dist.all_gather_into_tensor(f.param, f.param[f.lo:f.hi], group=f.group, async_op=True)
                  for f in self.flats if f.group is not None]
         for work in works:
             work.wait()
+
+    # ---- parameter prefetch (parallel.zero_prefetch): the all-gathers overlap the next forward
+    def _install_prefetch(self):
+        """Each flat's first reader in forward order: the block (a module of transformer.h) that holds its earliest
+        parameter, or the root (the model; a pipeline stage's chunks) for the parameters outside the blocks, whose
+        forward runs before its blocks'. A forward pre-hook on each reader waits for its flats' gathers, which
+        _after_step issues in that order (the flats are in backward order: buckets.grad_buckets)."""
+        roots = list(getattr(self.model, "chunks", None) or [self.model])  # pp.Stage runs only through its chunks
+        reader, rank, k = {}, {}, 0  # id(p) -> module whose pre-hook waits for it; id(module) -> forward position
+        for root in roots:
+            rank[id(root)], k = k, k + 1
+            for p in root.parameters():
+                reader.setdefault(id(p), root)
+            h = root.transformer["h"] if hasattr(root, "transformer") and "h" in root.transformer else []
+            for block in (h.values() if isinstance(h, nn.ModuleDict) else h):
+                rank[id(block)], k = k, k + 1
+                for p in block.parameters():
+                    reader[id(p)] = block
+        first = {}  # flat index -> its first reader
+        for i, f in enumerate(self.flats):
+            mods = [reader.get(id(p), roots[0]) for p in f.params]  # (a parameter no root holds: at the start)
+            first[i] = min(mods, key=lambda m: rank[id(m)])
+        self._gather_order = sorted((i for i, f in enumerate(self.flats) if f.group is not None),
+                                    key=lambda i: (rank[id(first[i])], -i))
+        self._waits = {}  # id(module) -> the flats its pre-hook waits for
+        for i in self._gather_order:
+            self._waits.setdefault(id(first[i]), []).append(i)
+        hook = weak_method(self, "_wait_before")
+        for m in {id(first[i]): first[i] for i in self._gather_order}.values():
+            self._handles.append(m.register_forward_pre_hook(hook))
+
+    def _wait_before(self, module, args):
+        for i in self._waits.get(id(module), ()):
+            work = self._pending.pop(i, None)
+            if work is not None:
+                work.wait()  # NCCL: the current stream waits for the gather (no host sync)
+
+    def wait_params(self) -> None:
+        while self._pending:
+            self._pending.pop(next(iter(self._pending))).wait()
 
     def _zero_grads(self):
         for f in self.flats:
@@ -284,10 +349,12 @@ class Zero(BucketHooks, Engine):
                              f"unshard_* full form instead")
 
     def state_dict(self) -> dict:
+        self.wait_params()
         return {"format": "flat_shard", "rank": self.r, "world": self.n, "step": self._step_count(),
                 "flats": [{**f.meta(), "exp_avg": f.exp_avg, "exp_avg_sq": f.exp_avg_sq} for f in self.flats]}
 
     def load_state_dict(self, sd: dict) -> None:
+        self.wait_params()
         if sd.get("format") == "flat_shard":
             self._check_layout(sd)
             for f, s in zip(self.flats, sd["flats"]):

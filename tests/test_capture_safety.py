@@ -624,6 +624,7 @@ def _dp_worker(rank, world, pp, out_dir):
                     loss = mean_over(step._step(), mesh)
                 trainer.step(1e-2)
                 losses.append(loss.item())
+            trainer.engine.wait_params()  # ZeRO-1's prefetched all-gathers: read parameters only after them
             runs.append((losses, [q.detach().clone() for q in trainer.model.parameters()]))
             trainer.engine.close()
         (plain, w_plain), (graph, w_graph) = runs
@@ -642,6 +643,21 @@ def _dp_worker(rank, world, pp, out_dir):
         finally:
             PROBE.uninstall()
         report[f"zero{zero}"] = dict(steps=steps, losses=plain)
+        if zero == 1 and pp == 1:  # prefetch (parallel.zero_prefetch=auto: on): after an eager step the gathers
+            trainer.forward_backward(data[1])  # are in flight; a forward's hooks wait for them (no sync, no
+            trainer.step(1e-2)  # collective), and the wait a graph's replay is preceded by adds none either
+            pending = len(trainer.engine._pending)
+            PROBE = CaptureProbe().install()
+            try:
+                with PROBE.region() as res:
+                    with trainer.amp():
+                        trainer.model(*[t for t in data[2][0]])
+                with PROBE.region() as res_wait:
+                    trainer.engine.wait_params()
+            finally:
+                PROBE.uninstall()
+            report["prefetch"] = dict(pending=pending, left=len(trainer.engine._pending), forward=res,
+                                      wait=res_wait)
         trainer.engine.close()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(report, fh)
@@ -659,6 +675,11 @@ def _check_dp_reports(reports):
             dp_ops = [c for c in cap["collectives"] if c["op"].startswith(op) and c["async_op"]]
             assert len(dp_ops) >= 2, (zero, ops)  # several buckets (bucket_mb=0.05), launched from the hooks
             assert signature(steps[0]["collectives"]) == signature(cap["collectives"]), (zero, rank)
+        if "prefetch" in rep:  # ZeRO-1's parameter gathers waited by the forward's hooks: no sync, no collective
+            pre = rep["prefetch"]
+            assert pre["pending"] >= 2 and pre["left"] == 0, pre
+            for res in (pre["forward"], pre["wait"]):
+                assert not res["events"] and not res["collectives"], res
 
 
 @pytest.mark.timeout_s(120)

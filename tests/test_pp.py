@@ -509,6 +509,7 @@ def _graphed_worker(rank, world, out_file, runs=(("1f1b", 0), ("zb", 0), ("inter
             for _ in range(5):  # the same batches every step: the loss must fall
                 losses.append(trainer.forward_backward(batches).item())
                 trainer.step(1e-2)
+            trainer.engine.wait_params()  # ZeRO-1's prefetched all-gathers (zero.py): before reading parameters
             results[(schedule, zero, graphed)] = dict(losses=losses, weights={
                 n: q.detach().cpu() for n, q in trainer.model.named_parameters()})
             trainer.close()
