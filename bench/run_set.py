@@ -10,7 +10,8 @@
   layouts     bench_layout on gpt_1b, one row per layout: 1 GPU, dp2, tp2, tp2+sp, pp2 (gpipe, 1f1b, interleaved,
               zb), cp2 at 16k tokens, on 4 and 8 GPUs dp and 3D rows; then engines against torch DDP (bench_dp),
               tp (bench_tp), pp schedules and bubbles (bench_pp), cp (bench_cp), ring all-reduce vs NCCL (bench_comm)
-  scaleout    gpt_1b on 2 GPUs: tp2 (+sp, +tp_streams=2) and pp2 (schedules, eager, graphed) against one GPU
+  scaleout    gpt_1b on 2 GPUs: tp2 (+sp, +tp_streams=2), pp2 (schedules, eager, graphed), dp2 (DDP, ZeRO-1 with
+              and without parameter prefetch, graphed, ZeRO-3) against one GPU
   fp8         FP8 GEMMs, casts and linear against cuBLAS (bench_fp8); FP8 training against bf16 and torchao
   moe         grouped GEMM, routing and the MoE layer against PyTorch (bench_moe); expert parallel (bench_ep)
   post_train  generation against Hugging Face (bench_generate); SFT (bench_sft); SFT then RL (post_train_demo)
@@ -110,7 +111,10 @@ SETS = {
         scaleout("tp2_sp_graph", 2, "--train.micro_batch=8 --parallel.tp=2 --parallel.sp=true --train.cuda_graph=true"),
         scaleout("tp2_sp_graph_streams2", 2, "--train.micro_batch=8 --parallel.tp=2 --parallel.sp=true "
                  "--train.cuda_graph=true --parallel.tp_streams=2"),
+        scaleout("dp2_ddp", 2, "--train.micro_batch=8 --parallel.dp=2 --parallel.zero=0"),  # (layouts has a dp2)
         scaleout("dp2_zero1", 2, "--train.micro_batch=8 --parallel.dp=2 --parallel.zero=1"),
+        scaleout("dp2_zero1_noprefetch", 2, "--train.micro_batch=8 --parallel.dp=2 --parallel.zero=1 "
+                                            "--parallel.zero_prefetch=false"),
         scaleout("dp2_zero1_graph", 2, "--train.micro_batch=8 --parallel.dp=2 --parallel.zero=1 --train.cuda_graph=true"),
         scaleout("dp2_zero3", 2, "--train.micro_batch=8 --parallel.dp=2 --parallel.zero=3"),
         scaleout("pp2_1f1b_mb2_eager", 2, f"{PP2_MB2} --parallel.pp_layers=10,8", base="1gpu_mb2"),
