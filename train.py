@@ -278,6 +278,7 @@ def between_steps(step, cfg, mesh, trainer, model, loader, val_loader, eval_data
     if not (do_val or do_sample or do_save or do_eval or signum):
         return
     reporter.pause()  # the deferred step is reported (a non-finite streak may stop the run here)
+    trainer.engine.wait_params()  # ZeRO's prefetched parameter gathers (zero.py): what follows reads parameters
     if do_eval:
         run_evals(model, eval_data, cfg, mesh, trainer.amp, metrics, step)
     if do_val:

@@ -1,8 +1,7 @@
 """MoE on one GPU: grouped GEMM, permute / unpermute, the MoE layer fwd + bwd against PyTorch, the training step.
 
     python bench/bench_moe.py [--quick] [--out F.jsonl]     (~4 minutes on an H100, autotuning included)
-    python bench/bench_moe.py --sections=step [--step-profile] [--out F.jsonl]   (5. only: gpt2_moe's step, eager vs
-                                                                                   CUDA graph; a profile of each)
+    python bench/bench_moe.py --sections=step [--step-profile] [--out F.jsonl]   (5. only: gpt2_moe's step)
     python bench/bench_moe.py --smoke                       (CPU, Triton interpreter, tiny shapes: the script runs)
 
 GPT-2 124M width (C = 768, experts C -> 4C -> C), E = 8 experts, top-2, bf16; every ratio is against a baseline

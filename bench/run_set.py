@@ -10,8 +10,7 @@
   layouts     bench_layout on gpt_1b, one row per layout: 1 GPU, dp2, tp2, tp2+sp, pp2 (gpipe, 1f1b, interleaved,
               zb), cp2 at 16k tokens, on 4 and 8 GPUs dp and 3D rows; then engines against torch DDP (bench_dp),
               tp (bench_tp), pp schedules and bubbles (bench_pp), cp (bench_cp), ring all-reduce vs NCCL (bench_comm)
-  scaleout    gpt_1b on 2 GPUs: tp2 (+sp, +tp_streams=2), pp2 (schedules, eager, graphed), dp2 (DDP, ZeRO-1 with
-              and without parameter prefetch, graphed, ZeRO-3) against one GPU
+  scaleout    gpt_1b on 2 GPUs against one GPU: tp2 (+sp, +tp_streams), pp2 (schedules, eager, graphed), dp2
   fp8         FP8 GEMMs, casts and linear against cuBLAS (bench_fp8); FP8 training against bf16 and torchao
   moe         grouped GEMM, routing and the MoE layer against PyTorch (bench_moe); expert parallel (bench_ep)
   post_train  generation against Hugging Face (bench_generate); SFT (bench_sft); SFT then RL (post_train_demo)

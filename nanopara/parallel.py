@@ -155,7 +155,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> Trainer:
     graph, why = use_cuda_graph(cfg, mesh.world, mesh.device.type)
     if why and mesh.rank == 0:  # the fast path is not taken: say so once, and run the eager step
         print(f"train.cuda_graph=auto: eager step, because of {why}", flush=True)
-    why = zero_prefetch(cfg)[1]
+    why = zero_prefetch(cfg, mesh.device.type)[1]
     if why and mesh.rank == 0:
         print(f"parallel.zero_prefetch=auto: off (the all-gathers are waited for after the step), because of {why}",
               flush=True)

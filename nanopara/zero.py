@@ -37,14 +37,17 @@ from nanopara.engine import Engine, NoWork, check_fp32, weak_method
 from nanopara.mesh import Mesh
 
 
-def zero_prefetch(cfg: Config) -> tuple[bool, str]:
+def zero_prefetch(cfg: Config, device_type: str = "cuda") -> tuple[bool, str]:
     """(whether ZeRO-1/2's parameter all-gathers overlap the next forward, why auto left them off) for
     parallel.zero_prefetch: true / false as given (parallel.check_layout refuses an impossible true); auto: on for
-    ZeRO-1/2 (the same numerics: only where the step waits for the gathers moves) except where a forward does not
-    run through the hooked blocks, below. Never ZeRO-3 (zero3.py gathers its own units)."""
+    ZeRO-1/2 on CUDA (the same numerics: only where the step waits for the gathers moves) except where a forward
+    does not run through the hooked blocks, below. Never ZeRO-3 (zero3.py gathers its own units). Off on CPU: gloo
+    has no stream to overlap on, and code that reads parameters right after step() then sees them settled."""
     p = cfg.parallel
     if p.zero not in (1, 2) or p.zero_prefetch != "auto":
         return p.zero in (1, 2) and p.zero_prefetch == "true", ""
+    if device_type != "cuda":
+        return False, ""
     why = [reason for off, reason in (
         (p.tp_streams > 1, "parallel.tp_streams=2 (its two streams run the model's stages, not its hooked forward)"),
         (cfg.train.compile, "train.compile (the waiting hooks would be traced into the compiled graph)")) if off]
@@ -103,7 +106,7 @@ class Zero(BucketHooks, Engine):
         self._pending = {}  # flat index -> its parameter all-gather in flight (prefetch: waited at first use)
         self._make_flats()
         self._make_optimizer()
-        self.prefetch = stage < 3 and zero_prefetch(cfg)[0]
+        self.prefetch = stage < 3 and zero_prefetch(cfg, mesh.device.type)[0]
         if self.prefetch:
             self._install_prefetch()
 

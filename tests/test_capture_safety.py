@@ -593,6 +593,7 @@ def _dp_worker(rank, world, pp, out_dir):
         cfg = Config(device="cpu", seed=0)
         cfg.model = ModelConfig(n_layer=4, n_head=4, n_embd=64, block_size=32, vocab_size=250, kernels="torch")
         cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.zero, cfg.parallel.bucket_mb = pp, 2, zero, 0.05
+        cfg.parallel.zero_prefetch = "true" if zero == 1 else "auto"  # as on CUDA (auto is off on CPU)
         cfg.train.micro_batch, cfg.train.seq_len, cfg.train.tokens_per_step = 2, 16, 4 * 2 * 16 * 2
         torch.manual_seed(0)
         trainer = parallelize(GPT(cfg.model), mesh, cfg)
@@ -643,7 +644,7 @@ def _dp_worker(rank, world, pp, out_dir):
         finally:
             PROBE.uninstall()
         report[f"zero{zero}"] = dict(steps=steps, losses=plain)
-        if zero == 1 and pp == 1:  # prefetch (parallel.zero_prefetch=auto: on): after an eager step the gathers
+        if zero == 1 and pp == 1:  # prefetch (parallel.zero_prefetch=true): after an eager step the gathers
             trainer.forward_backward(data[1])  # are in flight; a forward's hooks wait for them (no sync, no
             trainer.step(1e-2)  # collective), and the wait a graph's replay is preceded by adds none either
             pending = len(trainer.engine._pending)

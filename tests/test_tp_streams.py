@@ -79,6 +79,7 @@ def _train(mesh, streams: int, steps: int = 3, graph_flow: bool = False, **kw) -
         if mesh.dp == 1:  # under dp > 1 tp_streams=2 reduces in step(), tp_streams=1 in the last backward
             out["grads"].append({n: _summed(p, mesh) for n, p in trainer.model.named_parameters()})
         trainer.step(1e-2)
+    trainer.engine.wait_params()  # ZeRO-1's prefetched gathers (zero.py) may still be writing the parameters
     out["weights"] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.close()
     trainer.engine.close()

@@ -72,7 +72,7 @@ def _train(mesh, zero, prefetch, data, late=None, unhook=False):
     torch.manual_seed(0)
     trainer = parallelize(GPT(cfg.model), mesh, cfg)
     engine = trainer.engine
-    assert engine.prefetch == (prefetch != "false"), (prefetch, engine.prefetch)
+    assert engine.prefetch == (prefetch == "true"), (prefetch, engine.prefetch)  # auto: CUDA only
     log = late.log if late is not None else []
     if unhook:
         engine._wait_before = lambda module, args: None  # the control: forwards no longer wait
@@ -115,7 +115,7 @@ def _worker(rank, world):
     for zero in (1, 2):
         off = _train(mesh, zero, "false", data)
         assert all(math.isfinite(x) for x in off[0])
-        _equal_runs(off, _train(mesh, zero, "auto", data))  # 1. the numerics are prefetch off's
+        _equal_runs(off, _train(mesh, zero, "true", data))  # 1. the numerics are prefetch off's
         log = []
         late = LateGathers(log)
         zero_mod.dist.all_gather_into_tensor = late  # (this worker process only)
@@ -152,6 +152,7 @@ def test_zero_prefetch_flag():
         cfg = make_cfg(zero, "auto")
         cfg.check()
         assert zero_prefetch(cfg) == (want, "")
+        assert zero_prefetch(cfg, "cpu") == (False, "")  # auto: CUDA only (gloo has nothing to overlap on)
         cfg.parallel.zero_prefetch = "false"
         assert zero_prefetch(cfg) == (False, "")
     for zero in (0, 3):
