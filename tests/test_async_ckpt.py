@@ -487,3 +487,12 @@ def test_the_shard_writer_starts_writeback_as_it_goes_and_hashes_the_file(tmp_pa
     assert len(kicks) >= 5 and all(a == os.POSIX_FADV_DONTNEED for *_, a in kicks)
     assert kicks[0][0] == 0 and all(o2 == o1 + n1 for (o1, n1, _), (o2, _, _) in zip(kicks, kicks[1:]))
     assert torch.equal(torch.load(tmp_path / "s.pt")["w3"], state["w3"])
+
+
+def test_bench_writer_contention_smoke(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import bench_writer_contention
+    rows = bench_writer_contention.main(["--mb=8", f"--dir={tmp_path}", "--idle_s=0.05"])
+    assert [(r["probe"], r["background"]) for r in rows][:4] == [("ticker", k) for k in
+                                                                  ("idle", "raw", "write_shard_serial", "write_shard")]
+    assert all(r.get("ops_per_s", 1) > 0 and r.get("worst_gap_ms", 1) > 0 for r in rows) and not os.listdir(tmp_path)
