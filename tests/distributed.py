@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 import sys
+import time
 
 import torch
 import torch.multiprocessing as mp
@@ -48,6 +49,23 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def agree_port(rank: int, path: str, timeout_s: float = 60.0) -> int:
+    """A free port that rank 0 picks just before its run binds it, read by every rank from `path` (a file none of
+    them wrote before; one per run): a run chosen far ahead (free_ports) can find its port taken meanwhile, by
+    another process or by gloo's own connections of the runs before it (notes/pp.md: a rare hang)."""
+    if rank == 0:
+        with open(path + ".tmp", "w") as f:
+            f.write(str(free_port()))
+        os.replace(path + ".tmp", path)
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: no port from rank 0 in {path} after {timeout_s:.0f} s")
+        time.sleep(0.01)
+    with open(path) as f:
+        return int(f.read())
 
 
 def _start_server() -> None:

@@ -24,7 +24,7 @@ from nanopara.data import write_shard
 from nanopara.mesh import MeshError
 from nanopara.parallel import check_layout
 from nanopara.report import read_metrics
-from tests.distributed import free_ports, spawn
+from tests.distributed import agree_port, spawn
 
 STEPS = 20
 ATOL = 1e-4
@@ -242,12 +242,13 @@ def _count_reductions() -> dict:
     return counts
 
 
-def _pp_worker(rank, world, runs, ports, out_file):
+def _pp_worker(rank, world, runs, out_file):
     torch.set_num_threads(1)  # up to 8 processes share 2 cores: more threads only contend
     counts, res = _count_reductions(), {}
-    for (name, args), port in zip(runs, ports):
+    for i, (name, args) in enumerate(runs):
         counts.update(inside=0, after=0)
-        os.environ["MASTER_PORT"] = str(port)  # a fresh store per run: a reused one hands out stale addresses
+        # a fresh store per run (a reused one hands out stale addresses), its port picked just before the run
+        os.environ["MASTER_PORT"] = str(agree_port(rank, f"{out_file}.port{i}"))
         if name.endswith("resumed"):  # as if the run had died after step 3: every rank sees `latest` rewound first
             out_dir = next(a.split("=", 1)[1] for a in args if a.startswith("--out_dir="))
             latest = os.path.join(out_dir, "ckpt", "latest")
@@ -285,7 +286,7 @@ def test_pp_train_matches_single_process(shards, pp_reference, tmp_path, world):
     ref_steps, ref_vals, ref_weights = pp_reference
     dirs = {"resumed": "1f1b", "zero1_resumed": "pp2_dp2_zero1", "other_split": "interleaved"}
     runs = [(name, pp_argv(shards, tmp_path / dirs.get(name, name), mb, *extra)) for name, mb, extra in PP_RUNS[world]]
-    spawn(_pp_worker, world, runs, free_ports(len(runs)), str(tmp_path / "res.json"))
+    spawn(_pp_worker, world, runs, str(tmp_path / "res.json"))
     res = json.loads((tmp_path / "res.json").read_text())
     for name, args in runs:
         if name.endswith("resumed"):
