@@ -28,7 +28,7 @@ from nanopara.mesh import Mesh, MeshError
 from nanopara.moe import MoEConfig, MoEMLP
 from nanopara.parallel import check_layout
 from nanopara.report import read_metrics
-from tests.distributed import free_ports, spawn
+from tests.distributed import agree_port, spawn
 
 STEPS = 12
 
@@ -176,11 +176,11 @@ def argv(shards, out_dir, *extra):
             "--train.sample_tokens=4", "--train.lr=1e-2", "--train.log_every=1", *extra]
 
 
-def _train_worker(rank, world, runs, ports, out_file):
+def _train_worker(rank, world, runs, out_file):
     torch.set_num_threads(1)
     res = {}
-    for (name, args), port in zip(runs, ports):
-        os.environ["MASTER_PORT"] = str(port)  # a fresh store per run (train.main destroys its process group)
+    for i, (name, args) in enumerate(runs):  # a fresh store per run (train.main destroys its process group)
+        os.environ["MASTER_PORT"] = str(agree_port(rank, f"{out_file}.port{i}"))
         if name == "resumed":  # as if the run had died after step 6: every rank sees `latest` rewound first
             out_dir = next(a.split("=", 1)[1] for a in args if a.startswith("--out_dir="))
             latest = os.path.join(out_dir, "ckpt", "latest")
@@ -199,7 +199,7 @@ def _train_worker(rank, world, runs, ports, out_file):
 def run_layouts(tmp_path, world, runs):
     out = tmp_path / f"w{world}.json"
     runs = [(name, argv(*args)) for name, args in runs]
-    spawn(_train_worker, world, runs, free_ports(len(runs)), str(out))
+    spawn(_train_worker, world, runs, str(out))
     return json.loads(out.read_text())
 
 

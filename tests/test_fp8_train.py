@@ -151,8 +151,9 @@ def test_dp2_row_equals_single_process(shards, tmp_path):
 def _tp_worker(rank, world, runs, out_file):
     import os
     res = {}
-    for name, args, port in runs:
-        os.environ["MASTER_PORT"] = str(port)  # a fresh store per run (train.main destroys its process group)
+    from tests.distributed import agree_port
+    for i, (name, args) in enumerate(runs):  # a fresh store per run (train.main destroys its process group)
+        os.environ["MASTER_PORT"] = str(agree_port(rank, f"{out_file}.port{i}"))
         res[name] = train.main(args)["losses"]
     if rank == 0:
         with open(out_file, "w") as f:
@@ -163,13 +164,11 @@ def test_tp2_fp8_trains_like_one_process(shards, tmp_path, fp32_losses):
     """tp2 and tp2 + sp with FP8: the column/row-parallel linears run FP8LinearFunction on their shards between
     their collectives. Scales are per shard (row-parallel X's row scales cover in/tp columns), so the losses match
     one FP8 process's within FP8 rounding, not bit for bit."""
-    from tests.distributed import free_ports
     modes = ("tensor", "row", "block")
     single = {m: train.main(argv(shards, tmp_path / f"one_{m}", f"--train.fp8={m}"))["losses"] for m in modes}
     layouts = [(m, sp) for m in modes for sp in ("", "_sp")]
     runs = [(f"{m}{sp}", argv(shards, tmp_path / f"tp_{m}{sp}", f"--train.fp8={m}", "--parallel.tp=2",
-                              f"--parallel.sp={'true' if sp else 'false'}"), port)
-            for (m, sp), port in zip(layouts, free_ports(len(layouts)))]
+                              f"--parallel.sp={'true' if sp else 'false'}")) for m, sp in layouts]
     out = tmp_path / "tp.json"
     spawn(_tp_worker, 2, runs, str(out))
     got = json.loads(out.read_text())
