@@ -43,6 +43,7 @@ class Job:
     gpus: int       # GPUs it needs; more visible than that: it still runs on `gpus` (or on all, via {ngpu})
     argv: list      # after the Python executable; "{out}" = the set's folder, "{ngpu}" = the GPUs visible
     timeout_s: int = 1800
+    env: dict | None = None  # added to the job's environment (e.g. NCCL_PROTO)
 
 
 def torchrun(n, *args) -> list:
@@ -50,19 +51,19 @@ def torchrun(n, *args) -> list:
 
 
 def layout(name: str, gpus: int, flags: str, preset: str = "gpt_1b", base: str = "1gpu", out: str = "layouts",
-           steps: int = 10) -> Job:
+           steps: int = 10, env: dict | None = None) -> Job:
     """One bench_layout row of `preset` at T=1024 and 32 sequences a step (unless the flags say otherwise)."""
     common = f"--preset={preset} --train.seq_len=1024 --train.tokens_per_step=32768"
     return Job(f"layout_{name}", gpus, torchrun(gpus, "bench/bench_layout.py", "--label", name, "--baseline", base,
                                                  "--steps", str(steps), "--warmup", str(max(steps // 2, 3)),
                                                  "--out", f"{{out}}/{out}.jsonl", "--",
-                                                 *f"{common} {flags}".split()), 600)
+                                                 *f"{common} {flags}".split()), 600, env)
 
 
-def scaleout(name: str, gpus: int, flags: str, base: str = "1gpu_mb8") -> Job:
+def scaleout(name: str, gpus: int, flags: str, base: str = "1gpu_mb8", env: dict | None = None) -> Job:
     """A row of issue #42's table (bench/run_set.py --set scaleout): gpt_1b, 32 sequences of 1,024 a step unless
     the flags say otherwise, against the one-GPU row at the same micro-batch."""
-    return layout(name, gpus, flags, base=base, out="scaleout", steps=6)
+    return layout(name, gpus, flags, base=base, out="scaleout", steps=6, env=env)
 
 
 T16K = "--train.seq_len=16384 --model.block_size=16384 --train.micro_batch=1 --train.tokens_per_step=16384"
@@ -105,6 +106,8 @@ SETS = {
         scaleout("1gpu_mb8", 1, "--train.micro_batch=8", base=""),
         scaleout("1gpu_mb2", 1, "--train.micro_batch=2", base=""),
         scaleout("tp2_graph", 2, "--train.micro_batch=8 --parallel.tp=2 --train.cuda_graph=true"),
+        *[scaleout(f"tp2_graph_{proto.lower()}", 2, "--train.micro_batch=8 --parallel.tp=2 --train.cuda_graph=true",
+                   env={"NCCL_PROTO": proto}) for proto in ("LL128", "Simple")],  # NCCL picks LL for 32 MB
         scaleout("tp2_graph_streams2", 2, "--train.micro_batch=8 --parallel.tp=2 --train.cuda_graph=true "
                  "--parallel.tp_streams=2"),
         scaleout("tp2_sp_graph", 2, "--train.micro_batch=8 --parallel.tp=2 --parallel.sp=true --train.cuda_graph=true"),
@@ -174,7 +177,8 @@ def plan(name: str, ngpu: int, out: str, only: str = "") -> list[dict]:
     for j in jobs + [TUNED]:
         argv = [a.replace("{out}", out).replace("{ngpu}", str(ngpu)) for a in j.argv]
         skip = f"needs {j.gpus} GPUs, {ngpu} visible" if j.gpus > ngpu else None
-        steps.append({"name": j.name, "gpus": j.gpus, "argv": argv, "timeout_s": j.timeout_s, "skip": skip})
+        steps.append({"name": j.name, "gpus": j.gpus, "argv": argv, "timeout_s": j.timeout_s, "skip": skip,
+                      "env": j.env or {}})
     return steps
 
 
@@ -182,7 +186,7 @@ def run(step: dict, out: str) -> tuple[str, float]:
     """One job in its own process group (a time limit ends torchrun and its workers too); its output printed and
     written to OUT/<job>.log. Returns (status, seconds)."""
     t0 = time.time()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **step.get("env", {})}
     with open(os.path.join(out, f"{step['name']}.log"), "w") as log:
         proc = subprocess.Popen([sys.executable, *step["argv"]], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)

@@ -79,7 +79,8 @@ def test_a_run_goes_on_past_skipped_failed_and_hung_jobs(tmp_path, monkeypatch, 
         J("big", 99, ["-c", "print('never')"]),
         J("fails", 0, ["-c", "import sys; sys.exit(3)"], 60),
         J("hangs", 0, ["-c", "import time; time.sleep(60)"], 2),
-        J("after", 0, ["-c", "print('still ran')"], 60)]})
+        J("after", 0, ["-c", "import os; print('still ran with', os.environ['NANOPARA_DEMO'])"], 60,
+          {"NANOPARA_DEMO": "its env"})]})
     monkeypatch.setattr(run_set, "ORDER", ("demo",))
     monkeypatch.setattr(run_set, "TUNED", J("tuned", 0, ["-c", "print('table')"], 60))
     monkeypatch.setattr(run_set, "visible_gpus", lambda: 1)
@@ -91,7 +92,10 @@ def test_a_run_goes_on_past_skipped_failed_and_hung_jobs(tmp_path, monkeypatch, 
     assert "hello from a job" in (tmp_path / "writes.log").read_text()
     text = capsys.readouterr().out
     assert "set demo: 6 jobs on 1 GPUs, files to" in text and "== big: skipped: needs 99 GPUs, 1 visible" in text
-    assert "still ran" in text and "files written under" in text and "made.txt" in text
+    assert "still ran with its env" in text and "files written under" in text and "made.txt" in text
+    scaleout = {s["name"]: s for s in run_set.plan("scaleout", 2, "/o")}  # NCCL protocol rows: the env, not flags
+    assert scaleout["layout_tp2_graph_ll128"]["env"] == {"NCCL_PROTO": "LL128"}
+    assert scaleout["layout_tp2_graph"]["env"] == {} and "NCCL_PROTO" not in os.environ
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
