@@ -93,7 +93,8 @@ def test_a_run_goes_on_past_skipped_failed_and_hung_jobs(tmp_path, monkeypatch, 
     text = capsys.readouterr().out
     assert "set demo: 6 jobs on 1 GPUs, files to" in text and "== big: skipped: needs 99 GPUs, 1 visible" in text
     assert "still ran with its env" in text and "files written under" in text and "made.txt" in text
-    scaleout = {s["name"]: s for s in run_set.plan("scaleout", 2, "/o")}  # NCCL protocol rows: the env, not flags
+    monkeypatch.undo()  # the real sets: the NCCL protocol rows carry their env, not flags
+    scaleout = {s["name"]: s for s in run_set.plan("scaleout", 2, "/o")}
     assert scaleout["layout_tp2_graph_ll128"]["env"] == {"NCCL_PROTO": "LL128"}
     assert scaleout["layout_tp2_graph"]["env"] == {} and "NCCL_PROTO" not in os.environ
 
