@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from nanopara.config import Config, ConfigError, stage_layers
-from nanopara.cp import apply_cp, ring_of, shard_stage_inputs
+from nanopara.cp import apply_cp, keep_kv as cp_keep_kv, ring_of, shard_stage_inputs
 from nanopara.dp import DDP, SingleDevice
 from nanopara.engine import weak_method
 from nanopara.ep import apply_ep
@@ -77,17 +77,20 @@ def check_layout(cfg: Config, world: int, device_type: str) -> int:
     return m
 
 
-def use_cuda_graph(cfg: Config, world: int, device_type: str) -> tuple[bool, str]:
+def use_cuda_graph(cfg: Config, world: int, device_type: str, fp8_linears: int = 0) -> tuple[bool, str]:
     """(whether the step runs from a CUDA graph (graph.py), why not) for train.cuda_graph: true / false as given
     (check_layout refuses an impossible true), auto on where it pays and is safe: tensor or pipeline parallel with
     dp = cp = 1 on CUDA (measured, results/scaleout_h200.txt: pp2 at micro-batch 2 1.88x its eager step; one GPU at
-    the default micro-batch gains nothing, so it stays eager; an MoE in capacity mode on the Triton path is graphed on
-    one GPU too: results/moe_step_graph_h200.txt, 2.16x). The reason names what keeps auto off."""
+    the default micro-batch gains nothing, so it stays eager; on one GPU too: an MoE in capacity mode on the Triton
+    path, results/moe_step_graph_h200.txt, 2.16x, and FP8 in tensor or row mode with any Linear in FP8
+    (fp8_linears), results/compose_partial_h100.txt, 1.29x: its casts are many small launches). The reason names
+    what keeps auto off."""
     t, p, m = cfg.train, cfg.parallel, cfg.model
     if t.cuda_graph != "auto":
         return t.cuda_graph == "true", ""
     moe_fixed = m.moe_experts > 0 and m.moe_capacity > 0 and m.moe_impl in ("auto", "triton")
-    if device_type != "cuda" or (p.tp * p.pp == 1 and not moe_fixed):
+    fp8_graphed = fp8_linears > 0 and t.fp8 in ("tensor", "row")  # (block: no graphed GPU test yet)
+    if device_type != "cuda" or (p.tp * p.pp == 1 and not moe_fixed and not fp8_graphed):
         return False, ""
     why = [reason for off, reason in (
         (world != p.tp * p.pp, "data or context parallel (with DDP or ZeRO-1 and cp = 1, train.cuda_graph=true "
@@ -121,7 +124,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> Trainer:
     # 2. context parallel: ring attention over the cp group; each cp rank takes its zigzag chunks of the sequences
     #    (the GPT's forward does, or under pp the first and last chunks: shard_stage_inputs below)
     if mesh.cp > 1:
-        model = apply_cp(model, mesh, pipeline=mesh.pp > 1, impl=p.cp_impl)
+        model = apply_cp(model, mesh, pipeline=mesh.pp > 1, impl=p.cp_impl, keep_kv=cp_keep_kv(p))
     # 2b. expert parallel: this rank keeps E/ep experts of every MoE layer (ep.py); dropped before moving to device
     if p.ep != mesh.sizes.get("ep", 1):
         raise ConfigError(f"parallel.ep={p.ep} but the mesh has ep={mesh.sizes.get('ep', 1)}: build it with "
@@ -152,7 +155,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> Trainer:
     if chunks is not None:
         pipe = build_pipeline(engine, chunks, mesh, cfg)
         pp_layers = [list(r) for r in split_layers(cfg.model.n_layer, mesh.pp, p.pp_virtual, stage_layers(cfg))]
-    graph, why = use_cuda_graph(cfg, mesh.world, mesh.device.type)
+    graph, why = use_cuda_graph(cfg, mesh.world, mesh.device.type, fp8_share(model)["fp8_linears"] if fp8 else 0)
     if why and mesh.rank == 0:  # the fast path is not taken: say so once, and run the eager step
         print(f"train.cuda_graph=auto: eager step, because of {why}", flush=True)
     why = zero_prefetch(cfg, mesh.device.type)[1]

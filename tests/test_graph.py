@@ -186,8 +186,8 @@ def test_train_py_dp2_graphed_equals_eager(tmp_path, zero):
 
 def test_auto_takes_the_graph_where_it_pays_and_says_why_not():
     """train.cuda_graph=auto (the default): on for tp or pp > 1 with dp = cp = 1 on CUDA; off on one GPU (no gain at
-    the default micro-batch: results/scaleout_h200.txt) and on CPU without a word; off with the reason where the
-    layout cannot be captured (parallelize prints it once)."""
+    the default micro-batch: results/scaleout_h200.txt) unless MoE in capacity mode or FP8 (tensor, row) is on, and
+    on CPU without a word; off with the reason where the layout cannot be captured (parallelize prints it once)."""
     from nanopara.parallel import use_cuda_graph
     cfg = PRESETS["tiny"]()
     assert cfg.train.cuda_graph == "auto"
@@ -205,6 +205,16 @@ def test_auto_takes_the_graph_where_it_pays_and_says_why_not():
     assert use_cuda_graph(cfg, 2, "cuda") == (True, "")
     cfg.parallel.pp = 1
     assert use_cuda_graph(cfg, 1, "cuda") == (True, "") and use_cuda_graph(cfg, 1, "cpu") == (False, "")
+    cfg.model.moe_experts = 0  # FP8 on one GPU: graphed when a Linear runs in FP8 (compose_partial_h100.txt, 1.29x)
+    cfg.train.fp8 = "tensor"
+    assert use_cuda_graph(cfg, 1, "cuda", fp8_linears=0) == (False, "")  # the auto filter kept every Linear bf16
+    assert use_cuda_graph(cfg, 1, "cuda", fp8_linears=36) == (True, "")
+    assert use_cuda_graph(cfg, 1, "cpu", fp8_linears=36) == (False, "")
+    on, why = use_cuda_graph(cfg, 2, "cuda", fp8_linears=36)  # dp2: not yet measured with a graph
+    assert not on and "data or context parallel" in why
+    cfg.train.fp8 = "block"  # no graphed GPU test of block scaling yet
+    assert use_cuda_graph(cfg, 1, "cuda", fp8_linears=36) == (False, "")
+    cfg.train.fp8, cfg.model.moe_experts = "none", 4
     cfg.parallel.pp, cfg.model.moe_capacity = 2, 0.0
     cfg.model.moe_experts, cfg.train.dtype = 0, "fp16"
     assert "fp16" in use_cuda_graph(cfg, 2, "cuda")[1]
