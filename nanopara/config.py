@@ -61,6 +61,8 @@ class ParallelConfig:
     pp: int = 1                  # pipeline stages (pp.py); the step's micro-batches (tokens_per_step) run through them
     cp: int = 1                  # context parallel (cp.py): ring attention, each rank holds 2 of 2*cp seq chunks
     cp_impl: str = "ring"        # ring (K/V passed around, zigzag-balanced) | ulysses (all-to-all heads <-> seq)
+    cp_keep_kv: str = "auto"     # ring: keep the received K/V for backward (no K/V messages there; cp-1 blocks a
+                                 # layer held): auto (on at cp = 2: cp.keep_kv) | true | false
     ep: int = 1                  # expert parallel (ep.py): each of ep ranks of dp x cp holds moe_experts/ep experts
     zero: int = 0                # 0 = DDP, 1/2/3 = ZeRO stage
     sp: bool = False             # sequence parallel (needs tp > 1)
@@ -172,6 +174,7 @@ class Config:
                                     ("parallel.zero_prefetch", p.zero_prefetch, ("auto", "true", "false")),
                                     ("parallel.pp_schedule", p.pp_schedule, ("gpipe", "1f1b", "interleaved", "zb")),
                                     ("parallel.cp_impl", p.cp_impl, ("ring", "ulysses")),
+                                    ("parallel.cp_keep_kv", p.cp_keep_kv, ("auto", "true", "false")),
                                     ("train.activation_checkpointing", t.activation_checkpointing,
                                      ("none", "full", "selective")),
                                     ("train.fp8", t.fp8, ("none", "tensor", "row", "block")),
@@ -240,6 +243,8 @@ class Config:
         if t.compile:
             raise ConfigError("train.compile=true with parallel.cp > 1 is not supported: ring attention's send/recv "
                               "run eagerly inside the attention op")
+        if p.cp_keep_kv == "true" and p.cp_impl != "ring":
+            raise ConfigError("parallel.cp_keep_kv=true applies to parallel.cp_impl=ring (Ulysses sends no K/V ring)")
         heads = self.model.n_head // p.tp
         if p.cp_impl == "ulysses" and heads % p.cp:
             raise ConfigError(f"parallel.cp_impl=ulysses splits each rank's model.n_head/parallel.tp = {heads} heads "

@@ -187,13 +187,19 @@ def shard_stage_inputs(ring: Ring):
     return hook
 
 
-def apply_cp(model: GPT, mesh, pipeline: bool = False, impl: str = "ring") -> GPT:
+def keep_kv(p) -> bool:
+    """parallel.cp_keep_kv resolved (ParallelConfig p): auto = on for the ring at cp = 2 (its one remote block's
+    dK/dV part would otherwise go home after the last block, exposed), off elsewhere; true: on for the ring."""
+    return p.cp_impl == "ring" and p.cp > 1 and (p.cp_keep_kv == "true" or p.cp_keep_kv == "auto" and p.cp == 2)
+
+
+def apply_cp(model: GPT, mesh, pipeline: bool = False, impl: str = "ring", keep_kv: bool = False) -> GPT:
     """Context parallel over mesh's cp group, in place: every block's attention becomes ring (or Ulysses)
     attention, the loss count-weighted over cp; without `pipeline` the GPT's forward takes its zigzag chunks itself
-    (pipelines: shard_stage_inputs on the chunks, after the split)."""
+    (pipelines: shard_stage_inputs on the chunks, after the split). keep_kv: Ring.keep_kv (ring_attention.py)."""
     if impl not in ("ring", "ulysses"):
         raise ValueError(f"parallel.cp_impl must be ring or ulysses, got {impl!r}")
-    ring = ring_of(mesh)
+    ring = ring_of(mesh, keep_kv=keep_kv and impl == "ring")
     for block in model.transformer.h:
         block.attn.cp_ring, block.attn.cp_impl = ring, impl
         block.attn.forward = types.MethodType(_attention_forward, block.attn)

@@ -15,7 +15,9 @@ Partial results merge in natural-log LSE (online softmax), in fp32: kernels/atte
 Backward (FlashAttention-2's, per block, from the merged out and lse): the same ring; dq accumulates here, and the
 dk/dv a rank computes for the block in hand (rank s's, in the activation dtype) is sent straight home to s, which
 adds the parts in fp32 in ring order. Comm per layer: (cp-1) K/V messages forward; (cp-1) K/V messages and (cp-1)
-dK/dV parts backward; NCCL runs them on its own stream, so they overlap the blocks' kernels.
+dK/dV parts backward; NCCL runs them on its own stream, so they overlap the blocks' kernels. Kept K/V
+(Ring.keep_kv, parallel.cp_keep_kv): the forward keeps the cp-1 remote blocks it received for backward, which then
+sends no K/V, runs the remote blocks first (their parts go home) and the diagonal while the parts travel.
 
 Blocks run kernels/attention.py's attention_block_fwd / attention_block_bwd (Triton: out + lse, backward from a
 given lse) on CUDA tensors or in the interpreter, else a PyTorch reference in fp32 (attention_ref, _block_bwd_ref).
@@ -44,6 +46,7 @@ class Ring:
     causal: bool = True
     layout: str = "zigzag"
     triton: bool = False
+    keep_kv: bool = False  # forward keeps the remote K/V blocks for backward (no K/V messages there)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -129,9 +132,10 @@ def _wait(pending) -> None:
         work.wait()
 
 
-def ring_fwd(q, k, v, ring: Ring):
+def ring_fwd(q, k, v, ring: Ring, kept: list | None = None):
     """Forward of this rank's queries against every rank's keys. q, k, v (B, nh, T, hs) of the local tokens ->
-    (out (B, nh, T, hs) in q's dtype, a view of (B, T, nh, hs) memory; lse fp32 (B, nh, T))."""
+    (out (B, nh, T, hs) in q's dtype, a view of (B, T, nh, hs) memory; lse fp32 (B, nh, T)). `kept`: a list that
+    gets, for steps 1..cp-1, the (2, B, nh, T, hs) K/V block received for that step (None where no query sees it)."""
     B, nh, T, hs = q.shape
     n, r = ring.size, ring.rank
     kv = torch.stack([k, v])  # (2, B, nh, T, hs): the message passed around the ring
@@ -140,6 +144,8 @@ def ring_fwd(q, k, v, ring: Ring):
         if i < n - 1:  # the next block travels while this one computes
             nxt, pending = _send_recv(kv, ring)
         plan = _plan(r, (r - i) % n, n, ring.causal, ring.layout, T)
+        if kept is not None and i > 0:  # the buffer the ring received, held instead of dropped at the next step
+            kept.append(None if plan is None else kv)
         if plan is not None:
             qs, ks, causal = plan
             o, l = _block_fwd(q[:, :, qs], kv[0, :, :, ks], kv[1, :, :, ks], causal, ring)
@@ -166,11 +172,13 @@ def _bthd_zeros(n, B, nh, T, hs, device):
     return torch.zeros(n, B, T, nh, hs, dtype=torch.float32, device=device).transpose(2, 3)
 
 
-def ring_bwd(do, q, k, v, out, lse, ring: Ring):
+def ring_bwd(do, q, k, v, out, lse, ring: Ring, kept: list | None = None):
     """Gradients (dq, dk, dv), fp32 (B, nh, T, hs), of this rank's q, k, v, given the merged out and lse.
     The K/V blocks travel the ring as in the forward; the dk/dv a rank computes for the block in hand (rank s's)
     goes straight back to s in q's dtype, where it is added in fp32 (in ring order: the sum is the same as carrying
-    an fp32 accumulator around the ring, at half its bytes)."""
+    an fp32 accumulator around the ring, at half its bytes). `kept` (ring_fwd's): _ring_bwd_kept, no K/V messages."""
+    if kept is not None:
+        return _ring_bwd_kept(do, q, k, v, out, lse, ring, kept)
     n, r, T = ring.size, ring.rank, q.shape[2]
     B, nh, _, hs = q.shape
     kv = torch.stack([k, v])
@@ -221,6 +229,57 @@ def ring_bwd(do, q, k, v, out, lse, ring: Ring):
     return dq, dkv[0], dkv[1]
 
 
+def _ring_bwd_kept(do, q, k, v, out, lse, ring: Ring, kept: list):
+    """ring_bwd from the remote K/V blocks the forward kept (kept[i-1]: step i's): no K/V message. The remote
+    blocks run first, in ring order i = 1..cp-1 (every rank walks the same steps, so a step's send of a part pairs
+    with its peer's receive of the same step, as in ring_bwd); each step posts its part home together with the
+    receive of this rank's own part of that step. The diagonal then computes while the parts travel."""
+    n, r, T = ring.size, ring.rank, q.shape[2]
+    B, nh, _, hs = q.shape
+    held, homes, sent = [], [], []  # (query slice, dq contribution) per remote block; parts coming home; sends
+    for i in range(1, n):
+        s, src = (r - i) % n, (r + i) % n  # this step's K/V owner; the rank holding this rank's block at this step
+        plan, home = _plan(r, s, n, ring.causal, ring.layout, T), _plan(src, r, n, ring.causal, ring.layout, T)
+        ops, part = [], None
+        if plan is not None:
+            qs, ks, causal = plan
+            kv = kept[i - 1]
+            part = torch.empty(2, B, len(range(*ks.indices(T))), nh, hs, dtype=q.dtype, device=q.device)
+            g = _block_bwd(do[:, :, qs], q[:, :, qs], kv[0, :, :, ks], kv[1, :, :, ks], out[:, :, qs],
+                           lse[:, :, qs], causal, ring, part.transpose(2, 3))
+            held.append((qs, g[0]))
+            ops.append(dist.P2POp(dist.isend, part, _global(ring, s), ring.group))
+        if home is not None:
+            buf = torch.empty(2, B, len(range(*home[1].indices(T))), nh, hs, dtype=q.dtype, device=q.device)
+            ops.append(dist.P2POp(dist.irecv, buf, _global(ring, src), ring.group))
+        if ops:
+            work = _post(ops)
+            if home is not None:  # waited for (once) by its add below
+                homes.append((buf, home[1], (work, part)))
+            else:
+                sent.append((work, part))
+    # the diagonal, from the same stacked copy of k, v as ring_bwd's step 0 (same inputs, same kernel path)
+    kv = torch.stack([k, v])
+    qs, ks, causal = _plan(r, r, n, ring.causal, ring.layout, T)
+    g = _block_bwd(do[:, :, qs], q[:, :, qs], kv[0, :, :, ks], kv[1, :, :, ks], out[:, :, qs], lse[:, :, qs],
+                   causal, ring)
+    # The adds in ring_bwd's order (dq: the diagonal's, then the remote blocks' in ring order; dk/dv: the own
+    # diagonal part, then the parts from the other ranks in step order) onto the same zeros: the fp32 sums are
+    # identical to ring_bwd's, bit for bit. Only when the remote blocks ran and the parts travelled differs.
+    dq = _bthd_zeros(1, B, nh, T, hs, q.device)[0]
+    dkv = _bthd_zeros(2, B, nh, T, hs, q.device)
+    dq[:, :, qs] += g[0]
+    dkv[0][:, :, ks] += g[1]
+    dkv[1][:, :, ks] += g[2]
+    for qs, dq_block in held:
+        dq[:, :, qs] += dq_block
+    for back in homes:
+        _add_home(dkv, back)
+    for pending in sent:
+        _wait(pending)
+    return dq, dkv[0], dkv[1]
+
+
 def _global(ring: Ring, cp_rank: int) -> int:
     """Global rank of a cp rank of this ring's group."""
     return dist.get_global_rank(ring.group, cp_rank)
@@ -233,19 +292,20 @@ def _add_home(dkv, back) -> None:
 
 
 class RingAttention(torch.autograd.Function):
-    """fwd: ring_fwd; bwd: ring_bwd (gradients in q's dtype)."""
+    """fwd: ring_fwd; bwd: ring_bwd (gradients in q's dtype); with ring.keep_kv the K/V the forward received too."""
 
     @staticmethod
     def forward(ctx, q, k, v, ring):
-        out, lse = ring_fwd(q, k, v, ring)
-        ctx.save_for_backward(q, k, v, out, lse)
+        kept = [] if ring.keep_kv else None
+        out, lse = ring_fwd(q, k, v, ring, kept)
+        ctx.save_for_backward(q, k, v, out, lse, *(kept or ()))  # kept K/V: held to backward (recompute: transient)
         ctx.ring = ring
         return out
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_bwd(do, q, k, v, out, lse, ctx.ring)
+        q, k, v, out, lse, *kept = ctx.saved_tensors
+        dq, dk, dv = ring_bwd(do, q, k, v, out, lse, ctx.ring, kept if ctx.ring.keep_kv else None)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
@@ -255,15 +315,16 @@ class RingAttentionQKV(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, n_head, ring):
-        out, lse = ring_fwd(*split_qkv(qkv, n_head), ring)
-        ctx.save_for_backward(qkv, out, lse)
+        kept = [] if ring.keep_kv else None
+        out, lse = ring_fwd(*split_qkv(qkv, n_head), ring, kept)
+        ctx.save_for_backward(qkv, out, lse, *(kept or ()))
         ctx.n_head, ctx.ring = n_head, ring
         return out
 
     @staticmethod
     def backward(ctx, do):
-        qkv, out, lse = ctx.saved_tensors
-        grads = ring_bwd(do, *split_qkv(qkv, ctx.n_head), out, lse, ctx.ring)
+        qkv, out, lse, *kept = ctx.saved_tensors
+        grads = ring_bwd(do, *split_qkv(qkv, ctx.n_head), out, lse, ctx.ring, kept if ctx.ring.keep_kv else None)
         dqkv = torch.empty_like(qkv)
         for view, g in zip(split_qkv(dqkv, ctx.n_head), grads):
             view.copy_(g)

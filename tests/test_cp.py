@@ -223,3 +223,127 @@ def test_cp_train_matches_single_process(shards, cp_reference, tmp_path, name, w
     losses = run_parallel(tmp_path, name, world, argv(shards, tmp_path / "run", micro_batch, *extra, *STEPS))
     assert len(losses) == 6
     np.testing.assert_allclose(losses, cp_reference, atol=ATOL, rtol=0)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# kept K/V (parallel.cp_keep_kv): the forward keeps the remote K/V blocks; backward sends no K/V, runs the remote
+# blocks first and the diagonal while their parts travel, and adds in the old order: bit for bit the old results
+
+def _grads_of(ring, q, k, v, do, rows, packed=False):
+    """ring attention's output and q, k, v gradients (three views, or the packed qkv path's packed gradient)."""
+    from nanopara.ring_attention import ring_attention_qkv
+    if packed:
+        B, nh, _, hs = q.shape
+        qkv = torch.cat([t[:, :, rows].transpose(1, 2).reshape(B, len(rows), nh * hs) for t in (q, k, v)], -1)
+        qkv.requires_grad_()
+        out = ring_attention_qkv(qkv, nh, ring)
+        out.backward(do[:, :, rows])
+        return [out.detach(), qkv.grad]
+    mine = [t[:, :, rows].clone().requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*mine, ring)
+    out.backward(do[:, :, rows])
+    return [out.detach()] + [t.grad for t in mine]
+
+
+def _keep_kv_worker(rank, world):
+    mesh = Mesh.build(dp=1, cp=world, device="cpu")
+    prev, nxt = mesh.neighbours("cp")
+    T = 12 * world
+    small, tri = _inputs(2, 3, T, 8, seed=4), _inputs(1, 2, 16 * world, 16, seed=5)
+    cases = [(c, lay, False, p, small) for c in (True, False) for lay in ("zigzag", "contiguous") for p in (0, 1)]
+    if world == 2:  # the Triton block kernels (interpreter), both paths
+        cases += [(True, "zigzag", True, p, tri) for p in (0, 1)]
+    for causal, layout, triton, packed, (q, k, v, do) in cases:
+        rows = _local_rows(layout, q.shape[2], world, rank)
+        got = [_grads_of(Ring(mesh.cp_group, rank, world, prev, nxt, causal=causal, layout=layout, triton=triton,
+                              keep_kv=keep), q, k, v, do, rows, packed) for keep in (False, True)]
+        assert all(torch.equal(a, b) for a, b in zip(*got)), (causal, layout, triton, packed)
+    mesh.destroy()
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_keep_kv_equals_ring_bwd_bit_for_bit(cp):
+    spawn(_keep_kv_worker, cp)
+
+
+def _backward_messages(ring, q, k, v, do, rows):
+    """(K/V messages sent, dK/dV parts sent) by one ring attention backward, counted at ring_attention._post."""
+    import torch.distributed as dist
+    import nanopara.ring_attention as ra
+    mine = [t[:, :, rows].clone().requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*mine, ring)
+    B, nh, T, hs = mine[0].shape
+    sends, post = [], ra._post
+    ra._post = lambda ops: (sends.extend(tuple(o.tensor.shape) for o in ops if o.op is dist.isend), post(ops))[1]
+    try:
+        out.backward(do[:, :, rows])
+    finally:
+        ra._post = post
+    kv = sum(shape == (2, B, nh, T, hs) for shape in sends)  # a K/V block; a part is (2, B, keys, nh, hs)
+    return kv, len(sends) - kv
+
+
+def _count_worker(rank, world):
+    mesh = Mesh.build(dp=1, cp=world, device="cpu")
+    prev, nxt = mesh.neighbours("cp")
+    q, k, v, do = _inputs(2, 3, 12 * world, 8, seed=6)
+    rows = zigzag_positions(12 * world, world, rank)
+    for keep in (True, False):
+        kv, parts = _backward_messages(Ring(mesh.cp_group, rank, world, prev, nxt, keep_kv=keep), q, k, v, do, rows)
+        assert parts == world - 1  # zigzag: every remote block is seen, its part goes home
+        # on: no K/V message in backward; off (the check's control: `kv == 0` fails there): cp-1 of them
+        assert kv == (0 if keep else world - 1), (keep, kv)
+    mesh.destroy()
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_keep_kv_backward_sends_no_kv(cp):
+    spawn(_count_worker, cp)
+
+
+def test_keep_kv_flag():
+    from nanopara.cp import keep_kv
+    with pytest.raises(ConfigError, match=r"parallel.cp_keep_kv must be auto\|true\|false, got 'maybe'"):
+        parse_args(["--preset=tiny", "--parallel.cp=2", "--parallel.cp_keep_kv=maybe"])
+    with pytest.raises(ConfigError, match="parallel.cp_keep_kv=true applies to parallel.cp_impl=ring"):
+        parse_args(["--preset=tiny", "--parallel.cp=2", "--parallel.cp_impl=ulysses", "--parallel.cp_keep_kv=true"])
+    for flags, want in ((["--parallel.cp=2"], True), (["--parallel.cp=4"], False),
+                        (["--parallel.cp=2", "--parallel.cp_impl=ulysses"], False), ([], False),
+                        (["--parallel.cp=4", "--parallel.cp_keep_kv=true"], True),
+                        (["--parallel.cp=2", "--parallel.cp_keep_kv=false"], False)):
+        assert keep_kv(parse_args(["--preset=tiny", *flags]).parallel) is want, flags
+
+
+def _train_worker(rank, world, args, out_file):
+    import nanopara.ring_attention as ra
+    calls, kept_bwd = [0], ra._ring_bwd_kept
+
+    def counted(*a):
+        calls[0] += 1
+        return kept_bwd(*a)
+    ra._ring_bwd_kept = counted  # ring_bwd looks it up at each call
+    s = train.main(args)
+    if rank == 0:
+        torch.save((s["losses"], calls[0]), out_file)
+
+
+@pytest.mark.parametrize("name, world, extra, calls", [  # calls: kept-K/V backwards on rank 0, steps x micro x layers
+    ("cp2", 2, ["--parallel.cp=2"], 6 * 2 * 2),  # (2 micro-steps: 256 tokens a step / 8 x 16)
+    ("cp2full", 2, ["--parallel.cp=2", "--train.activation_checkpointing=full"], 6 * 2 * 2),
+    ("cp2sel", 2, ["--parallel.cp=2", "--train.activation_checkpointing=selective"], 6 * 2 * 2),
+    ("cp4", 4, ["--parallel.cp=4"], 6 * 2 * 2),
+    ("cp2pp2zb", 4, ["--parallel.cp=2", "--parallel.pp=2", "--parallel.pp_schedule=zb"], 6 * 2),  # a layer a stage
+])
+def test_keep_kv_train_equals_without(shards, tmp_path, name, world, extra, calls):  # noqa: F811
+    from nanopara import checkpoint
+    got = []
+    for keep in ("true", "false"):
+        run = tmp_path / f"{name}_{keep}"
+        spawn(_train_worker, world, argv(shards, run, 8, *extra, *STEPS, "--ckpt.final=true",
+                                         f"--parallel.cp_keep_kv={keep}"), str(tmp_path / f"{keep}.pt"))
+        weights = torch.load(f"{checkpoint.latest(run)}/rank_00000.pt", weights_only=True)["model"]
+        got.append((torch.load(tmp_path / f"{keep}.pt"), weights))
+    ((losses_on, kept_on), w_on), ((losses_off, kept_off), w_off) = got
+    assert kept_on == calls and kept_off == 0  # the kept path ran in every layer's backward, or in none
+    assert len(losses_on) == 6 and losses_on == losses_off
+    assert w_on.keys() == w_off.keys() and all(torch.equal(w_on[n], w_off[n]) for n in w_on)
