@@ -8,7 +8,7 @@
   e2e         activation checkpointing: time, memory, largest batch (bench_recompute); seconds to the first
               step from cold caches (cold_start)
   layouts     bench_layout on gpt_1b, one row per layout: 1 GPU, dp2, tp2, tp2+sp, pp2 (gpipe, 1f1b, interleaved,
-              zb), cp2 at 16k tokens, on 4 and 8 GPUs dp and 3D rows; then engines against torch DDP (bench_dp),
+              zb), cp2 16k (K/V kept, not), on 4 and 8 GPUs dp and 3D rows; then engines against torch DDP (bench_dp),
               tp (bench_tp), pp schedules and bubbles (bench_pp), cp (bench_cp), ring all-reduce vs NCCL (bench_comm)
   scaleout    gpt_1b on 2 GPUs against one GPU: tp2 (+sp, +tp_streams), pp2 (schedules, eager, graphed), dp2
   fp8         FP8 GEMMs, casts and linear against cuBLAS (bench_fp8); FP8 training against bf16 and torchao
@@ -90,7 +90,8 @@ SETS = {
         layout("pp2_interleaved", 2, f"{PP2} --parallel.pp_schedule=interleaved --parallel.pp_virtual=2 "
                                      "--parallel.pp_layers=5,5,5,3"),
         layout("1gpu_16k", 1, T16K, base=""),
-        layout("cp2_16k", 2, f"{T16K} --parallel.cp=2", base="1gpu_16k"),
+        layout("cp2_16k", 2, f"{T16K} --parallel.cp=2", base="1gpu_16k"),  # cp_keep_kv auto: on at cp = 2
+        layout("cp2_16k_nokeep", 2, f"{T16K} --parallel.cp=2 --parallel.cp_keep_kv=false", base="1gpu_16k"),
         layout("dp4_zero1", 4, "--train.micro_batch=8 --parallel.dp=4 --parallel.zero=1"),
         layout("tp2_dp2", 4, "--train.micro_batch=8 --parallel.tp=2"),
         layout("tp2_pp2", 4, f"{PP2} --parallel.tp=2 --parallel.pp_layers=10,8"),

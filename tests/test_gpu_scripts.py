@@ -22,10 +22,10 @@ def test_layouts_plan_on_two_gpus_runs_what_fits_and_skips_the_rest(tmp_path):
     plan = run_set.plan("layouts", 2, out)
     by = {s["name"]: s for s in plan}
     runs = [s["name"] for s in plan if s["skip"] is None]
-    assert runs[:10] == ["layout_1gpu", "layout_dp2", "layout_tp2", "layout_tp2_sp", "layout_pp2_gpipe",
+    assert runs[:11] == ["layout_1gpu", "layout_dp2", "layout_tp2", "layout_tp2_sp", "layout_pp2_gpipe",
                          "layout_pp2_1f1b", "layout_pp2_zb", "layout_pp2_interleaved", "layout_1gpu_16k",
-                         "layout_cp2_16k"]
-    assert runs[10:] == ["dp", "tp", "pp", "cp", "comm", "tuned"]  # every run ends with the tuning table
+                         "layout_cp2_16k", "layout_cp2_16k_nokeep"]
+    assert runs[11:] == ["dp", "tp", "pp", "cp", "comm", "tuned"]  # every run ends with the tuning table
     assert by["layout_dp4_zero1"]["skip"] == "needs 4 GPUs, 2 visible"
     assert by["layout_tp2_pp2_dp2"]["skip"] == "needs 8 GPUs, 2 visible"
     tp2 = by["layout_tp2"]["argv"]  # one bench_layout process per layout over torchrun, every row in one file
@@ -34,6 +34,8 @@ def test_layouts_plan_on_two_gpus_runs_what_fits_and_skips_the_rest(tmp_path):
     assert tp2[tp2.index("--baseline") + 1] == "1gpu" and "--parallel.tp=2" in tp2 and "--preset=gpt_1b" in tp2
     cp2 = by["layout_cp2_16k"]["argv"]
     assert cp2[cp2.index("--baseline") + 1] == "1gpu_16k" and "--parallel.cp=2" in cp2
+    assert by["layout_cp2_16k_nokeep"]["argv"] == cp2[:cp2.index("cp2_16k")] + ["cp2_16k_nokeep"] + \
+        cp2[cp2.index("cp2_16k") + 1:] + ["--parallel.cp_keep_kv=false"]  # the same run, K/V not kept
     assert by["layout_1gpu"]["argv"][3] == "--nproc_per_node=1" and "--baseline" in by["layout_1gpu"]["argv"]
     assert by["dp"]["argv"][3] == "--nproc_per_node=2" and by["tuned"]["argv"][-1] == f"{out}/tuned"
 
