@@ -6,7 +6,7 @@ both sides, the merge reorders the softmax sums: measured max error 2.1e-6 (cp=4
 mask or a missing block moves values by > 1e-2). The Triton block kernels run in the interpreter (conftest sets
 TRITON_INTERPRET=1). Training: train.py at cp2 (with full recompute), cp4, cp2 x tp2 + sp, cp2 x dp2 (ZeRO-1),
 cp2 x pp2 and cp2 Ulysses against the single-process run of tests/test_parallel_train.py's model and data over
-6 steps (bound and reasons there).
+6 steps (bound and reasons there). Kept K/V (parallel.cp_keep_kv): bit for bit the old backward, no K/V message.
 """
 import numpy as np
 import pytest
