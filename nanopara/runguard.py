@@ -30,6 +30,7 @@ import faulthandler
 import fcntl
 import os
 import shutil
+import stat
 import signal
 import socket
 import sys
@@ -95,7 +96,11 @@ def step_dirs(out_dir) -> list[str]:
 def check_out_dir(out_dir: str) -> None:
     """out_dir and its ckpt/ are directories or can become ones: one line otherwise."""
     for path, what in ((out_dir, "--out_dir"), (ckpt_root(out_dir), "the checkpoint folder of --out_dir")):
-        if os.path.exists(path) and not os.path.isdir(path):
+        try:  # one stat: rank 0's writability probe may make and remove an empty ckpt/ between two checks
+            is_dir = stat.S_ISDIR(os.stat(path).st_mode)
+        except (FileNotFoundError, NotADirectoryError):  # (under a file: the parent check below says so)
+            continue
+        if not is_dir:
             raise CheckpointError(f"{what} {path} is a file, not a directory")
     parent = os.path.dirname(os.path.abspath(out_dir))
     while not os.path.exists(parent):

@@ -207,3 +207,26 @@ def test_runs_latest_links_the_newest_run_under_runs_only(tmp_path, monkeypatch)
     os.makedirs(cfg.out_dir)
     train.write_run_info(cfg, mesh)
     assert not os.path.lexists(tmp_path / "elsewhere" / "latest")
+
+
+def test_a_ckpt_folder_removed_between_checks_is_not_a_file(tmp_path, monkeypatch):
+    """Another rank's check of the run directory while rank 0's writability probe makes and removes an empty ckpt/:
+    the folder may vanish between two calls (exists, then isdir: the old check called that "a file", a CI failure of
+    a tp2 test). One stat sees a directory or nothing."""
+    from nanopara import runguard
+    out = tmp_path / "run"
+    (out / "ckpt").mkdir(parents=True)
+    real_isdir = os.path.isdir
+
+    def isdir_after_rank0_removes_it(p):
+        if str(p).endswith("ckpt") and real_isdir(p):
+            os.rmdir(p)  # rank 0's `finally` removes the empty folder it made
+        return real_isdir(p)
+    monkeypatch.setattr(os.path, "isdir", isdir_after_rank0_removes_it)
+    runguard.check_out_dir(str(out))  # no error
+    monkeypatch.undo()
+    if (out / "ckpt").is_dir():
+        (out / "ckpt").rmdir()
+    (out / "ckpt").write_text("x")
+    with pytest.raises(checkpoint.CheckpointError, match="is a file, not a directory"):
+        runguard.check_out_dir(str(out))
