@@ -119,7 +119,7 @@ _H100 = GPU(
         "host": "launch 9 us: compiled Triton launch (bench_launch.py, notes/e2e.md). torch_kernels 1470 us a "
                 "block: bench_dp.py's host ms (host time to issue gpt2_124m's fwd+bwd with the GPU held busy, "
                 "model.kernels=torch) 18.6 ms / 12 blocks less ~1 ms of head (results/archive/"
-                "dp_one_b32_1_h100_s8.json, H100 host). dense = torch_kernels + our ops' extra host per block "
+                "dp_one_b32_1_h100.json, H100 host). dense = torch_kernels + our ops' extra host per block "
                 "(bench_launch: attention fwd+bwd 362 vs SDPA 148 us, LayerNorm 335 vs ~200 x 2). ac_full +375, "
                 "ac_selective +150 (CPU proxy, notes/pp.md); fp8 +100 a Linear (CPU proxy, notes/fp8.md); "
                 "zero3 +550 (bench_dp.py host ms of units of 3 blocks, results/archive/dp2_zero3_units_b16.json); "
