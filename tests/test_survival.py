@@ -388,6 +388,18 @@ def _wait_for_steps(out, n, procs, timeout=180):
         time.sleep(0.2)
 
 
+def _stopped_at(proc, out) -> int:
+    """The step a SIGTERM stopped `proc` after: exit 143, no stderr, the stop line last, its checkpoint published."""
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and stderr == "", stderr
+    last = stdout.strip().splitlines()[-1]
+    assert last.startswith("stopped by SIGTERM after step ")
+    assert last.endswith("; continue with --resume (exit code 143)")
+    step = int(last.split("after step ")[1].split(":")[0])
+    assert checkpoint.latest(out).endswith(f"step_{step + 1:06d}")
+    return step
+
+
 def _train_cli(shards, out, *extra, env=None):
     return subprocess.Popen([sys.executable, "train.py", *argv(shards, out, "--train.steps=100000", *extra)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -407,15 +419,10 @@ def test_sigterm_to_a_cli_run_saves_and_a_second_trainer_is_refused(shards, tmp_
         assert len(b.stderr.strip().splitlines()) == 1 and a.poll() is None
         assert f"lock: held by pid {a.pid} on host" in listing(out)[1][-2]
         a.send_signal(signal.SIGTERM)
-        stdout, stderr = a.communicate(timeout=120)
+        step = _stopped_at(a, out)
     finally:
         a.kill()
-    assert a.returncode == 143 and stderr == "", stderr
-    last = stdout.strip().splitlines()[-1]
-    assert last.startswith("stopped by SIGTERM after step ")
-    assert last.endswith("; continue with --resume (exit code 143)")
-    step = int(last.split("after step ")[1].split(":")[0])
-    assert checkpoint.latest(out).endswith(f"step_{step + 1:06d}") and not (out / ".lock").exists()
+    assert not (out / ".lock").exists()
     logged = [json.loads(ln)["step"] for ln in open(out / "metrics.jsonl") if '"loss"' in ln]
     assert logged == list(range(step + 1))  # one run's log, every step up to the stop, none twice
 
@@ -431,13 +438,9 @@ def test_a_sigterm_delivered_twice_is_one_notice_and_still_saves(shards, tmp_pat
         a.send_signal(signal.SIGTERM)
         time.sleep(0.03)
         a.send_signal(signal.SIGTERM)
-        stdout, stderr = a.communicate(timeout=120)
+        _stopped_at(a, out)  # one stop line, its checkpoint published: the second copy did not kill the run
     finally:
         a.kill()
-    assert a.returncode == 143 and stderr == "", stderr
-    last = stdout.strip().splitlines()[-1]
-    step = int(last.split("after step ")[1].split(":")[0])
-    assert checkpoint.latest(out).endswith(f"step_{step + 1:06d}")
 
 
 def _two_ranks(shards, out, *extra):
