@@ -36,6 +36,7 @@ def sha256_of(file: str) -> str:
 
 
 KICK_BYTES = 256 << 20  # start the disk's writeback every this many bytes written
+CHUNK_BYTES = 64 << 20  # torch.save hands over a tensor's bytes in one write: passed on in pieces this large
 PARALLEL_HASH_BYTES = 1 << 20  # a write this large is hashed on a second thread beside the write itself
 
 
@@ -53,6 +54,15 @@ class _Hashing:
         self.f, self.h, self.n, self.kicked, self.pool = f, hashlib.sha256(), 0, 0, pool
 
     def write(self, b) -> int:
+        """All of `b`, in CHUNK_BYTES pieces (a 4 GB tensor is one call): the kick then comes every KICK_BYTES
+        within a tensor too, and each piece's hash runs beside the next piece's copy into the file."""
+        mv = memoryview(b)
+        if mv.nbytes <= CHUNK_BYTES or not mv.c_contiguous:
+            return self._write(b)
+        mv = mv.cast("B")
+        return sum(self._write(mv[i:i + CHUNK_BYTES]) for i in range(0, mv.nbytes, CHUNK_BYTES))
+
+    def _write(self, b) -> int:
         n = memoryview(b).nbytes
         if self.pool is not None and n >= PARALLEL_HASH_BYTES:  # hash on the pool's thread while this one writes
             hashed = self.pool.submit(self.h.update, b)  # (both release the GIL); done before `b` is given back

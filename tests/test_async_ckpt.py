@@ -489,6 +489,25 @@ def test_the_shard_writer_starts_writeback_as_it_goes_and_hashes_the_file(tmp_pa
     assert torch.equal(torch.load(tmp_path / "s.pt")["w3"], state["w3"])
 
 
+def test_the_shard_writer_kicks_inside_one_large_tensor(tmp_path, monkeypatch):
+    """torch.save hands a tensor's bytes over in one write: shard_io passes them on in CHUNK_BYTES pieces, so the
+    writeback starts every KICK_BYTES within a tensor too (one 4 GB optimizer buffer would otherwise be one kick)."""
+    from nanopara import shard_io
+    if not hasattr(os, "posix_fadvise"):
+        pytest.skip("no posix_fadvise on this platform")
+    kicks = []
+    monkeypatch.setattr(shard_io, "KICK_BYTES", 1 << 16)
+    monkeypatch.setattr(shard_io, "CHUNK_BYTES", 1 << 15)
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: kicks.append((off, n)))
+    state = {"flat": torch.randn(1 << 18)}  # 1 MiB in one storage
+    n, sha = shard_io.write_shard(state, str(tmp_path / "s.pt"))
+    assert len(kicks) >= 14 and all(k <= (1 << 16) + (1 << 15) for _, k in kicks)
+    assert sha == shard_io.sha256_of(str(tmp_path / "s.pt")) and n == os.path.getsize(tmp_path / "s.pt")
+    shard_io._HASHED.clear()
+    assert sha == shard_io.sha256_of(str(tmp_path / "s.pt"))  # hashed again from the file: the same digest
+    assert torch.equal(torch.load(tmp_path / "s.pt")["flat"], state["flat"])
+
+
 def test_bench_writer_contention_smoke(tmp_path):
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import bench_writer_contention
