@@ -1,7 +1,7 @@
 """Training throughput with checkpoints: none, blocking saves, asynchronous saves (nanopara/async_save.py).
 
     python bench/bench_ckpt.py [--preset gpt_1b] [--every 50] [--periods 3] [--modes none,blocking,async,none]
-                               [--each] [--ckpt_dir D] [--out F] [-- FLAGS]
+                               [--each] [--profile] [--ckpt_dir D] [--out F] [-- FLAGS]
 
 train.py's step (config -> GPT -> parallelize -> Trainer: bf16 autocast, fused AdamW) on synthetic tokens, 32 x
 1,024 tokens a step by default, one trainer for every mode (the same model and memory). After --warmup steps, the
@@ -14,7 +14,8 @@ previous write are inside the steps), and with the final wait for the last backg
 run, at its end; in this short window it weighs ~periods times more than in a run of 1,000s of steps). Also:
 seconds each save held the training thread (the whole write when blocking; the snapshot when async), checkpoint
 GB; the writer's own lines say how long each background write took. --each syncs and times every step and gives
-the median step with a background write in flight and without. On CPU: a smoke run (tests/test_async_ckpt.py).
+the median step with a background write in flight and without; --profile: the kernels of one step of each mode
+(async: with a write in flight), GPU-busy share and kinds. On CPU: a smoke run (tests/test_async_ckpt.py).
 """
 from __future__ import annotations
 
@@ -48,8 +49,14 @@ def run_mode(mode: str, args, cfg, mesh, trainer, batches, steps: int) -> dict:
     writer = async_save.writer_for(out_dir)
     H.sync(mesh.device)
     t0 = t_mark = time.perf_counter()
+    profiles = {}
     for i in range(1, steps + 1):
-        H.train_step(trainer, batches)
+        if args.profile and i == args.every // 2 + 3:  # a few steps after the first save: its write in flight
+            label = "writing" if writer.busy() else "idle"
+            profiles[label] = H.kernel_summary(H.profile(lambda: H.train_step(trainer, batches), mesh.device))
+            print(H.summary_lines(profiles[label], f"{mode} step {i}, {label}"), flush=True)
+        else:
+            H.train_step(trainer, batches)
         pos.sample += trainer.accum * cfg.train.micro_batch
         if args.each:  # each step synced and timed, filed by whether a background write was in flight at its end
             H.sync(mesh.device)
@@ -82,6 +89,7 @@ def run_mode(mode: str, args, cfg, mesh, trainer, batches, steps: int) -> dict:
             "tokens_per_s": tokens / t_all, "tokens_per_s_steps": tokens / t_steps, "step_ms": 1e3 * t_steps / steps, "drain_s": t_all - t_steps,
             "held_s": held, "held_mean_s": sum(held) / len(held) if held else 0.0, "ckpt_gb": gb,
             "tokens_per_step": trainer.accum * cfg.train.micro_batch * cfg.train.seq_len,
+            **({f"profile_{k}": v for k, v in profiles.items()}),
             **({f"step_ms_{k}": v for k, v in each.items()} if args.each else {}),
             **({f"median_step_ms_{k}": statistics.median(v) for k, v in each.items() if v} if args.each else {})}
 
@@ -104,6 +112,8 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--each", action="store_true", help="sync and time every step: median step ms with a background "
                                                         "write in flight and without (columns `writing`, `idle`)")
+    ap.add_argument("--profile", action="store_true", help="profile one step of each mode a few steps after its "
+                                                           "first save (async: a write in flight): GPU busy share")
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--micro_batch", type=int, default=8)
     ap.add_argument("--tokens_per_step", type=int, default=32768)

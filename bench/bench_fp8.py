@@ -2,6 +2,7 @@
 
     python bench/bench_fp8.py [--quick] [--only gemm,quant,linear] [--accum fast|precise|both] [--out F.jsonl]
         [--linear_models gpt_1b,gpt_3b,gpt2_124m,gpt_1b_m4096]      # the linear section's models
+        [--profile attn.c_proj]                                     # kernels of those Linears' fwd+bwd
     python bench/bench_fp8.py --ptxas [--quick] [--json]   # no GPU: every GEMM tile and quantization kernel,
                                                            # compiled for sm_90a: registers, spills, wgmma, TMA
 
@@ -228,8 +229,9 @@ def quant(out, quick):
           "scales not counted")
 
 
-def linear(out, quick, names=""):
-    """names: comma-separated models of MODELS + MORE_LINEARS (default: gpt_1b with --quick, else MODELS)."""
+def linear(out, quick, names="", profile=""):
+    """names: comma-separated models of MODELS + MORE_LINEARS (default: gpt_1b with --quick, else MODELS).
+    profile: comma-separated Linear names (e.g. attn.c_proj): one tensor-mode fwd+bwd of each, profiled."""
     from nanopara.fp8 import FP8Linear, FP8Recipe, FP8State, auto_gains
     from nanopara.model import Linear
     print(f"\n{'FP8Linear fwd+bwd (M, N, K)':>34} {'bf16 ms':>8} | " + " | ".join(
@@ -259,6 +261,11 @@ def linear(out, quick, names=""):
                 t = _bench(lambda: step(lin), params)
                 tc = _bench(lambda: step(lin, state), params)
                 row.update({f"{mode}_ms": t, f"{mode}_speedup": t16 / t, f"{mode}_cast_speedup": t16 / tc})
+                if name in profile.split(",") and mode == "tensor":  # where the time of a slow row goes
+                    for label, fn in (("bf16", lambda: step(base)), ("tensor", lambda: step(lin))):
+                        s = H.kernel_summary(H.profile(fn, "cuda"), top=12)
+                        print(H.summary_lines(s, f"{model} {name} {label} fwd+bwd"), flush=True)
+                        row[f"profile_{label}"] = s
                 cells.append(f"{t:9.3f} {t16 / t:4.2f}x {t16 / tc:6.2f}x")
             # what fp8.py's train.fp8_filter=auto picks here, and '!' where this row's measurement disagrees
             auto = [m for m in ("tensor", "row", "block") if auto_gains(m, K, N, M)]
@@ -363,6 +370,7 @@ def main():
     p.add_argument("--accum", default="fast", choices=("fast", "precise", "both"), help="GEMM accumulation")
     p.add_argument("--out", help="append JSON lines here")
     p.add_argument("--linear_models", default="", help="linear section: e.g. gpt_1b,gpt_3b,gpt2_124m,gpt_1b_m4096")
+    p.add_argument("--profile", default="", help="linear section: Linear names to profile, e.g. attn.c_proj")
     p.add_argument("--ptxas", action="store_true", help="compile the kernels for sm_90a (no GPU) and report")
     p.add_argument("--json", action="store_true", help="--ptxas: one JSON list on stdout (the table on stderr)")
     args = p.parse_args()
@@ -387,7 +395,7 @@ def main():
     if "quant" in sections:
         quant(out, args.quick)
     if "linear" in sections:
-        linear(out, args.quick, args.linear_models)
+        linear(out, args.quick, args.linear_models, args.profile)
     print(f"\n{time.time() - t0:.0f} s")
 
 
