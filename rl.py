@@ -3,11 +3,11 @@
     python rl.py --init=runs/sft --task=arith --out_dir=runs/rl --steps=100
     torchrun --nproc_per_node=4 rl.py --init=runs/sft --task=arith --out_dir=runs/rl --prompts=64 --group=16
 
-Per step: --prompts prompts split over the data-parallel ranks, --group completions each after sft.prompt_ids,
-rewards from the task's checker (nanopara/tasks.py), --updates steps of GRPO's loss (nanopara/rl.py) through
-parallel.parallelize's Trainer; greedy exact match on --test_n held-out prompts every --eval_every steps. Writes
-<out_dir>/metrics.jsonl (reward, kl, ...; flop_tokens: compute so far in forward-token equivalents; eval lines:
-test_exact_match, test_set), config.json and <out_dir>/ckpt.
+Per step: --prompts prompts split over the dp ranks, --group completions each after sft.prompt_ids, rewards from the
+task's checker (nanopara/tasks.py), --updates steps of GRPO's loss (nanopara/rl.py) through parallel.parallelize's
+Trainer; greedy exact match on --test_n held-out prompts every --eval_every steps. Writes --out_dir's metrics.jsonl
+(reward, pass_at_group, zero_adv_groups: of all sampled groups; informative_groups: of the trained; kl, ...;
+flop_tokens: compute so far in forward-token equivalents; eval lines: test_exact_match, test_set), config.json, ckpt/.
 Keys (`--key=value`, the last one wins; --help prints this). A user error: one line on stderr, exit code 2:
   --init=PATH        the starting policy: a run, ckpt/ or step directory (any layout), or HF GPT-2 weights (.bin/.pt)
   --task=NAME        arith | digits | sort | count | gsm8k (arith); --gsm8k=PATH: GSM8K's folder (default: the mirror's)
@@ -15,19 +15,20 @@ Keys (`--key=value`, the last one wins; --help prints this). A user error: one l
   --seed=S           sampling and prompt order (1337); --prompt_seed=S: which --train_n prompts (1337); --test_seed=S:
                      which held-out prompts (tasks.TEST_SEED = 1337: one fixed set for every run)
   --steps=N (100)  --prompts=P per step, global (32)  --group=G completions per prompt (8)  --temperature=T (1.0)
+  --oversample=F     draw F x the prompts (1 to 16; 1.0), train on --prompts groups: rewards not all equal first (DAPO)
   --max_new=N        tokens per completion, EOT included (32); --sample_batch=N rows per sampling batch (256)
   --lr=LR (1e-5)  --warmup=N steps of linear warm-up (10)  --weight_decay=W (0)  --grad_clip=C (1.0)  AdamW's
   --adam_eps=E (1e-8; betas 0.9 / 0.95)  --clip_eps=E PPO ratio clip (0.2)  --kl_coef=B k3 KL to the start (0)
   --updates=K        optimizer steps per batch of rollouts (1); --micro=R rows per forward in updates, 0 = all (0)
-  --eval_every=N     held-out exact match every N steps, 0 = only at the start and the end (25)
-  --out_dir=DIR (runs/rl)  --overwrite=1 replaces a run there  --save=0 skips the final checkpoint
-  --device=auto|cpu|cuda  --dtype=auto|bf16|fp32 (auto: bf16 autocast on CUDA)
+  --eval_every=N     held-out exact match every N steps, 0 = at the start and the end only (25); --save=0: no checkpoint
+  --out_dir=DIR (runs/rl)  --overwrite=1 replaces it  --device=auto|cpu|cuda  --dtype=auto|bf16|fp32 (auto: CUDA bf16)
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
 import json
+import math
 import os
 import random
 import sys
@@ -64,6 +65,7 @@ class Args:
     steps: int = 100
     prompts: int = 32
     group: int = 8
+    oversample: float = 1.0
     max_new: int = 32
     sample_batch: int = 256
     temperature: float = 1.0
@@ -96,6 +98,8 @@ def parse_args(argv: list[str]) -> Args:
     for key, lo, hi in (("lr", 0, 1), ("clip_eps", 0, 1)):
         if not lo < getattr(a, key) <= hi:
             raise RLError(f"--{key} must be in ({lo}, {hi}], got {getattr(a, key)}")
+    if not 1 <= a.oversample <= 16:
+        raise RLError(f"--oversample must be in [1, 16] (prompts sampled per prompt trained), got {a.oversample}")
     if not 0 < a.adam_eps < 1:
         raise RLError(f"--adam_eps must be in (0, 1), got {a.adam_eps}")
     for key in ("weight_decay", "grad_clip", "kl_coef"):
@@ -149,6 +153,11 @@ def run(a: Args) -> dict:
     dev, rank, world, group = mesh.device, mesh.rank, mesh.world, mesh.dp_group
     if a.prompts % world:
         raise RLError(f"--prompts={a.prompts} must be a multiple of the {world} data-parallel ranks")
+    n_keep = a.prompts // world  # groups trained per rank
+    n_draw = math.ceil(n_keep * a.oversample - 1e-9)  # groups sampled per rank (the -1e-9: 10 * 1.1 is 11.000...02)
+    if n_draw * world > a.train_n:
+        raise RLError(f"--prompts={a.prompts} x --oversample={a.oversample} draws {n_draw * world} distinct prompts a "
+                      f"step, more than --train_n={a.train_n}")
     if a.dtype == "bf16" and dev.type != "cuda":
         raise RLError("--dtype=bf16 needs --device=cuda here (CPU runs fp32)")
     prepare_run_dir(a.out_dir, resume=False, overwrite=bool(a.overwrite), is_main=mesh.is_main)
@@ -188,16 +197,22 @@ def run(a: Args) -> dict:
     last, flop_tokens = first, 0.0
     for step in range(1, a.steps + 1):
         t0 = time.perf_counter()
-        batch = random.Random(f"{a.seed}/{step}").sample(range(len(train_ex)), a.prompts)  # same on every rank
+        batch = random.Random(f"{a.seed}/{step}").sample(range(len(train_ex)), n_draw * world)  # same on every rank
         mine = batch[rank::world]
-        rows = [train_ids[i] for i in mine for _ in range(a.group)]  # (P_local * G) prompts, a group together
+        rows = [train_ids[i] for i in mine for _ in range(a.group)]  # (n_draw * G) prompts, a group together
         new = rl.sample(policy, rows, a.max_new, a.temperature, EOT, gen, amp, max_batch=a.sample_batch)
         if dev.type == "cuda":
             torch.cuda.synchronize()
         t_gen = time.perf_counter() - t0
         rewards = torch.tensor([task.check(enc.decode([t for t in c if t != EOT]), train_ex[i].answer)
                                 for i, c in zip([i for i in mine for _ in range(a.group)], new)]).view(-1, a.group)
-        ro = rl.make_rollout(rows, new, rl.group_advantages(rewards).flatten(), dev)
+        # DAPO's dynamic sampling: train on n_keep groups, those whose rewards differ first (an all-equal group has
+        # A = 0: no gradient), then all-equal ones; sampled order kept, so n_draw = n_keep trains every group as drawn
+        spread = (rewards.std(1, correction=0) > 0).tolist()
+        keep = sorted(([g for g in range(n_draw) if spread[g]] + [g for g in range(n_draw) if not spread[g]])[:n_keep])
+        kept = [g * a.group + j for g in keep for j in range(a.group)]
+        ro = rl.make_rollout([rows[k] for k in kept], [new[k] for k in kept],
+                             rl.group_advantages(rewards[keep]).flatten(), dev)  # (n_keep * G) rows
         ro.old_logp = logprobs(policy, ro, a, amp)
         ro.ref_logp = logprobs(ref, ro, a, amp) if ref is not None else None
         lr = a.lr * min(1.0, step / a.warmup) if a.warmup else a.lr
@@ -210,23 +225,28 @@ def run(a: Args) -> dict:
         s = rl.all_sum(torch.tensor([rewards.sum().item(), rewards.numel(), (rewards.max(1).values > 0).sum().item(),
                                      (rewards.std(1, correction=0) == 0).sum().item(), rewards.shape[0],
                                      float(n_gen), sum(c[-1] == EOT for c in new), float(sum(map(len, rows)) + n_gen),
-                                     float(ro.tokens.numel())], dtype=torch.float64, device=dev), group, world).tolist()
+                                     float(ro.tokens.numel()), sum(spread[g] for g in keep), len(keep)],
+                                    dtype=torch.float64, device=dev), group, world).tolist()
         t_gen_max = torch.tensor([t_gen], dtype=torch.float64, device=dev)
         if world > 1:  # the slowest rank's sampling time
             dist.all_reduce(t_gen_max, op=dist.ReduceOp.MAX, group=group)
         t_gen_max = t_gen_max.item()
-        # compute in forward-token equivalents (a backward ~ 2 forwards): the sampled rows (prompt + completion),
-        # the no-grad forwards of old (and ref) log-probs and 3 x the trained tokens of every update (padding counted)
+        # compute in forward-token equivalents (a backward ~ 2 forwards): every sampled row (prompt + completion;
+        # with --oversample the groups left out too), the no-grad forwards of old (and ref) log-probs of the trained
+        # rows and 3 x the trained tokens of every update (padding counted)
         flop_tokens += s[7] + s[8] * (2 if ref is not None else 1) + 3 * sum(u["trained_tokens"] for u in ups)
+        # reward, pass_at_group, zero_adv_groups, response_len, stopped_frac: of every sampled group
         rec = {"step": step, "reward": s[0] / s[1], "pass_at_group": s[2] / s[4], "zero_adv_groups": s[3] / s[4],
+               "informative_groups": s[9] / s[10],
                "response_len": s[5] / s[1], "stopped_frac": s[6] / s[1],
                "loss": ups[0]["loss"], "kl": ups[0]["kl"] if ref is not None else None,
                "clip_frac": sum(u["clip_frac"] for u in ups) / len(ups), "grad_norm": ups[-1]["grad_norm"],
                "lr": lr, "gen_tokens_per_s": s[5] / t_gen_max, "tokens_per_s": s[5] / dt, "step_s": dt,
                "flop_tokens": flop_tokens}
+        kept_part = f"informative {rec['informative_groups']:.3f} | " if a.oversample > 1 else ""
         metrics.log(rec, f"step {step:5d} | reward {rec['reward']:.3f} | pass@{a.group} {rec['pass_at_group']:.3f} | "
                          f"len {rec['response_len']:.1f} | kl {rec['kl'] or 0:.4f} | clip {rec['clip_frac']:.3f} | "
-                         f"gen {rec['gen_tokens_per_s']:.0f} tok/s | {dt * 1000:.0f} ms")
+                         f"{kept_part}gen {rec['gen_tokens_per_s']:.0f} tok/s | {dt * 1000:.0f} ms")
         if (a.eval_every and step % a.eval_every == 0) or step == a.steps:
             last = held_out(step)
     if a.save:

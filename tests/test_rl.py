@@ -1,4 +1,5 @@
-"""GRPO (nanopara/rl.py, rl.py): the math against plain loops, the sampler, a tiny run that learns, dp2 = 1 rank."""
+"""GRPO (nanopara/rl.py, rl.py): the math against plain loops, the sampler, a tiny run that learns, dp2 = 1 rank,
+rl.py end to end (--oversample's kept groups too) and bench/post_train_demo.py at smoke sizes."""
 import json
 import math
 import os
@@ -378,12 +379,177 @@ def test_script_on_two_gloo_ranks(policy_dir, tmp_path):
     assert full_model_state(str(out))[1].n_embd == 16
 
 
+# --oversample (DAPO's dynamic sampling): the stubs below record what rl.py samples, builds and trains
+
+def record_steps(monkeypatch):
+    """Wraps rl.sample (sampling calls only: the held-out eval is greedy), rl.make_rollout and rl.update, as rl.py
+    calls them; returns the lists they append to."""
+    got = {"sampled": [], "rollouts": [], "updates": []}
+    real_sample, real_make, real_update = rl.sample, rl.make_rollout, rl.update
+
+    def sample(model, prompts, max_new, temperature=1.0, *args, **kw):
+        new = real_sample(model, prompts, max_new, temperature, *args, **kw)
+        if temperature > 0:
+            got["sampled"].append((prompts, new))
+        return new
+
+    def make_rollout(prompts, completions, adv, device):
+        got["rollouts"].append((prompts, completions, adv.clone()))
+        return real_make(prompts, completions, adv, device)
+
+    def update(trainer, ro, lr, **kw):
+        out = real_update(trainer, ro, lr, **kw)
+        got["updates"].append((ro.tokens.clone(), ro.mask.clone(), ro.adv.clone(), out))
+        return out
+    monkeypatch.setattr(rl, "sample", sample)
+    monkeypatch.setattr(rl, "make_rollout", make_rollout)
+    monkeypatch.setattr(rl, "update", update)
+    return got
+
+
+def step_lines(out):
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if "reward" in json.loads(x)]
+
+
+def test_oversample_1_is_todays_step(policy_dir, tmp_path, monkeypatch):
+    """--oversample=1 (the default) samples and trains what rl.py did before the key: the prompts drawn from
+    f"{seed}/{step}", G copies each in that order, the completions the rank's generator gives them, the advantages
+    of the checker's rewards; with and without the key the same rollouts, losses and metrics."""
+    import random
+    from nanopara import tasks
+    from nanopara.sft import EOT, prompt_ids
+    assert rl_script.Args().oversample == 1.0
+    argv = [f"--init={policy_dir}", "--task=count", "--steps=2", "--prompts=3", "--group=4", "--max_new=4",
+            "--train_n=20", "--test_n=2", "--device=cpu", "--save=0", "--lr=1e-3", "--seed=7"]
+    runs = []
+    for extra in ([], ["--oversample=1"]):
+        with monkeypatch.context() as mp:
+            got = record_steps(mp)
+            assert rl_script.main(argv + [f"--out_dir={tmp_path / str(len(runs))}", *extra]) == 0
+        runs.append((got, step_lines(tmp_path / str(len(runs)))))
+    (got, recs), (got1, recs1) = runs
+    assert len(got["updates"]) == len(got1["updates"]) == 2
+    for a, b in zip(got["updates"], got1["updates"]):
+        assert all(torch.equal(x, y) for x, y in zip(a[:3], b[:3])) and a[3] == b[3]
+    timing = ("gen_tokens_per_s", "tokens_per_s", "step_s")
+    assert [{k: v for k, v in r.items() if k not in timing} for r in recs] == \
+        [{k: v for k, v in r.items() if k not in timing} for r in recs1]
+    # step 1 by today's rule, from the starting policy
+    enc, task = get_tokenizer(), tasks.get_task("count")
+    train = tasks.make_examples("count", 20, "train", 1337)
+    drawn = random.Random("7/1").sample(range(20), 3)
+    rows = [prompt_ids(enc, train[i].prompt) for i in drawn for _ in range(4)]
+    new = rl.sample(rl_script.load_policy(policy_dir), rows, 4, 1.0, EOT, torch.Generator().manual_seed(7))
+    r = torch.tensor([task.check(enc.decode([t for t in c if t != EOT]), train[i].answer)
+                      for i, c in zip([i for i in drawn for _ in range(4)], new)]).view(3, 4)
+    want = rl.make_rollout(rows, new, rl.group_advantages(r).flatten(), "cpu")
+    tokens, mask, adv, _ = got1["updates"][0]
+    assert torch.equal(tokens, want.tokens) and torch.equal(mask, want.mask) and torch.equal(adv, want.adv)
+    assert recs1[0]["reward"] == r.sum().item() / r.numel()
+    assert recs1[0]["informative_groups"] == pytest.approx(1 - recs1[0]["zero_adv_groups"])  # all groups trained
+
+
+@pytest.mark.parametrize("mixed", [{1, 4, 6}, {0, 2, 3, 5, 7}])
+def test_oversample_trains_the_informative_groups_first(policy_dir, tmp_path, monkeypatch, mixed):
+    """P = 4 prompts, F = 2: 8 groups sampled. A stub checker gives the groups at the positions in `mixed` (sampled
+    order) rewards 1, 0, 1, 0 and the others all 1 or all 0, so the kept groups are predictable: the mixed ones in
+    sampled order, then the first all-equal ones to make 4. The update has 4 x G rows; reward, pass_at_group and
+    zero_adv_groups are of all 8 groups; flop_tokens counts every sampled row (a hand count)."""
+    import random
+    from nanopara import tasks
+    from nanopara.sft import prompt_ids
+    P, G, F, seed = 4, 4, 2.0, 5
+    drawn = random.Random(f"{seed}/1").sample(range(40), 8)
+    kind = {i: "mixed" if g in mixed else ("one" if g % 2 else "zero") for g, i in enumerate(drawn)}
+    calls = {}
+
+    def check(text, answer):
+        if answer.startswith("test"):
+            return 0.0
+        i = int(answer[len("train"):])
+        calls[i] = calls.get(i, 0) + 1
+        return {"mixed": float(calls[i] % 2), "one": 1.0, "zero": 0.0}[kind[i]]
+
+    def examples(name, n, split, seed, gsm8k=""):  # distinct prompts, the index as the answer
+        return [tasks.Example(f"How many times does {i} appear in {split}?", "", f"{split}{i}") for i in range(n)]
+    monkeypatch.setattr(tasks, "make_examples", examples)
+    monkeypatch.setattr(tasks, "get_task", lambda name: tasks.Task(name, check, None))
+    got = record_steps(monkeypatch)
+    out = tmp_path / "rl"
+    argv = [f"--init={policy_dir}", "--task=count", "--steps=1", f"--prompts={P}", f"--group={G}", "--max_new=4",
+            "--train_n=40", "--test_n=2", f"--out_dir={out}", "--device=cpu", "--save=0", f"--seed={seed}",
+            f"--oversample={F}"]
+    assert rl_script.main(argv) == 0
+    (rows, new), = got["sampled"]
+    enc = get_tokenizer()
+    train_ids = [prompt_ids(enc, ex.prompt) for ex in examples("count", 40, "train", 0)]
+    assert rows == [train_ids[i] for i in drawn for _ in range(G)]  # 8 groups sampled, in drawn order
+    keep = sorted((sorted(mixed) + [g for g in range(8) if g not in mixed])[:P])
+    (prompts, comps, adv), = got["rollouts"]
+    assert prompts == [train_ids[drawn[g]] for g in keep for _ in range(G)]
+    assert comps == [new[g * G + j] for g in keep for j in range(G)]
+    informative = [g in mixed for g in keep for _ in range(G)]
+    assert all((a != 0) == m for a, m in zip(adv.tolist(), informative))
+    (tokens, _, _, up), = got["updates"]
+    assert tokens.shape[0] == P * G
+    (rec,) = step_lines(out)
+    n_mixed, n_one = len(mixed), sum(kind[i] == "one" for i in drawn)
+    assert rec["informative_groups"] == min(n_mixed, P) / P
+    assert rec["reward"] == (n_mixed * 0.5 + n_one) / 8 and rec["pass_at_group"] == (n_mixed + n_one) / 8
+    assert rec["zero_adv_groups"] == (8 - n_mixed) / 8
+    sampled = sum(len(p) + len(c) for p, c in zip(rows, new))  # 8 x G rows, trained or not
+    trained = sum(len(prompts[k]) + len(comps[k]) for k in range(P * G))
+    assert sampled > trained and up["trained_tokens"] == tokens.numel()
+    # sampling + the no-grad old log-probs forward + 3 x the update's tokens (padding counted)
+    assert rec["flop_tokens"] == sampled + tokens.numel() + 3 * tokens.numel()
+
+
+def _oversample_rank(rank, world, argv, out):
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as mp:
+        got = record_steps(mp)
+        assert rl_script.main(argv) == 0
+    torch.save({"sampled": got["sampled"], "rollouts": [(p, c, a.tolist()) for p, c, a in got["rollouts"]],
+                "rows": [u[0].shape[0] for u in got["updates"]]}, f"{out}.{rank}")
+
+
+def test_oversample_on_two_gloo_ranks(policy_dir, tmp_path):
+    """dp = 2, P = 4, F = 1.5: 3 groups a rank, the ranks' shares of one global draw of 6 (as without the key: drawn
+    from f"{seed}/{step}", split by rank); each rank trains 2 groups (2 x G rows: the ranks stay in lockstep), kept
+    in sampled order; informative_groups counts both ranks' trained groups."""
+    import random
+    from nanopara import tasks
+    from nanopara.sft import prompt_ids
+    out, G = tmp_path / "rl", 2
+    argv = [f"--init={policy_dir}", "--task=count", "--steps=2", "--prompts=4", f"--group={G}", "--max_new=4",
+            "--train_n=20", "--test_n=2", f"--out_dir={out}", "--device=cpu", "--save=0", "--oversample=1.5"]
+    spawn(_oversample_rank, 2, argv, str(tmp_path / "got"))
+    ranks = [torch.load(tmp_path / f"got.{r}", weights_only=False) for r in range(2)]
+    enc = get_tokenizer()
+    train_ids = [prompt_ids(enc, ex.prompt) for ex in tasks.make_examples("count", 20, "train", 1337)]
+    recs = step_lines(out)
+    for step in (1, 2):
+        drawn = random.Random(f"1337/{step}").sample(range(20), 6)
+        informative = 0
+        for r, got in enumerate(ranks):
+            rows, new = got["sampled"][step - 1]
+            assert rows == [train_ids[i] for i in drawn[r::2] for _ in range(G)]
+            prompts, comps, adv = got["rollouts"][step - 1]
+            assert got["rows"][step - 1] == len(prompts) == 2 * G
+            groups = [rows.index(prompts[k]) // G for k in range(0, 2 * G, G)]  # distinct prompts: unambiguous
+            assert groups == sorted(groups) and comps == [new[g * G + j] for g in groups for j in range(G)]
+            informative += sum(any(a != 0 for a in adv[k:k + G]) for k in range(0, 2 * G, G))
+        assert recs[step - 1]["informative_groups"] == informative / 4
+
+
 @pytest.mark.parametrize("extra, fragment", [
     (["--group=1"], "--group must be >= 2"), (["--task=chess"], "unknown task"), (["--lr=0"], "--lr must be"),
     (["--temperature=0"], "--temperature"), (["--grpup=4"], "did you mean --group"), (["--init=/nope"], "no such"),
     (["--max_new=60"], "exceeds the policy's context"), (["--prompts=3"], None),
     (["--adam_eps=0"], "--adam_eps"), (["--test_seed=-1"], "--test_seed must be"), (["--adam_eps=1e-5"], None),
-    (["--optim=sgd"], "unknown key --optim"),
+    (["--optim=sgd"], "unknown key --optim"), (["--oversample=0.5"], "--oversample must be in [1, 16]"),
+    (["--oversample=17"], "--oversample must be in [1, 16]"), (["--oversample=3"], "more than --train_n=4"),
+    (["--oversample=1.5"], None),
 ])
 def test_user_errors_are_one_line(policy_dir, tmp_path, capsys, extra, fragment):
     argv = [f"--init={policy_dir}", f"--out_dir={tmp_path / 'r'}", "--device=cpu", "--steps=1", "--prompts=2",
