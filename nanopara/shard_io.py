@@ -55,7 +55,7 @@ class _Hashing:
 
     def write(self, b) -> int:
         """All of `b`, in CHUNK_BYTES pieces (a 4 GB tensor is one call): the kick then comes every KICK_BYTES
-        within a tensor too, and each piece's hash runs beside the next piece's copy into the file."""
+        within a tensor too (each piece hashed on the pool's thread beside its own copy into the file)."""
         mv = memoryview(b)
         if mv.nbytes <= CHUNK_BYTES or not mv.c_contiguous:
             return self._write(b)
