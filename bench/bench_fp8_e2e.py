@@ -15,13 +15,13 @@ update; bf16 autocast, clip, fused AdamW). Modes:
     ao_rowwise            but lm_head, the same Trainer (a benchmark-only peer; not importable: the row says why)
     nanogpt               gpt2_124m only: bench_gpt.py's torch+compile mode (PyTorch ops under torch.compile)
     bf16+graph, tensor+graph, row+graph   forward + backward replayed from a CUDA graph (train.cuda_graph=true)
+    bf16+compile, ao_*+compile            the fair peer: PyTorch ops (SDPA), torchao or not, under torch.compile
 Per mode: median step ms, tok/s, TFLOP/s, MFU, peak memory, last loss, the ratio to bf16, the share of the Linears
 in FP8 (count and FLOPs, lm_head included: fp8.fp8_share), the kernel tunings its warm-up ran (a fresh machine tunes
 each new FP8 GEMM shape once). --profile: then one step of the first preset's fastest nanopara FP8 mode (or
 --profile_mode) profiled: GPU ms per kernel kind and the costliest kernels.
 --compare: final train loss (mean of the last --tail steps) and last validation loss of two runs, their relative
-gap (goal: within 1 %), the largest gap over the common validation steps, median tok/s; a PNG if matplotlib
-imports. The loss curves themselves (gpt_1b on books, bf16 and tensor): bench/run_set.py's `curves` set.
+gap (goal: within 1 %), the largest gap over the common validation steps, median tok/s, a PNG (run_set.py `curves`).
 """
 from __future__ import annotations
 
@@ -43,7 +43,9 @@ from nanopara.report import flops_per_token, read_metrics
 NANOPARA_FP8 = ("tensor", "row", "block")
 TORCHAO = {"ao_tensorwise": "tensorwise", "ao_rowwise": "rowwise"}
 GRAPHED = ("bf16+graph", "tensor+graph", "row+graph")  # the same, forward + backward replayed from a CUDA graph
-MODES = ("bf16", *NANOPARA_FP8, *TORCHAO, "nanogpt", *GRAPHED)
+# the fair peer (issue #43 item 6): the same GPT with PyTorch ops (SDPA) under torch.compile, bf16 and torchao float8
+COMPILED = ("bf16+compile", "ao_tensorwise+compile", "ao_rowwise+compile")
+MODES = ("bf16", *NANOPARA_FP8, *TORCHAO, "nanogpt", *GRAPHED, *COMPILED)
 DEFAULT_BATCH = {"gpt_1b": 8, "gpt_3b": 8, "gpt2_124m": 32, "tiny": 2}
 # named row sets: --set NAME = these presets and modes (gpt_3b: issue #43's goal, tensor >= 1.30x its best bf16)
 SETS = {"gpt_3b": ("gpt_3b", "bf16,bf16+graph,tensor,tensor+graph,row,block")}
@@ -60,8 +62,10 @@ def torchao_convert(model, recipe: str):
 
 def build(preset: str, mode: str, args, mesh):
     """(cfg, trainer, n_params) of a mode through train.py's path (parallelize applies train.fp8)."""
-    base = mode.split("+")[0]  # "tensor+graph": tensor, replayed
-    cfg = H.make_cfg(preset, {"model.kernels": "auto", "train.seq_len": seq_for(preset, args),
+    base = mode.split("+")[0]  # "tensor+graph": tensor, replayed; "ao_rowwise+compile": torchao, compiled
+    compiled = mode.endswith("+compile")  # PyTorch ops (the path torch.compile fuses), the whole model compiled
+    cfg = H.make_cfg(preset, {"model.kernels": "torch" if compiled else "auto", "train.compile": compiled,
+                              "train.seq_len": seq_for(preset, args),
                               "train.micro_batch": batch_for(preset, args), "train.tokens_per_step": 0,
                               "train.fp8": base if base in NANOPARA_FP8 else "none",
                               **({"train.fp8_filter": args.fp8_filter} if base in NANOPARA_FP8 else {}),
@@ -92,6 +96,8 @@ def timed(preset, mode, args, mesh) -> dict:
     finally:
         teardown(trainer)
         del trainer
+        if mode.endswith("+compile"):
+            torch._dynamo.reset()  # the compiled graph holds the model
     tok_s = cfg.train.micro_batch * cfg.train.seq_len / t["median_s"]
     return {"step_ms": t["median_s"] * 1e3, "step_ms_min": t["min_s"] * 1e3, "tokens_per_s": tok_s,
             "tflops": flops_per_token(cfg.model, n_params, cfg.train.seq_len) * tok_s / 1e12,
@@ -231,14 +237,15 @@ def throughput(args, mesh, emit) -> list[dict]:
     for preset in args.presets.split(","):
         base = None
         for mode in args.modes.split(","):
-            if mode == "nanogpt" and preset != "gpt2_124m" or mode.endswith("+graph") and mesh.device.type != "cuda":
-                continue  # the nanoGPT baseline is GPT-2 124M's; CUDA graphs need CUDA
+            if (mode == "nanogpt" and preset != "gpt2_124m"
+                    or mode.endswith(("+graph", "+compile")) and mesh.device.type != "cuda"):
+                continue  # the nanoGPT baseline is GPT-2 124M's; CUDA graphs and the compiled peers need CUDA
             H.free()
             row, tuned0 = {"section": "throughput", "preset": preset, "mode": mode}, dict(TUNING)
             try:
                 row.update(nanogpt(preset, args, mesh) if mode == "nanogpt" else timed(preset, mode, args, mesh))
             except ImportError as e:
-                if mode not in TORCHAO:
+                if mode.split("+")[0] not in TORCHAO:
                     raise
                 row["error"] = f"torchao not importable: {type(e).__name__}: {str(e)[:300]}"
             except Exception as e:  # one failing mode must not hide the others' numbers

@@ -1,5 +1,6 @@
 """The benchmarks' harness and scripts on CPU: a broken benchmark wastes a GPU machine's time (a phases line once
 indexed past Phases.summary()), so what can run here runs here. Timings are never asserted, only their plumbing."""
+import argparse
 import json
 import os
 import subprocess
@@ -368,6 +369,29 @@ def test_bench_fp8_e2e_runs_on_cpu(tmp_path):
     assert tp[1]["weight_casts"] == 2 * 16 and tp[1]["vs_bf16"] > 0  # 2 steps, one cast per Linear per step
     prof = [r for r in rows if r["section"] == "profile"]
     assert len(prof) == 1 and prof[0]["mode"] == "bf16" and prof[0]["kernel_ms_by_kind"]["gemm"] > 0, rows
+
+
+def test_bench_fp8_e2e_compiled_peer_is_pytorch_ops_under_compile(monkeypatch):
+    """The +compile rows (issue #43's fair peer): PyTorch ops, train.compile on, torchao's recipe applied before
+    parallelize (so before torch.compile); nanopara's own modes keep the Triton kernels and no compile."""
+    import bench_fp8_e2e
+    seen = {}
+
+    def fake_build_trainer(cfg, mesh, prepare=None):
+        seen.update(kernels=cfg.model.kernels, compile=cfg.train.compile, fp8=cfg.train.fp8, prepare=prepare)
+        return None, 0
+    monkeypatch.setattr(bench_fp8_e2e.H, "build_trainer", fake_build_trainer)
+    args = argparse.Namespace(batch_map={}, seq=64, fp8_filter="auto")
+    bench_fp8_e2e.build("tiny", "ao_rowwise+compile", args, None)
+    assert seen["kernels"] == "torch" and seen["compile"] is True and seen["fp8"] == "none" and seen["prepare"]
+    bench_fp8_e2e.build("tiny", "bf16+compile", args, None)
+    assert seen["kernels"] == "torch" and seen["compile"] is True and seen["prepare"] is None
+    bench_fp8_e2e.build("tiny", "tensor", args, None)
+    assert seen["kernels"] == "auto" and seen["compile"] is False and seen["fp8"] == "tensor"
+    import torch
+    cpu = argparse.Namespace(device=torch.device("cpu"))  # a mesh's device
+    out = bench_fp8_e2e.throughput(argparse.Namespace(presets="tiny", modes="bf16+compile"), cpu, print)
+    assert out == []  # skipped off CUDA, never timed as an eager row
 
 
 def test_bench_fp8_e2e_compare(tmp_path):
