@@ -49,6 +49,8 @@ def pytest_collection_modifyitems(config, items):
 # fails the test naming the limit. If the main thread is stuck in C code where no Python signal handler can run,
 # faulthandler prints the stacks a little later and exits the run: a hang fails fast either way.
 _TIMEOUT_GRACE_S = 60  # how long after the limit the hard exit waits for the soft one to have worked
+_TERM_ONE_S = 1.0  # how long one process's SIGTERM may take (it prints its stacks and ends) before the next's
+_TERM_ALL_S = 3.0  # how long all the SIGTERMs may take before SIGKILL
 _started_key = pytest.StashKey[float]()  # when the test's setup began, in /proc's clock ticks
 
 
@@ -105,21 +107,41 @@ def _descendants_since(ticks: float) -> set[int]:
     return out
 
 
+def _signal(pid: int, sig: int) -> bool:
+    try:
+        os.kill(pid, sig)
+        return True
+    except OSError:
+        return False
+
+
+def _wait_gone(pids: set[int], until: float) -> set[int]:
+    """Waits until none of `pids` runs (gone or a zombie) or `until` (time.monotonic()); returns those still running."""
+    while True:
+        pids = {pid for pid in pids if _proc_stat(pid)[:1] not in ([], ["Z"])}
+        if not pids or time.monotonic() >= until:
+            return pids
+        time.sleep(0.01)
+
+
 def _end_processes(pids: set[int]) -> None:
-    """SIGTERM (spawned workers print their stacks on it: the other half of a hang), then SIGKILL what is left."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        alive = set()
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-                alive.add(pid)
-            except OSError:
-                pass
-        deadline = time.monotonic() + 3
-        while alive and time.monotonic() < deadline:
-            time.sleep(0.05)
-            alive = {pid for pid in alive if _proc_stat(pid)[:1] not in ([], ["Z"])}
-        pids = alive
+    """SIGTERM, then SIGKILL what is left. A spawned worker prints its stacks on SIGTERM (the other half of a hang):
+    faulthandler writes them in many small writes to the test's captured stderr, so two workers signalled together
+    interleave theirs mid-line ("in sleep_forever" came out cut in two). Hence one SIGTERM at a time, parents first
+    (a supervisor hears it before its ranks stop), each waiting up to _TERM_ONE_S for that process to end: a dead
+    process has written all it will. A process that lives on (it saves first, or ignores SIGTERM) costs that wait."""
+    def started(pid):
+        fields = _proc_stat(pid)
+        return int(fields[19]) if len(fields) > 19 else 0, pid
+
+    deadline = time.monotonic() + _TERM_ALL_S
+    termed = set()
+    for pid in sorted(pids, key=started):
+        if _signal(pid, signal.SIGTERM):
+            termed.add(pid)
+            _wait_gone({pid}, min(deadline, time.monotonic() + _TERM_ONE_S))
+    killed = {pid for pid in _wait_gone(termed, deadline) if _signal(pid, signal.SIGKILL)}
+    _wait_gone(killed, time.monotonic() + 3)
     multiprocessing.active_children()  # reaps the multiprocessing children among them
 
 
