@@ -246,6 +246,8 @@ def train(cfg: Config) -> dict:
             batches = [next(loader) for _ in range(accum)]
             loss = trainer.forward_backward(batches, token_weights(batches, loader, mesh))  # SFT masks: else None
             norm = trainer.step(lr, sync=not reporter.defer)  # a NaN loss gives a NaN norm: the update is skipped
+            if step == start:  # the optimizer state now exists: pin the async saves' host buffers (seconds, once)
+                checkpoint.reserve_async(cfg.out_dir, mesh, trainer)
             reporter.end_step(step, lr, loss, norm, must_report=step == t.steps - 1, extra=trainer.moe_stats)
             between_steps(step, cfg, mesh, trainer, model, loader, val_loader, eval_data, metrics, reporter, log,
                           guard)

@@ -14,7 +14,8 @@ previous write are inside the steps), and with the final wait for the last backg
 run, at its end; in this short window it weighs ~periods times more than in a run of 1,000s of steps). Also:
 seconds each save held the training thread (the whole write when blocking; the snapshot when async), checkpoint
 GB; the writer's own lines say how long each background write took. --each syncs and times every step and gives
-the median step with a background write in flight and without; --profile: the kernels of one step of each mode
+the median step with a background write in flight and without; async pins its host buffers first (train.py: after
+step 1; `reserve_s`). --profile: the kernels of one step of each mode
 (async: with a write in flight), GPU-busy share and kinds. On CPU: a smoke run (tests/test_async_ckpt.py).
 """
 from __future__ import annotations
@@ -47,6 +48,8 @@ def run_mode(mode: str, args, cfg, mesh, trainer, batches, steps: int) -> dict:
     shutil.rmtree(out_dir, ignore_errors=True)
     pos, held, saved, each = _Position(), [], [], {"writing": [], "idle": []}
     writer = async_save.writer_for(out_dir)
+    # as train.py does after its first step: the host buffers pinned before the clock starts (once a run)
+    reserve_s = async_save.reserve(trainer.state_dict(), writer) if mode == "async" else 0.0
     H.sync(mesh.device)
     t0 = t_mark = time.perf_counter()
     profiles = {}
@@ -86,8 +89,9 @@ def run_mode(mode: str, args, cfg, mesh, trainer, batches, steps: int) -> dict:
     shutil.rmtree(out_dir, ignore_errors=True)
     tokens = steps * trainer.accum * cfg.train.micro_batch * cfg.train.seq_len
     return {"mode": mode, "preset": cfg.preset, "steps": steps, "every": args.every, "saves": len(saved),
-            "tokens_per_s": tokens / t_all, "tokens_per_s_steps": tokens / t_steps, "step_ms": 1e3 * t_steps / steps, "drain_s": t_all - t_steps,
-            "held_s": held, "held_mean_s": sum(held) / len(held) if held else 0.0, "ckpt_gb": gb,
+            "tokens_per_s": tokens / t_all, "tokens_per_s_steps": tokens / t_steps, "step_ms": 1e3 * t_steps / steps,
+            "drain_s": t_all - t_steps, "held_s": held, "held_mean_s": sum(held) / len(held) if held else 0.0,
+            "reserve_s": reserve_s, "ckpt_gb": gb,
             "tokens_per_step": trainer.accum * cfg.train.micro_batch * cfg.train.seq_len,
             **({f"profile_{k}": v for k, v in profiles.items()}),
             **({f"step_ms_{k}": v for k, v in each.items()} if args.each else {}),

@@ -361,6 +361,19 @@ def _trained_state(sd: dict) -> dict:
     return {k: sd[k] for k in ("model", "engine", "buffers", "scaler", "fp8") if k in sd}
 
 
+def saves_in_background(cfg, mesh: Mesh) -> bool:
+    """ckpt.async_: true, or auto on a GPU."""
+    return cfg.ckpt.async_ == "true" or (cfg.ckpt.async_ == "auto" and mesh.device.type == "cuda")
+
+
+def reserve_async(out_dir: str, mesh: Mesh, trainer) -> float | None:
+    """Pin the host buffers of the background saves to come now (async_save.reserve), if there are any: seconds."""
+    cfg = trainer.cfg
+    if not saves_in_background(cfg, mesh) or not 0 < cfg.ckpt.every < cfg.train.steps:
+        return None
+    return async_save.reserve(trainer.state_dict(), async_save.writer_for(out_dir))
+
+
 def save_training(out_dir: str, step: int, mesh: Mesh, trainer, loader, meta: dict, keep: int,
                   background: bool | None = None) -> str:
     """Every rank's trainer state (trainer.Trainer.state_dict: global names + slice metadata), loader position and
@@ -387,7 +400,7 @@ def save_training(out_dir: str, step: int, mesh: Mesh, trainer, loader, meta: di
         meta["pp_layers"] = trainer.pp_layers
     cfg = trainer.cfg
     if background is None:
-        background = cfg.ckpt.async_ == "true" or (cfg.ckpt.async_ == "auto" and mesh.device.type == "cuda")
+        background = saves_in_background(cfg, mesh)
     try:
         if background and step < cfg.train.steps:
             return _save_async(out_dir, step, mesh, state, meta, keep, writer, cfg.parallel.timeout_s)

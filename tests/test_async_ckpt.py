@@ -515,3 +515,49 @@ def test_bench_writer_contention_smoke(tmp_path):
     assert [(r["probe"], r["background"]) for r in rows][:4] == [("ticker", k) for k in
                                                                   ("idle", "raw", "write_shard_serial", "write_shard")]
     assert all(r.get("ops_per_s", 1) > 0 and r.get("worst_gap_ms", 1) > 0 for r in rows) and not os.listdir(tmp_path)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# pinned host buffers reserved once, before the first save (async_save.reserve)
+
+def test_train_reserves_the_host_buffers_once_after_its_first_step(shards, tmp_path, monkeypatch, capsys):
+    """train.py pins the async saves' host buffers once, after its first step (the optimizer state exists then),
+    and only when background saves will come: not under blocking saves or without ckpt.every."""
+    calls = []
+    real = async_save.reserve
+
+    def spy(state, writer):
+        calls.append(sorted(state["engine"]))  # the optimizer state is in it
+        return real(state, writer)
+    monkeypatch.setattr(async_save, "reserve", spy)
+    train.main(argv(shards, tmp_path / "a", *ASYNC))
+    assert len(calls) == 1 and calls[0], calls
+    calls.clear()
+    train.main(argv(shards, tmp_path / "b", "--ckpt.async_=false", "--ckpt.every=2"))
+    train.main(argv(shards, tmp_path / "c", "--ckpt.async_=true", "--ckpt.every=0"))
+    assert calls == []
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout_s(300)
+@pytest.mark.parametrize("staged", [True, False], ids=["gpu-staged", "pinned-on-the-stream"])
+def test_a_save_after_reserve_pins_nothing_new(tmp_path, monkeypatch, staged):
+    """reserve() pins a buffer per CUDA tensor in snapshot()'s order: the save then reuses every one of them."""
+    monkeypatch.setattr(async_save, "STAGE_FRACTION", 0.85 if staged else 0.0)
+    cfg = parse_args(["--preset=tiny", "--device=cuda", f"--out_dir={tmp_path}", "--train.steps=100"])
+    mesh = Mesh.build(device="cuda")
+    try:
+        trainer = parallelize(GPT(cfg.model), mesh, cfg)
+        tok = torch.randint(0, 1000, (cfg.train.micro_batch, cfg.train.seq_len + 1), device="cuda")
+        trainer.forward_backward([(tok[:, :-1], tok[:, 1:])])
+        trainer.step(1e-3)
+        writer = async_save.writer_for(str(tmp_path))
+        async_save.reserve(trainer.state_dict(), writer)
+        pinned = [id(b) for b in writer.pinned]
+        assert pinned and all(b.is_pinned() for b in writer.pinned)
+        checkpoint.save_training(str(tmp_path), 1, mesh, trainer, _Counter(), {"config": cfg.to_dict()}, keep=2,
+                                 background=True)
+        assert async_save.drain(str(tmp_path), release=True) is None
+        assert [id(b) for b in writer.pinned] == pinned
+    finally:
+        mesh.destroy()
