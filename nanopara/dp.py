@@ -49,7 +49,8 @@ class SingleDevice(Engine):
         return [(p.grad, param_kind(p)) for p in self.params if p.grad is not None]
 
     def _zero_grads(self):
-        self.optimizer.zero_grad(set_to_none=not self.keep_grad_buffers)
+        if not self.grads_overwritten:
+            self.optimizer.zero_grad(set_to_none=not self.keep_grad_buffers)
 
     def zero_grad_buffers(self):
         """Zero every gradient in place (nanopara/graph.py: a captured backward accumulates into these buffers)."""

@@ -148,6 +148,7 @@ class Engine:
     sharded_grads = False  # True: the grads this rank holds are 1/N shards (their squares sum over dp x cp)
     label = "engine"       # for messages
     keep_grad_buffers = False  # zero .grad in place after a step instead of freeing (CUDA graphs: fixed addresses)
+    grads_overwritten = False  # graph.GraphedMicroStep(overwrite): each replay writes every .grad whole: leave them
     reduced_in_graph = False   # graph.GraphedPipelineStep reduced the gradients inside its graph: step() does not
 
     def __init__(self, model: nn.Module, mesh: Mesh, cfg: Config):

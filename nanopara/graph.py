@@ -6,7 +6,8 @@ call. Our Triton kernels launch their compiled binaries directly (kernels/launch
 
 GraphedMicroStep (one GPU, tp): `model(x, y)` under autocast and `(loss * scale).backward()`, x, y copied into static
 buffers before each replay. Gradients accumulate in place into the existing .grad tensors (the engine zeroes them
-in place: `engine.keep_grad_buffers`); optimizer, clipping and logging stay eager. `warmup` eager calls first run
+in place: `engine.keep_grad_buffers`), or with one replay a step are written whole into tensors the capture made
+(`overwrite`: no zeroing, no add); optimizer, clipping and logging stay eager. `warmup` eager calls first run
 on a side stream (tuning, compiling, allocator), and their gradients are zeroed.
 GraphedStep: a whole step per rank, captured by every rank at the same call, with dp > 1 its DDP / ZeRO-1 gradient
 reduction too (the bucket hooks run during the capture, so it records their collectives). GraphedPipelineStep:
@@ -38,11 +39,16 @@ class GraphedMicroStep:
     replay: read or accumulate it before calling again.
     """
 
-    def __init__(self, model, amp, scale: float, engine, warmup: int = 3, tp_streams: int = 1):
+    def __init__(self, model, amp, scale: float, engine, warmup: int = 3, tp_streams: int = 1,
+                 overwrite: bool = False):
         self.model, self.amp, self.scale, self.engine, self.warmup = model, amp, scale, engine, warmup
         self.graph = None
         self.split = tp_streams > 1  # the batch in two halves on two streams, made once (the capture reuses them)
         self.streams = make_streams(engine.device) if self.split else None
+        # one replay a step (no accumulation, one stream): captured with .grad unset, the backward writes each
+        # gradient whole into the graph's own tensors, so nothing is zeroed or added into (an fp32 add and a memset
+        # over every parameter a step otherwise: gpt_1b graphed ran 0.96x eager, results/fp8_e2e_compile_h100.txt)
+        self.overwrite = overwrite and not self.split
         engine.keep_grad_buffers = True
 
     def _fwd_bwd(self, x, y):
@@ -56,7 +62,13 @@ class GraphedMicroStep:
     def _before_capture(self):
         """Between the eager warm-up and the capture (tests/test_capture_safety.py runs the same sequence on CPU:
         warm-up `_fwd_bwd` calls, this, then the `_fwd_bwd` a capture would record)."""
-        self.engine.zero_grad_buffers()
+        if self.overwrite:
+            self.engine.wait_params()
+            for p in self.engine.params:
+                p.grad = None
+            self.engine.grads_overwritten = True  # its step leaves the graph's .grad tensors as they are
+        else:
+            self.engine.zero_grad_buffers()
         tp = getattr(self.model, "tp_state", None)
         if tp is not None and tp.sp and self.model.cfg.dropout > 0:  # as parallel.check_layout, for direct callers
             raise ValueError("cuda_graph with sequence parallel and dropout: tp.py swaps each rank's RNG state from "

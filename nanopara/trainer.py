@@ -84,7 +84,7 @@ class Trainer:
                 self.graphed = GraphedAccumStep(engine.model, self.amp, engine, fp8, tp_streams=n_streams)
             else:  # one micro-step, replayed m times
                 self.graphed = GraphedMicroStep(engine.model, self.amp, self.scaler.scale / accum, engine,
-                                                tp_streams=n_streams)
+                                                tp_streams=n_streams, overwrite=accum == 1)
 
     @property
     def model(self):

@@ -1,4 +1,6 @@
 """nanopara/graph.py: forward + backward replayed from a CUDA graph train like eager; unsupported runs fail early."""
+import contextlib
+
 import pytest
 import torch
 
@@ -57,7 +59,7 @@ def _train(graphed: bool, steps: int, accum: int, fp8: str = "none", delayed: bo
     model = apply_fp8(GPT(cfg.model), fp8, recipe=FP8Recipe(delayed=delayed) if delayed else None).cuda()
     engine = build_engine(model, mesh, cfg)
     amp = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
-    micro = GraphedMicroStep(engine.model, amp, 1 / accum, engine) if graphed else None
+    micro = GraphedMicroStep(engine.model, amp, 1 / accum, engine, overwrite=accum == 1) if graphed else None
     g = torch.Generator(device="cuda").manual_seed(1)
     batches = [torch.randint(0, cfg.model.vocab_size, (4, 257), device="cuda", generator=g) for _ in range(accum)]
     losses = []
@@ -125,6 +127,33 @@ def test_engine_keeps_grad_buffers_for_the_graph():
     engine.backward(loss)
     engine.step(1e-3)
     assert all(p.grad is None for p in model.parameters())  # the default frees them
+
+
+def test_one_replay_a_step_leaves_the_gradients_to_the_graph():
+    """GraphedMicroStep(overwrite=True), as the Trainer builds it at one micro-step a step: before the capture every
+    .grad is unset (the captured backward then makes them and each replay writes them whole) and the engine's step
+    neither frees nor zeroes them; accumulation (overwrite off) keeps zeroing in place."""
+    cfg = PRESETS["tiny"]()
+    cfg.model.n_layer = 1
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    engine = build_engine(model, Mesh.build(device="cpu"), cfg)
+    x = torch.randint(0, cfg.model.vocab_size, (2, 9))
+    micro = GraphedMicroStep(model, contextlib.nullcontext, 1.0, engine, overwrite=True)
+    micro._fwd_bwd(x[:, :-1], x[:, 1:])  # the warm-up's gradients
+    micro._before_capture()
+    assert all(p.grad is None for p in model.parameters()) and engine.grads_overwritten
+    micro._fwd_bwd(x[:, :-1], x[:, 1:])  # what the capture records: fresh .grad tensors
+    grads = [p.grad for p in model.parameters()]
+    engine.step(1e-3)
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads))  # the graph's tensors stay .grad...
+    assert all(torch.count_nonzero(g) > 0 for g in grads)  # ...not zeroed (clipping scales them): a replay writes
+    engine2 = build_engine(GPT(cfg.model), Mesh.build(device="cpu"), cfg)
+    micro2 = GraphedMicroStep(engine2.model, contextlib.nullcontext, 0.5, engine2)  # accumulating: zero in place
+    micro2._fwd_bwd(x[:, :-1], x[:, 1:])
+    micro2._before_capture()
+    assert not engine2.grads_overwritten
+    assert all(p.grad is not None and torch.count_nonzero(p.grad) == 0 for p in engine2.model.parameters())
 
 
 @pytest.mark.gpu
