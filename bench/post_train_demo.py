@@ -114,7 +114,7 @@ def sft_argv(a, seed: int, out_dir: str, steps: int, lr: float, every: int, init
     """train.py on the task's SFT shards: the model of --preset/--model at --seq_len, one micro-step of --sft_batch
     rows a step; lr warms up over a tenth of the steps and decays (cosine) to a tenth, or with const stays."""
     return ["train.py", f"--preset={a.preset}", *a.model.split(), f"--device={a.device}", f"--seed={seed}",
-            "--data.dataset=post_train", f"--data.data_dir={os.path.join(a.work, 'shards')}",
+            f"--data.dataset={sft_dataset(a)}", f"--data.data_dir={os.path.join(a.work, 'shards')}",
             f"--model.block_size={a.seq_len}", f"--train.seq_len={a.seq_len}", f"--train.micro_batch={a.sft_batch}",
             "--train.tokens_per_step=0", f"--train.steps={steps}", f"--train.lr={lr}", "--train.val_every=0",
             "--train.sample_tokens=0", f"--train.log_every={max(1, steps // 20)}", f"--ckpt.every={every}",
@@ -139,8 +139,18 @@ def prepare(a) -> None:
     spec = importlib.util.spec_from_file_location("prepare", os.path.join(ROOT, "data", "prepare.py"))
     prep = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(prep)
-    prep.prepare_sft("post_train", [train_jsonl], os.path.join(a.work, "shards", "post_train"), seq_len=a.seq_len,
-                     val_jsonl=val_jsonl)
+    name = sft_dataset(a)
+    try:
+        prep.prepare_sft(name, [train_jsonl], os.path.join(a.work, "shards", name), seq_len=a.seq_len,
+                         val_jsonl=val_jsonl)
+    except prep.PrepareError as e:
+        raise SystemExit(f"post_train_demo: {e}") from None
+
+
+def sft_dataset(a) -> str:
+    """The SFT shards' name under --work: one per task, example count and row length, so runs that differ in them
+    can share a --work directory."""
+    return f"post_train_{a.task}_{a.examples}_T{a.seq_len}"
 
 
 def pretrain(a) -> dict:

@@ -592,6 +592,25 @@ def run_demo(out, *extra):
     return [json.loads(line) for line in (out / "post_train.jsonl").read_text().splitlines()]
 
 
+def test_demo_runs_of_other_example_counts_share_a_work_directory(tmp_path):
+    """Each (task, examples, row length) gets its own SFT shards under --work, so a second demo with another
+    --examples in the same --work prepares its own (it used to stop on prepare.py's 'prepared with other settings'
+    with a traceback); a clash that remains is one line, not a traceback."""
+    demo = demo_module()
+    a = demo.parse([f"--out={tmp_path}", "--smoke=1", "--device=cpu"])
+    b = demo.parse([f"--out={tmp_path}", "--smoke=1", "--device=cpu"])
+    b.examples = 200  # (--smoke sets its own count)
+    for args in (a, b, a):
+        demo.prepare(args)
+        assert os.path.isdir(os.path.join(args.work, "shards", demo.sft_dataset(args)))
+    assert demo.sft_dataset(a) != demo.sft_dataset(b)
+    train_jsonl = os.path.join(a.work, "data", f"{a.task}_{a.examples}.jsonl")
+    with open(train_jsonl, "a") as f:  # the same name, other contents: prepare.py's settings check says so
+        f.write('{"prompt": "1+1", "response": "2"}\n')
+    with pytest.raises(SystemExit, match="post_train_demo: .*prepared with other settings"):
+        demo.prepare(a)
+
+
 def test_demo_generation_speed_runs_on_cpu():
     """bench/post_train_demo.py's generation speed (--gen_speed=1), in this process."""
     rows = demo_module().generation_speed(toy(vocab=64, block=16), torch.device("cpu"), batches=(1, 3), prompt=4,
