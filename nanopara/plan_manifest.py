@@ -190,7 +190,8 @@ def build(path: str) -> list:
 APPENDED = [("scaleout_pp_graph_h200.jsonl", "git 557d434 + the pipeline CUDA graph (next commit), scaleout_h200.txt"),
             ("scaleout_tp_h200.jsonl", "git 557d434 + the pipeline CUDA graph (next commit), scaleout_h200.txt"),
             ("moe_step_graph_h200.jsonl", "tree after 273b1d4 (MoE step state on the device), moe_step_graph_h200.txt"),
-            ("scaleout_2_h200.jsonl", "tree of 8eb229d (dp2 ZeRO-1, tp2 graph), scaleout_2_h200.txt")]
+            ("scaleout_2_h200.jsonl", "tree of 8eb229d (dp2 ZeRO-1, tp2 graph), scaleout_2_h200.txt"),
+            ("moe_step_profile_h100.jsonl", "tree of 70fb83d, moe_step_profile_h100.txt")]
 
 
 def moe_step_rows(name: str, rev: str) -> list:
