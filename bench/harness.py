@@ -210,7 +210,7 @@ KINDS = (("comm", ("nccl", "c10d::", "gloo")),
          ("fp8 cast", ("_amax", "_cast_kernel", "_rows_kernel", "_blocks_kernel", "float8", "to_fp8")),
          ("fp8 gemm", ("_fp8_matmul", "e4m3", "e5m2", "f8f8", "scaled_mm")),
          ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "splitk", "wgmma", "_matmul", "_mm_", "aten::mm",
-                   "aten::addmm", "aten::bmm")),
+                   "aten::addmm", "aten::bmm", "_wgrad")),  # _wgrad: the MoE grouped GEMM's weight gradient
          ("adamw", ("adamw", "adam", "multi_tensor", "foreach")),
          ("layernorm", ("layernorm", "layer_norm", "_ln_")),
          ("cross entropy", ("_ce_", "cross_entropy", "log_softmax", "nll_loss")),
