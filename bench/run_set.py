@@ -16,7 +16,7 @@
   post_train  generation against Hugging Face (bench_generate); SFT (bench_sft); SFT then RL (post_train_demo)
   curves      loss curves on the offline book corpus (found through NANOPARA_MIRROR or data/shards): GPT-2 124M,
               and gpt_1b in bf16 against FP8 (bench_fp8_e2e --compare)
-  all         every set above, in that order
+  pending     one GPU, ~10 min: the rows the open goals wait for (the notes say which); all: the sets above but it
 Each job runs in its own process from the repo root with this Python (PY=python3 make bench-all uses python3), its
 output printed and kept in DIR/<job>.log. A job that needs more GPUs than are visible is skipped with a line that
 says so; one that fails or passes its time limit is reported and the set goes on. Every run ends with this
@@ -142,6 +142,18 @@ SETS = {
                    Job("sft", 1, ["bench/bench_sft.py", "--out", "{out}/sft"]),
                    Job("post_train", 1, ["bench/post_train_demo.py", "--recipe=small", "--seeds=1,2,3", "--jobs=3",
                                                   "--out", "{out}/post_train"], 7200)],
+    # one GPU, ~10 min: the rows the open goals wait for since the last GPU run (notes/checkpoints.md,
+    # notes/fp8.md, notes/moe.md): async saves with the host buffers pinned after step 1, graphs that write their gradients, the FP8
+    # casts' tuned tiles, the MoE step's profile
+    "pending": [Job("ckpt_async", 1, ["bench/bench_ckpt.py", "--modes=none,async,none", "--periods", "2", "--each",
+                                      "--ckpt_dir=/tmp/bench_ckpt", "--out", "{out}/ckpt.jsonl"], 300),
+                Job("fp8_e2e_graph", 1, ["bench/bench_fp8_e2e.py", "--presets", "gpt_1b", "--modes",
+                                         "bf16,bf16+graph,tensor,tensor+graph", "--steps", "12", "--warmup", "4",
+                                         "--out", "{out}/fp8_e2e.jsonl"], 240),
+                Job("fp8_quant", 1, ["bench/bench_fp8.py", "--quick", "--only", "quant,linear", "--out",
+                                     "{out}/fp8.jsonl"], 240),
+                Job("moe_step", 1, ["bench/bench_moe.py", "--sections=step", "--step-capacities=1.0",
+                                    "--step-profile", "--out", "{out}/moe.jsonl"], 240)],
     # the planner's GPU table (nanopara/gpus.py): GEMMs, attention, bandwidth, host cost, collectives; < 240 s
     "calibrate": [Job("calibrate", 1, torchrun("{ngpu}", "bench/bench_calibrate.py", "--out", "{out}/plan_gpus.json"),
                       300)],
@@ -166,7 +178,7 @@ def plan(name: str, ngpu: int, out: str, only: str = "") -> list[dict]:
     """The jobs of set `name` (then `tuned`) for `ngpu` visible GPUs: name, GPUs, argv, time limit, and why it is
     skipped (None: it runs)."""
     if name != "all" and name not in SETS:
-        raise SystemExit(f"unknown set {name!r}: choose one of {', '.join(ORDER)}, all")
+        raise SystemExit(f"unknown set {name!r}: choose one of {', '.join(SETS)}, all")
     jobs = [j for s in (ORDER if name == "all" else (name,)) for j in SETS[s]]
     if only:
         wanted = set(only.split(","))
@@ -222,7 +234,7 @@ def visible_gpus() -> int:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("set", nargs="?", default="all", help=f"one of {', '.join(ORDER)}, all (the default)")
+    ap.add_argument("set", nargs="?", default="all", help=f"one of {', '.join(SETS)}, all (the default)")
     ap.add_argument("--out", default="runs/bench", help="the folder for every file (default runs/bench)")
     ap.add_argument("--only", default="", help="these jobs of the set (comma-separated names; --list shows them)")
     ap.add_argument("--list", action="store_true", help="print the plan and exit")

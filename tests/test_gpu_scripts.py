@@ -40,6 +40,17 @@ def test_layouts_plan_on_two_gpus_runs_what_fits_and_skips_the_rest(tmp_path):
     assert by["dp"]["argv"][3] == "--nproc_per_node=2" and by["tuned"]["argv"][-1] == f"{out}/tuned"
 
 
+def test_the_pending_set_runs_on_one_gpu_and_stays_out_of_all(tmp_path):
+    """`pending`: the one-GPU rows the open goals wait for, each a script that exists, all run on one GPU; `all`
+    (every area's set) does not repeat them."""
+    plan = run_set.plan("pending", 1, str(tmp_path))
+    assert [s["name"] for s in plan if s["skip"] is None] == ["ckpt_async", "fp8_e2e_graph", "fp8_quant",
+                                                              "moe_step", "tuned"]
+    for s in plan[:-1]:
+        assert os.path.isfile(os.path.join(run_set.ROOT, s["argv"][0])) and s["timeout_s"] <= 300, s
+    assert not {s["name"] for s in plan[:-1]} & {s["name"] for s in run_set.plan("all", 8, str(tmp_path))}
+
+
 def test_plans_for_one_and_eight_gpus():
     one = run_set.plan("layouts", 1, "o")
     assert [s["name"] for s in one if s["skip"] is None] == ["layout_1gpu", "layout_1gpu_16k", "tuned"]
