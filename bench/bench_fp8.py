@@ -16,7 +16,7 @@ Sections (each prints a table; every row also goes to --out as one JSON line, st
           vs cuBLAS tensorwise, row vs rowwise (goal >= 0.9x), block vs rowwise (goal >= 0.8x) and vs blockwise.
           Accumulation: fast (the forward's) by default; --accum precise compares promote-every-128 on both sides.
   quant   GB/s of each quantization kernel (bytes in + out) at the models' activation and weight shapes, and as
-          % of the measured device-to-device copy bandwidth
+          % of the measured device-to-device copy bandwidth; the tiles the tuner picked (per-tensor, per-column)
   linear  FP8Linear forward + backward against the model's bf16 Linear under autocast (fp32 master weight), per
           mode, at each Linear of both models; the weight's cast is amortised over micro-batches (reused), and
           also shown paid every call ("+cast": one micro-batch per optimizer step); and what fp8.py's auto rule picks
@@ -194,11 +194,24 @@ def _copy_gbs():
     return 2 * src.numel() * 4 / _bench(lambda: dst.copy_(src)) / 1e6
 
 
+def _tiles_picked(fn):
+    """The tiles fn's launches of the autotuned quantization kernels run: fn once, with their picks forgotten in this
+    process first (kernels/tuning.py's store gives them back without timing them again; the first time, this call
+    tunes). 'amax 64x256 w8, cast 128x64 w16' or 'fixed' (the rows and block kernels have fixed tiles)."""
+    from kernels import fp8_quant as fq
+    tuned = (("amax", fq._amax_k), ("cast", fq._cast_k))
+    for _, k in tuned:
+        k.cache.clear()  # FastKernel's binaries by launch key: the next launch goes through the autotuner
+        k.kernel.cache.clear()  # the autotuner's picks by tuning key
+    fn()
+    return ", ".join(f"{name} {fq.tile_name(c)}" for name, k in tuned for c in k.kernel.cache.values()) or "fixed"
+
+
 def quant(out, quick):
     from kernels import fp8_quant as fq
     copy = _copy_gbs()
     print(f"\nquantization ({torch.cuda.get_device_name()}: copy {copy:.0f} GB/s)")
-    print(f"{'kernel':>34} {'shape':>14} {'us':>8} {'GB/s':>6} {'%copy':>6}")
+    print(f"{'kernel':>34} {'shape':>14} {'us':>8} {'GB/s':>6} {'%copy':>6}  tuned tiles")
     cases = []
     for model, M, C in MODELS[:1] if quick else MODELS:
         x = torch.randn(M, C, device="cuda", dtype=torch.bfloat16)
@@ -220,13 +233,14 @@ def quant(out, quick):
              lambda w=w: fq.quantize_tensor(w, transpose=True), w.numel() * (4 + 4 + 2)),
         ]
     for name, shape, fn, nbytes in cases:
+        tiles = _tiles_picked(fn)
         us = _bench(fn) * 1e3
         gbs = nbytes / us / 1e3
-        print(f"{name:>34} {f'{shape[0]}x{shape[1]}':>14} {us:8.1f} {gbs:6.0f} {100 * gbs / copy:5.0f}%")
+        print(f"{name:>34} {f'{shape[0]}x{shape[1]}':>14} {us:8.1f} {gbs:6.0f} {100 * gbs / copy:5.0f}%  {tiles}")
         H.append_jsonl(out, dict(section="quant", kernel=name, shape=list(shape), us=us, gbs=gbs,
-                                 pct_copy=100 * gbs / copy, copy_gbs=copy))
+                                 pct_copy=100 * gbs / copy, copy_gbs=copy, tiles=tiles))
     print("bytes = what must move: input reads (2 for the two-pass kernels), fp8 outputs (2 with the transpose); "
-          "scales not counted")
+          "scales not counted; tuned tiles: BLOCK_M x BLOCK_K, warps (kernels/fp8_quant.py)")
 
 
 def linear(out, quick, names="", profile=""):
@@ -308,7 +322,9 @@ def ptxas_report(quick=False, log=sys.stdout):
                                  text=True, check=True).stderr
         return dict(regs=int(re.search(r"Used (\d+) registers", log).group(1)),
                     spill_bytes=int(re.search(r"(\d+) bytes spill stores", log).group(1)), smem=c.metadata.shared,
-                    wgmma=ptx.count("wgmma.mma_async"), tma_ops=ptx.count("cp.async.bulk.tensor"))
+                    wgmma=ptx.count("wgmma.mma_async"), tma_ops=ptx.count("cp.async.bulk.tensor"),
+                    nan_minmax=ptx.count("max.NaN") + ptx.count("min.NaN"), trans=c.asm["ttgir"].count("tt.trans"),
+                    vector_stores=ptx.count("st.global.v4.b32") + ptx.count("st.global.v2.b32"))
 
     rows = []
     mm = fm._fp8_matmul_kernel.fn
@@ -331,34 +347,39 @@ def ptxas_report(quick=False, log=sys.stdout):
                       f"smem {r['smem']:6d} B, wgmma {r['wgmma']}, TMA ops {r['tma_ops']}", file=log, flush=True)
     fmt = dict(FP8_MAX=448.0, MANT=3, BIAS=7, POW2=True, SOFT=False)
     qsig = dict(X="*bf16", Q="*fp8e4nv", QT="*fp8e4nv", S="*fp32", ST="*fp32", AMAX="*fp32", AMAX_OUT="*i32",
-                CSUM="*fp32", M="i32", K="i32", stride_xm="i32", stride_qm="i32", stride_qtk="i32", stride_sm="i32",
-                stride_sk="i32", stride_stk="i32", stride_stm="i32")
-    bm, bk = fq.TILE
-    quants = [("amax per tensor", fq._amax_kernel, dict(PER_COL=False, BLOCK_M=bm, BLOCK_K=bk), {"AMAX": "*i32"},
-               fq.WARPS),
-              ("cast tensor +T", fq._cast_kernel, dict(PER_COL=False, WRITE_Q=True, WRITE_QT=True, RECORD=True,
-                                                       COLSUM=False, **fmt, BLOCK_M=bm, BLOCK_K=bk), {}, fq.WARPS),
-              ("cast tensor +T +colsum", fq._cast_kernel, dict(PER_COL=False, WRITE_Q=True, WRITE_QT=True,
-                                                               RECORD=True, COLSUM=True, **fmt, BLOCK_M=bm,
-                                                               BLOCK_K=bk), {}, fq.WARPS),
-              ("cast per column (T)", fq._cast_kernel, dict(PER_COL=True, WRITE_Q=False, WRITE_QT=True, RECORD=False,
-                                                            COLSUM=False, **fmt, BLOCK_M=bm, BLOCK_K=bk), {},
-               fq.WARPS),
-              ("rows 8192", fq._rows_kernel, dict(**fmt, BLOCK_M=1, BLOCK_K=8192), {}, 8),
-              ("1x128", fq._blocks_kernel, dict(TILE_SCALE=False, WRITE_QT=False, COLSUM=False, **fmt, BLOCK_M=64,
-                                                 BLOCK_K=128), {}, fq.WARPS),
-              ("1x128 +T", fq._blocks_kernel, dict(TILE_SCALE=False, WRITE_QT=True, COLSUM=False, **fmt, BLOCK_M=128,
-                                                    BLOCK_K=128), {}, fq.BLOCK_WARPS),
-              ("1x128 +T +colsum", fq._blocks_kernel, dict(TILE_SCALE=False, WRITE_QT=True, COLSUM=True, **fmt,
-                                                            BLOCK_M=128, BLOCK_K=128), {}, fq.BLOCK_WARPS),
-              ("128x128 +T fp32 in", fq._blocks_kernel, dict(TILE_SCALE=True, WRITE_QT=True, COLSUM=False, **fmt,
-                                                              BLOCK_M=128, BLOCK_K=128), {"X": "*fp32"},
-               fq.BLOCK_WARPS)]
-    for name, fn, consts, over, warps in quants:
+                CSUM="*fp32", M="i32", K="i32", M_BUCKET="i32", stride_xm="i32", stride_qm="i32", stride_qtk="i32",
+                stride_sm="i32", stride_sk="i32", stride_stk="i32", stride_stm="i32")
+    # the autotuned per-tensor / per-column kernels: every candidate tile with each flag set the launchers use
+    # (quick: the cast with q, q^T and RECORD, whose persistent walk spilled first)
+    cast = lambda **f: {**dict(WRITE_Q=True, WRITE_QT=True, RECORD=False, COLSUM=False), **f, **fmt}  # noqa: E731
+    flag_sets = [("cast tensor +T +record", fq._cast_kernel, cast(PER_COL=False, RECORD=True), {}),
+                 ("cast tensor +T +record +colsum", fq._cast_kernel, cast(PER_COL=False, RECORD=True, COLSUM=True),
+                  {}),
+                 ("cast tensor +T", fq._cast_kernel, cast(PER_COL=False), {}),
+                 ("cast tensor q only", fq._cast_kernel, cast(PER_COL=False, WRITE_QT=False), {}),
+                 ("cast tensor +T fp32 in", fq._cast_kernel, cast(PER_COL=False), {"X": "*fp32"}),
+                 ("cast per column (T)", fq._cast_kernel, cast(PER_COL=True, WRITE_Q=False), {}),
+                 ("cast per column (T) +colsum", fq._cast_kernel, cast(PER_COL=True, WRITE_Q=False, COLSUM=True), {}),
+                 ("amax per tensor", fq._amax_kernel, dict(PER_COL=False), {"AMAX": "*i32"}),
+                 ("amax per column", fq._amax_kernel, dict(PER_COL=True), {"AMAX": "*i32"})]
+    quants = [(f"{name} {fq.tile_name(cfg)}", tuned.fn, {**flags, **cfg.kwargs}, over, cfg.num_warps,
+               cfg.num_stages) for name, tuned, flags, over in (flag_sets[:1] if quick else flag_sets)
+              for cfg in tuned.configs]
+    quants += [("rows 8192", fq._rows_kernel, dict(**fmt, BLOCK_M=1, BLOCK_K=8192), {}, 8, 3),
+               ("1x128", fq._blocks_kernel, dict(TILE_SCALE=False, WRITE_QT=False, COLSUM=False, **fmt, BLOCK_M=64,
+                                                  BLOCK_K=128), {}, fq.WARPS, 3),
+               ("1x128 +T", fq._blocks_kernel, dict(TILE_SCALE=False, WRITE_QT=True, COLSUM=False, **fmt, BLOCK_M=128,
+                                                     BLOCK_K=128), {}, fq.BLOCK_WARPS, 3),
+               ("1x128 +T +colsum", fq._blocks_kernel, dict(TILE_SCALE=False, WRITE_QT=True, COLSUM=True, **fmt,
+                                                             BLOCK_M=128, BLOCK_K=128), {}, fq.BLOCK_WARPS, 3),
+               ("128x128 +T fp32 in", fq._blocks_kernel, dict(TILE_SCALE=True, WRITE_QT=True, COLSUM=False, **fmt,
+                                                               BLOCK_M=128, BLOCK_K=128), {"X": "*fp32"},
+                fq.BLOCK_WARPS, 3)]
+    for name, fn, consts, over, warps, stages in quants:
         s = {n: {**qsig, **over}[n] for n in fn.arg_names if n not in consts}
-        r = build(fn, s, consts, warps, 3, list(s))  # model shapes: every size and stride a multiple of 16
+        r = build(fn, s, consts, warps, stages, list(s))  # model shapes: every size and stride a multiple of 16
         rows.append(dict(kernel=f"quant {name}", **r))
-        print(f"{rows[-1]['kernel']:>48}: {r['regs']:3d} regs, spills {r['spill_bytes']:4d} B, smem {r['smem']:6d} B",
+        print(f"{rows[-1]['kernel']:>66}: {r['regs']:3d} regs, spills {r['spill_bytes']:4d} B, smem {r['smem']:6d} B",
               file=log, flush=True)
     return rows
 

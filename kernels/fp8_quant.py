@@ -12,7 +12,7 @@ FP8_MAX: 448 (e4m3: activations, weights), 57344 (e5m2: gradients). Scales: fp32
 ceil(C/bc)) for br x bc blocks; `fp8_quantize_ref` is that math for any block, every kernel bit-exact to it.
 Delayed scaling: `quantize_tensor(x, amax=a)` scales by a given amax (a history's max) and records x's own.
 
-Kernels (memory bound):
+Kernels (memory bound; the first two take their tile, warps and walk from the autotuner, per shape and flags):
   _amax_kernel    tile amax, folded with atomic_max into one fp32 (per tensor) or one per column, as int32 bits
   _cast_kernel    per-tensor / per-column scales from those amaxes (or a given amax), cast, store q and/or q^T
                   (the copy the weight-gradient GEMM reads); on request the column sums of x (dY's bias gradient)
@@ -24,6 +24,7 @@ casts wrongly (notes/triton_cpu.md), so under TRITON_INTERPRET the kernels round
 Run: `python -m kernels.fp8_quant` (= `bench/bench_fp8.py --only parity,quant`: GB/s against copy bandwidth).
 """
 import functools
+import itertools
 import os
 from typing import NamedTuple, Optional
 
@@ -160,56 +161,180 @@ def _to_fp8(x, DTYPE: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr, B
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Tiles of the per-tensor and per-column kernels (_amax_kernel, _cast_kernel), autotuned per shape. They move 2
+# (bf16) or 4 (fp32) bytes in and 1 or 2 out per element and are memory bound: what counts is bytes in flight per
+# SM. With one fixed 32 x 128 tile on 8 warps an H100 reached 67 % of copy bandwidth for X tensor (+X^T), 47 % for
+# the delayed cast and 39 % for the per-column transpose (results/fp8_h100.txt). Two suspects the candidates go
+# after: q^T gets BLOCK_M contiguous bytes per row a tile (32 B; 64- and 128-row tiles write 64-128 B runs), and
+# every tile's atomic_max (amax pass, RECORD) hits the same word, 4096 of them at 8192 x 2048: bigger tiles and the
+# persistent walk (one atomic per program) cut that. Candidates: (BLOCK_M, BLOCK_K) in {32, 64, 128} x {64, 128,
+# 256} on 4, 8 or 16 warps, one tile a program or persistent, within the register bounds below (every candidate
+# compiles for sm_90a without spills: `bench/bench_fp8.py --ptxas`). Keyed on K, a power-of-2 bucket of M, the
+# flags (which stores, RECORD, COLSUM) and the dtypes (the autotuner adds those); timed by CUDA-graph replay.
+
+_PER_THREAD = (8, 64)  # tile elements a thread holds, min and max
+# persistent: 16 warps of programs a SM (PROGRAMS_PER_SM = 16 / warps), resident at up to 128 registers a thread,
+# so the walk is one wave; its loop keeps more live than one tile (ptxas, q^T and RECORD at 32 elements a thread:
+# 145-206 registers or spills), so at most 16 elements a thread
+_PERSISTENT_WARPS, _PERSISTENT_PER_THREAD = 16, 16
+
+
+def _configs(interpret=_INTERPRET):
+    """The candidates (interpret: the interpreter's one small tile, several per test shape; tests/test_fp8.py
+    also runs every GPU candidate in the interpreter)."""
+    if interpret:
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_K": 32, "PROGRAMS_PER_SM": 0}, num_warps=4, num_stages=1)]
+    configs = []
+    for m, k, w in itertools.product((32, 64, 128), (64, 128, 256), (4, 8, 16)):
+        n = m * k // (32 * w)  # elements a thread
+        # 16 warps: half the bounds. 512 threads get at most 128 registers each, and ptxas spilled there at the
+        # full bounds (64 elements with fp32 in; a 16-element walk with bf16 in, q^T and RECORD)
+        half = 2 if w == 16 else 1
+        if not _PER_THREAD[0] <= n <= _PER_THREAD[1] // half:
+            continue
+        configs.append(triton.Config({"BLOCK_M": m, "BLOCK_K": k, "PROGRAMS_PER_SM": 0}, num_warps=w, num_stages=1))
+        if n <= _PERSISTENT_PER_THREAD // half:
+            configs.append(triton.Config({"BLOCK_M": m, "BLOCK_K": k, "PROGRAMS_PER_SM": _PERSISTENT_WARPS // w},
+                                         num_warps=w, num_stages=1))
+    return configs
+
+
+def tile_name(cfg):
+    """'64x128 w8' (BLOCK_M x BLOCK_K, warps), with ' persistent 2/SM' for a persistent candidate."""
+    p = cfg.kwargs["PROGRAMS_PER_SM"]
+    return f"{cfg.kwargs['BLOCK_M']}x{cfg.kwargs['BLOCK_K']} w{cfg.num_warps}" + (f" persistent {p}/SM" if p else "")
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device):
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def _prune(configs, named_args, **kwargs):
+    """Per shape: no tile taller than the M bucket or wider than K (above the smallest), no persistent candidate
+    with no more tiles than its programs (it would be the one-tile-a-program candidate again)."""
+    if _INTERPRET:
+        return configs
+    M, K = named_args["M_BUCKET"], named_args["K"]
+    sms = _sm_count(named_args["X"].device)
+
+    def keep(c):
+        m, k, p = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_K"], c.kwargs["PROGRAMS_PER_SM"]
+        if m > max(32, M) or k > max(64, _next_pow2(K)):
+            return False
+        return p == 0 or p * sms // _cdiv(K, k) < _cdiv(M, m)  # as _grid sizes it
+    return [c for c in configs if keep(c)] or configs[:1]
+
+
+def _tune_bench(fn, quantiles=None):
+    """The autotuner's timing: CUDA-graph replay, as kernels/layernorm.py's. These kernels run 20-300 us, so
+    timing Python launches back to back would time the host too."""
+    return triton.testing.do_bench_cudagraph(fn, rep=10, quantiles=quantiles)
+
+
+def _zero_stale_parts(nargs, reset_only=False):
+    """The autotuner's pre-hook of _cast_kernel: before each timed run, and before the launch of its pick, zero the
+    COLSUM partial rows this config does not write (rows >= cdiv(M, BLOCK_M)), which a candidate with a smaller
+    BLOCK_M wrote while being timed. Everything else a run writes it overwrites, or folds in with atomic_max
+    (idempotent: AMAX_OUT, the amax pass's bits), so the timing runs change no result."""
+    parts = nargs["CSUM"]
+    if parts is not None:
+        parts[_cdiv(nargs["M"], nargs["BLOCK_M"]):].zero_()
+
+
+_TUNE = dict(configs=_configs(), prune_configs_by={"early_config_prune": _prune}, do_bench=_tune_bench)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Kernels
 
 
 @triton.jit
-def _amax_kernel(X, AMAX, M, K, stride_xm, PER_COL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Fold the amax of one (BLOCK_M, BLOCK_K) tile into AMAX (int32 bits of fp32, zeroed): one value, or one per
-    column (PER_COL)."""
-    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+def _amax_tile(X, M, K, stride_xm, pid_m, cols, PER_COL: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The amax of row tile pid_m of one column strip: per column (BLOCK_K,), or one scalar."""
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     mask = (rows < M)[:, None] & (cols < K)[None, :]
     x = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return _amax(x, 0) if PER_COL else _amax(x, None)
+
+
+@triton.autotune(key=["K", "M_BUCKET", "PER_COL"], **_TUNE)  # + the dtypes (the autotuner adds them)
+@triton.jit
+def _amax_kernel(X, AMAX, M, K, M_BUCKET, stride_xm, PER_COL: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr):
+    """Fold the amax of x into AMAX (int32 bits of fp32, zeroed): one value, or one per column (PER_COL). Program
+    (i, j) takes row tile i of column strip j; persistent (PROGRAMS_PER_SM > 0, fewer programs along axis 0): also
+    the strip's tiles i + n, i + 2n, ... (n = programs along axis 0), keeping a running max, so one atomic per
+    program instead of one per tile. M_BUCKET: tuning key only."""
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    amax = _amax_tile(X, M, K, stride_xm, tl.program_id(0), cols, PER_COL, BLOCK_M)
+    if PROGRAMS_PER_SM > 0:  # a constexpr branch: the loop would cost the one-tile kernel registers
+        for pid_m in range(tl.program_id(0) + tl.num_programs(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
+            amax = tl.maximum(amax, _amax_tile(X, M, K, stride_xm, pid_m, cols, PER_COL, BLOCK_M))  # no NaN here
     if PER_COL:
-        tl.atomic_max(AMAX + cols, _amax(x, 0).to(tl.int32, bitcast=True), mask=cols < K, sem="relaxed")
+        tl.atomic_max(AMAX + cols, amax.to(tl.int32, bitcast=True), mask=cols < K, sem="relaxed")
     else:
-        tl.atomic_max(AMAX, _amax(x, None).to(tl.int32, bitcast=True), sem="relaxed")
+        tl.atomic_max(AMAX, amax.to(tl.int32, bitcast=True), sem="relaxed")
 
 
 @triton.jit
-def _cast_kernel(X, Q, QT, S, AMAX, AMAX_OUT, CSUM, M, K, stride_xm, stride_qm, stride_qtk,
-                 PER_COL: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr, RECORD: tl.constexpr,
-                 COLSUM: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
-                 POW2: tl.constexpr, SOFT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Cast one tile with the scale(s) of AMAX (fp32: one, or one per column), store it as q (M, K) and/or as
-    q^T (K, M). Programs of the first row of tiles write the scales S. RECORD: fold the tile's amax into AMAX_OUT
-    (delayed scaling: the scale came from history, the amax of this x goes into it). COLSUM: the tile's column
-    sums of x into row pid_m of CSUM (cdiv(M, BLOCK_M), K), summed by the launcher: no atomics, deterministic."""
-    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+def _cast_tile(X, Q, QT, CSUM, M, K, stride_xm, stride_qm, stride_qtk, pid_m, cols, qs,
+               PER_COL: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr, COLSUM: tl.constexpr,
+               FP8_MAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, SOFT: tl.constexpr,
+               BLOCK_M: tl.constexpr):
+    """Cast row tile pid_m of one column strip with qs (per column, or a scalar), store q and/or q^T and the
+    tile's column sums (row pid_m of CSUM); returns the tile's amax (for RECORD; unused values are dropped)."""
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    rmask, cmask = rows < M, cols < K
-    mask = rmask[:, None] & cmask[None, :]
+    cmask = cols < K
+    mask = (rows < M)[:, None] & cmask[None, :]
     x = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    amax = _amax(x, None)  # here, not after the stores, which it would keep x live across (ptxas: ~2x registers)
     if PER_COL:
-        qs, s = _scales(tl.load(AMAX + cols, mask=cmask, other=0.0), FP8_MAX, POW2)
         y = _to_fp8(x * qs[None, :], Q.dtype.element_ty, FP8_MAX, MANT, BIAS, SOFT)
-        if pid_m == 0:
-            tl.store(S + cols, s, mask=cmask)
     else:
-        qs, s = _scales(tl.load(AMAX), FP8_MAX, POW2)
         y = _to_fp8(x * qs, Q.dtype.element_ty, FP8_MAX, MANT, BIAS, SOFT)
-        if (pid_m == 0) & (pid_k == 0):
-            tl.store(S, s)
-    if RECORD:
-        tl.atomic_max(AMAX_OUT, _amax(x, None).to(tl.int32, bitcast=True), sem="relaxed")
     if COLSUM:
         tl.store(CSUM + pid_m * K + cols, tl.sum(x, 0), mask=cmask)
     if WRITE_Q:
         tl.store(Q + rows[:, None] * stride_qm + cols[None, :], y, mask=mask)
     if WRITE_QT:
         tl.store(QT + cols[None, :].to(tl.int64) * stride_qtk + rows[:, None], y, mask=mask)
+    return amax
+
+
+@triton.autotune(key=["K", "M_BUCKET", "PER_COL", "WRITE_Q", "WRITE_QT", "RECORD", "COLSUM"],
+                 pre_hook=_zero_stale_parts, **_TUNE)
+@triton.jit
+def _cast_kernel(X, Q, QT, S, AMAX, AMAX_OUT, CSUM, M, K, M_BUCKET, stride_xm, stride_qm, stride_qtk,
+                 PER_COL: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr, RECORD: tl.constexpr,
+                 COLSUM: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
+                 POW2: tl.constexpr, SOFT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PROGRAMS_PER_SM: tl.constexpr):
+    """Cast x with the scale(s) of AMAX (fp32: one, or one per column), store it as q (M, K) and/or as q^T (K, M);
+    tiles as _amax_kernel's (persistent or not). Programs with program_id(0) == 0 (their first tile is row tile 0,
+    for every tile and grid) write the scales S. RECORD: fold x's amax into AMAX_OUT (delayed scaling: the scale
+    came from history, the amax of this x goes into it), one atomic per program. COLSUM: each tile's column sums
+    into row pid_m of CSUM (>= cdiv(M, BLOCK_M) rows, the rest zero), summed by the launcher: deterministic."""
+    pid_k = tl.program_id(1)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    cmask = cols < K
+    if PER_COL:
+        qs, s = _scales(tl.load(AMAX + cols, mask=cmask, other=0.0), FP8_MAX, POW2)
+        if tl.program_id(0) == 0:
+            tl.store(S + cols, s, mask=cmask)
+    else:
+        qs, s = _scales(tl.load(AMAX), FP8_MAX, POW2)
+        if (tl.program_id(0) == 0) & (pid_k == 0):
+            tl.store(S, s)
+    amax = _cast_tile(X, Q, QT, CSUM, M, K, stride_xm, stride_qm, stride_qtk, tl.program_id(0), cols, qs,
+                      PER_COL, WRITE_Q, WRITE_QT, COLSUM, FP8_MAX, MANT, BIAS, SOFT, BLOCK_M)
+    if PROGRAMS_PER_SM > 0:  # as in _amax_kernel: the strip's further row tiles, the scales computed once
+        for pid_m in range(tl.program_id(0) + tl.num_programs(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
+            amax = tl.maximum(amax, _cast_tile(X, Q, QT, CSUM, M, K, stride_xm, stride_qm, stride_qtk, pid_m, cols,
+                                               qs, PER_COL, WRITE_Q, WRITE_QT, COLSUM, FP8_MAX, MANT, BIAS, SOFT,
+                                               BLOCK_M))
+    if RECORD:
+        tl.atomic_max(AMAX_OUT, amax.to(tl.int32, bitcast=True), sem="relaxed")
 
 
 @triton.jit
@@ -282,15 +407,15 @@ def _blocks_kernel(X, Q, S, QT, ST, CSUM, M, K, stride_xm, stride_qm, stride_qtk
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Launchers. Tiles: the casts move 2 (bf16) or 4 (fp32) bytes in and 1 or 2 out per element and are memory bound:
-# what counts is tiles in flight per SM, so registers. ptxas, sm_90a (`bench/bench_fp8.py --ptxas`): the per-tensor
-# cast with its transposed store and amax record takes 75 registers at 32 x 128 on 8 warps (3 programs per SM), 143
-# at 64 x 128; a 128 x 128 block tile with its transpose 98 (1x128) / 55 (128x128) on 16 warps, ~200 on 8.
-# The interpreter runs small tiles (several per test shape).
+# Launchers. The per-tensor and per-column kernels take their tile from the autotuner (above); the rows and blocks
+# kernels have fixed tiles. ptxas, sm_90a (`bench/bench_fp8.py --ptxas`): a 128 x 128 block tile with its transpose
+# takes 98 (1x128) / 55 (128x128) registers on 16 warps, ~200 on 8. The interpreter runs small tiles.
 
 _amax_k, _cast_k, _rows_k, _blocks_k = fast(_amax_kernel), fast(_cast_kernel), fast(_rows_kernel), fast(_blocks_kernel)
-TILE = (16, 32) if _INTERPRET else (32, 128)  # (BLOCK_M, BLOCK_K) of the amax and cast kernels, 8 warps
-WARPS = 8
+# COLSUM's partials have a row per row tile of the smallest candidate: a larger tile leaves rows at zero (see
+# _zero_stale_parts), and the sum stays deterministic (no atomics)
+PARTS_BLOCK_M = min(c.kwargs["BLOCK_M"] for c in _cast_kernel.configs)
+WARPS = 8  # warps of a 64 x 128 1x128 tile (no transpose)
 BLOCK_WARPS = 16  # warps of a 128 x 128 block tile (1x128 with its transpose, 128x128)
 
 
@@ -336,8 +461,22 @@ def _rows_tile(K):
 
 
 def _parts(colsum, tiles_m, K, device):
-    """The (tiles_m, K) fp32 column-sum partials a cast kernel writes with COLSUM (None: not asked)."""
+    """The (tiles_m, K) fp32 column-sum partials a cast kernel writes with COLSUM (None: not asked), zeroed."""
     return torch.zeros(max(tiles_m, 1), K, dtype=torch.float32, device=device) if colsum else None
+
+
+def _m_bucket(M):
+    """The tuning key's M: rounded up to a power of 2 (>= 32). Unused inside the kernels."""
+    return max(32, _next_pow2(M))
+
+
+def _grid(M, K, sms, meta):
+    """(row programs, column strips) for the tuner's tile: one program per tile, or (persistent) about
+    PROGRAMS_PER_SM x SMs programs, each walking its column strip; never more row programs than row tiles, always
+    every column strip (so the programs with program_id(0) == 0 cover row tile 0: they write the scales)."""
+    tiles_m, tiles_k = _cdiv(M, meta["BLOCK_M"]), _cdiv(K, meta["BLOCK_K"])
+    per_sm = meta["PROGRAMS_PER_SM"]
+    return (tiles_m if per_sm == 0 else max(1, min(tiles_m, per_sm * sms // tiles_k)), tiles_k)
 
 
 def quantize_tensor(x, dtype=E4M3, pow2=False, amax=None, write_q=True, transpose=False, colsum=False):
@@ -351,17 +490,16 @@ def quantize_tensor(x, dtype=E4M3, pow2=False, amax=None, write_q=True, transpos
     qt = torch.empty(K, M, dtype=dtype, device=x.device) if transpose else None
     s = torch.empty(1, 1, dtype=torch.float32, device=x.device)
     bits = _amax_bits(1, x.device)
-    bm, bk = TILE
-    grid = (_cdiv(M, bm), _cdiv(K, bk))
+    grid, mb = functools.partial(_grid, M, K, _sm_count(x.device)), _m_bucket(M)
     if M * K and amax is None:
-        _amax_k[grid](x, bits, M, K, x.stride(0), PER_COL=False, BLOCK_M=bm, BLOCK_K=bk, num_warps=WARPS)
+        _amax_k[grid](x, bits, M, K, mb, x.stride(0), PER_COL=False)
     own = bits.view(torch.float32)  # (1, 1)
     given = own if amax is None else amax.float().reshape(1).contiguous()
-    parts = _parts(colsum, grid[0], K, x.device)
+    parts = _parts(colsum, _cdiv(M, PARTS_BLOCK_M), K, x.device)
     if M * K:
-        _cast_k[grid](x, q if write_q else qt, qt, s, given, bits, parts, M, K, x.stride(0), K, M,
+        _cast_k[grid](x, q if write_q else qt, qt, s, given, bits, parts, M, K, mb, x.stride(0), K, M,
                       PER_COL=False, WRITE_Q=write_q, WRITE_QT=transpose, RECORD=amax is not None, COLSUM=colsum,
-                      **_fmt(dtype, pow2), BLOCK_M=bm, BLOCK_K=bk, num_warps=WARPS)
+                      **_fmt(dtype, pow2))
     else:
         s.copy_(scales_from_amax_ref(given.view(1, 1), dtype, pow2)[1])
     return FP8Tensors(q, s, qt, s if transpose else None, own, parts.sum(0) if colsum else None)
@@ -377,14 +515,12 @@ def quantize_cols_t(x, dtype=E4M3, pow2=False, colsum=False):
     st = torch.empty(K, 1, dtype=torch.float32, device=x.device)
     bits = _amax_bits(K, x.device)
     own = bits.view(torch.float32)  # (1, K)
-    bm, bk = TILE
-    grid = (_cdiv(M, bm), _cdiv(K, bk))
-    parts = _parts(colsum, grid[0], K, x.device)
+    grid, mb = functools.partial(_grid, M, K, _sm_count(x.device)), _m_bucket(M)
+    parts = _parts(colsum, _cdiv(M, PARTS_BLOCK_M), K, x.device)
     if M * K:
-        _amax_k[grid](x, bits, M, K, x.stride(0), PER_COL=True, BLOCK_M=bm, BLOCK_K=bk, num_warps=WARPS)
-        _cast_k[grid](x, qt, qt, st, own, bits, parts, M, K, x.stride(0), K, M, PER_COL=True,
-                      WRITE_Q=False, WRITE_QT=True, RECORD=False, COLSUM=colsum, **_fmt(dtype, pow2), BLOCK_M=bm,
-                      BLOCK_K=bk, num_warps=WARPS)
+        _amax_k[grid](x, bits, M, K, mb, x.stride(0), PER_COL=True)
+        _cast_k[grid](x, qt, qt, st, own, bits, parts, M, K, mb, x.stride(0), K, M, PER_COL=True,
+                      WRITE_Q=False, WRITE_QT=True, RECORD=False, COLSUM=colsum, **_fmt(dtype, pow2))
     else:
         st.copy_(scales_from_amax_ref(torch.zeros(K, 1, device=x.device), dtype, pow2)[1])
     return FP8Tensors(None, None, qt, st, own, parts.sum(0) if colsum else None)

@@ -183,6 +183,92 @@ def test_launcher_host_arithmetic_matches_triton():
     assert fq._fmt(E4M3, False) == dict(FP8_MAX=448.0, MANT=3, BIAS=7, POW2=False, SOFT=fq._INTERPRET)
 
 
+def _integer_data(M, K, seed=0):
+    """bf16 integers up to 1024 in size times a power of 2 per column (2^-8 .. 2^8): per-column scales differ, and
+    fp32 column sums are exact in any order, so sums from per-tile partials compare bit for bit."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-1024, 1025, (M, K), generator=g).float()
+    return (x * 2.0 ** torch.randint(-8, 9, (K,), generator=g).float()).to(torch.bfloat16)
+
+
+def _gpu_tiles():
+    """The GPU's candidate tiles of the per-tensor / per-column kernels, one per (BLOCK_M, BLOCK_K, programs per
+    SM): warps change nothing in the interpreter."""
+    tiles = {}
+    for c in fq._configs(interpret=False):
+        tiles.setdefault((c.kwargs["BLOCK_M"], c.kwargs["BLOCK_K"], c.kwargs["PROGRAMS_PER_SM"]), c)
+    return list(tiles.values())
+
+
+# (granularity, kwargs, dtype, pow2, delayed): the launches of the autotuned kernels (amax pass, cast, RECORD, COLSUM)
+_TUNED_CASES = [("tensor", dict(transpose=True, colsum=True), E4M3, False, False),
+                ("tensor", dict(transpose=True, colsum=True), E5M2, True, True),
+                ("col", dict(colsum=True), E4M3, True, False)]
+
+
+def _tuned_cases(x):
+    """(what, got(), want) per case: the Triton launch as a callable, the reference's result."""
+    out = []
+    for g, kw, dtype, pow2, delayed in _TUNED_CASES:
+        kw = dict(kw, amax=torch.tensor([x.float().abs().max().item() / 4]) if delayed else None)  # saturates
+        out.append((f"{g} {dtype} delayed={delayed}",
+                    lambda g=g, kw=kw, dtype=dtype, pow2=pow2: fp8_quantize(x, dtype, g, pow2, triton_path=True, **kw),
+                    fp8_quantize(x, dtype, g, pow2, triton_path=False, **kw)))
+    return out
+
+
+@pytest.mark.parametrize("shape", [(100, 200), (257, 130)])
+def test_every_gpu_tile_quantizes_bit_exact(shape, monkeypatch):
+    """The launchers size the grid and COLSUM's partials for whatever tile the GPU's tuner picks: each candidate in
+    turn (one tile a program, or persistent), at shapes no tile divides, bit-exact against the reference in q, q^T,
+    scales, amax and column sums. Three "SMs": persistent grids have several row programs, uneven walks."""
+    monkeypatch.setattr(fq, "_sm_count", lambda device: 3)
+    cases = _tuned_cases(_integer_data(*shape))
+    parts, tile = fq._parts, []
+
+    def checked_parts(colsum, tiles_m, K, device):  # fail here, not by a store past the buffer's end
+        assert not colsum or tiles_m >= fq._cdiv(shape[0], tile[-1].kwargs["BLOCK_M"]), "partials too few"
+        return parts(colsum, tiles_m, K, device)
+    monkeypatch.setattr(fq, "_parts", checked_parts)
+    for cfg in _gpu_tiles():
+        tile.append(cfg)
+        for kernel in (fq._amax_kernel, fq._cast_kernel):
+            monkeypatch.setattr(kernel, "configs", [cfg])
+        for what, got, want in cases:
+            _assert_same(got(), want, f"{fq.tile_name(cfg)} {what}")
+
+
+def test_tuning_runs_of_every_candidate_change_no_result(monkeypatch):
+    """On the GPU the autotuner runs each candidate on the launch's own tensors (several times) before it launches
+    its pick: the atomic maxima are idempotent, q, q^T and the scales are overwritten, and its pre-hook zeroes the
+    COLSUM partial rows that a shorter tile wrote. Here a fake timing runs each candidate twice and makes the last
+    timed, the tallest tile, win."""
+    tiles = [c for c in _gpu_tiles() if c.kwargs["BLOCK_K"] == 64 and not c.kwargs["PROGRAMS_PER_SM"]]
+    assert [c.kwargs["BLOCK_M"] for c in tiles] == [32, 64, 128]
+    timed = []
+
+    def each_faster_than_the_last(kernel_call, quantiles=None):
+        kernel_call()
+        kernel_call()
+        timed.append(1)
+        return [1.0 / len(timed)] * 3
+    for kernel in (fq._amax_kernel, fq._cast_kernel):
+        monkeypatch.setattr(kernel, "configs", tiles)
+        monkeypatch.setattr(kernel, "cache", {})
+        monkeypatch.setattr(kernel, "do_bench", each_faster_than_the_last)
+    x = _integer_data(257, 130)
+    for what, got, want in _tuned_cases(x):
+        _assert_same(got(), want, what)
+        assert fq._cast_kernel.best_config is tiles[-1], what
+    assert len(timed) == 3 * 5  # 5 launches (2 amax passes, 3 casts), 3 candidates each
+    # bench_fp8.py's quant section names the picks of a row's launches
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    import bench_fp8
+    assert bench_fp8._tiles_picked(lambda: fp8_quantize(x, E4M3, "col", triton_path=True)) == \
+        "amax 128x64 w4, cast 128x64 w4"
+    assert bench_fp8._tiles_picked(lambda: fp8_quantize(x, E4M3, "row", triton_path=True)) == "fixed"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GEMM
 
@@ -548,11 +634,14 @@ def test_kernels_compile_for_hopper_with_wgmma_and_tma():
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(proc.stdout)
     gemms = [r for r in rows if r["kernel"].startswith("gemm")]
-    assert len(gemms) == 4 and len(rows) == 13  # + 9 quantization kernels
+    tuned = [r for r in rows if r["kernel"].startswith("quant cast tensor +T +record")]  # every GPU candidate tile
+    assert len(gemms) == 4 and len(tuned) == len(fq._configs(interpret=False)) and len(rows) == 4 + len(tuned) + 5
     for r in rows:
         assert r["spill_bytes"] == 0 and r["smem"] <= 232448, r
     for r in gemms:
         assert r["wgmma"] > 0 and r["tma_ops"] > 0, r  # Hopper tensor cores fed by the TMA unit
+    for r in tuned:  # as test_quantize_transposes_avoid_the_fp8_store_miscompile checks, for every candidate tile
+        assert r["nan_minmax"] == 0 and r["trans"] == 0 and r["vector_stores"] >= 2, r
 
 
 _TRANSPOSE_PTX = r"""
@@ -562,19 +651,19 @@ from triton.compiler import ASTSource
 from kernels import fp8_quant as fq
 fmt = dict(FP8_MAX=57344.0, MANT=2, BIAS=15, POW2=True, SOFT=False)
 sig = dict(X="*fp32", Q="*fp8e4nv", QT="*fp8e4nv", S="*fp32", ST="*fp32", AMAX="*fp32", AMAX_OUT="*i32", CSUM="*fp32",
-           M="i32",
-           K="i32", stride_xm="i32", stride_qm="i32", stride_qtk="i32", stride_sm="i32", stride_sk="i32",
-           stride_stk="i32", stride_stm="i32")
+           M="i32", K="i32", M_BUCKET="i32", stride_xm="i32", stride_qm="i32", stride_qtk="i32", stride_sm="i32",
+           stride_sk="i32", stride_stk="i32", stride_stm="i32")
 kernels = {
     "128x128 +T": (fq._blocks_kernel, dict(TILE_SCALE=True, WRITE_QT=True, COLSUM=False, BLOCK_M=128, BLOCK_K=128),
                    16),
     "1x128 +T": (fq._blocks_kernel, dict(TILE_SCALE=False, WRITE_QT=True, COLSUM=False, BLOCK_M=128, BLOCK_K=128), 16),
     "1x128 +T +colsum": (fq._blocks_kernel, dict(TILE_SCALE=False, WRITE_QT=True, COLSUM=True, BLOCK_M=128,
                                                  BLOCK_K=128), 16),
-    "cast tensor +T": (fq._cast_kernel, dict(PER_COL=False, WRITE_Q=True, WRITE_QT=True, RECORD=True,
-                                             COLSUM=False, BLOCK_M=32, BLOCK_K=128), 8),
-    "cast tensor +T +colsum": (fq._cast_kernel, dict(PER_COL=False, WRITE_Q=True, WRITE_QT=True, RECORD=True,
-                                                     COLSUM=True, BLOCK_M=32, BLOCK_K=128), 8),
+    # the autotuned cast at its old fixed tile; bench_fp8.py --ptxas checks every candidate (test above)
+    "cast tensor +T": (fq._cast_kernel.fn, dict(PER_COL=False, WRITE_Q=True, WRITE_QT=True, RECORD=True,
+                                                COLSUM=False, BLOCK_M=32, BLOCK_K=128, PROGRAMS_PER_SM=0), 8),
+    "cast tensor +T +colsum": (fq._cast_kernel.fn, dict(PER_COL=False, WRITE_Q=True, WRITE_QT=True, RECORD=True,
+                                                        COLSUM=True, BLOCK_M=32, BLOCK_K=128, PROGRAMS_PER_SM=0), 8),
 }
 out = {}
 for name, (fn, consts, warps) in kernels.items():
