@@ -402,18 +402,23 @@ class _Counter:
         return {"sample": 0}
 
 
+def _tiny_gpu_trainer(tmp_path, monkeypatch, staged: bool):
+    """(cfg, mesh, the tiny preset's Trainer on one GPU, a token batch), snapshots GPU-staged or not."""
+    monkeypatch.setattr(async_save, "STAGE_FRACTION", 0.85 if staged else 0.0)
+    cfg = parse_args(["--preset=tiny", "--device=cuda", f"--out_dir={tmp_path}", "--train.steps=100"])
+    mesh = Mesh.build(device="cuda")
+    trainer = parallelize(GPT(cfg.model), mesh, cfg)
+    return cfg, mesh, trainer, torch.randint(0, 1000, (cfg.train.micro_batch, cfg.train.seq_len + 1), device="cuda")
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout_s(300)
 @pytest.mark.parametrize("staged", [True, False], ids=["gpu-staged", "pinned-on-the-stream"])
 def test_the_gpu_snapshot_holds_the_values_at_the_save(tmp_path, monkeypatch, staged):
     """Both CUDA snapshot paths (a GPU copy then a background D2H; or D2H queued on the training stream): the
     checkpoint holds the state of the save's step although the training thread steps on before the write ends."""
-    monkeypatch.setattr(async_save, "STAGE_FRACTION", 0.85 if staged else 0.0)
-    cfg = parse_args(["--preset=tiny", "--device=cuda", f"--out_dir={tmp_path}", "--train.steps=100"])
-    mesh = Mesh.build(device="cuda")
+    cfg, mesh, trainer, tok = _tiny_gpu_trainer(tmp_path, monkeypatch, staged)
     try:
-        trainer = parallelize(GPT(cfg.model), mesh, cfg)
-        tok = torch.randint(0, 1000, (cfg.train.micro_batch, cfg.train.seq_len + 1), device="cuda")
         batches = [(tok[:, :-1], tok[:, 1:])]
 
         def step():
@@ -543,12 +548,8 @@ def test_train_reserves_the_host_buffers_once_after_its_first_step(shards, tmp_p
 @pytest.mark.parametrize("staged", [True, False], ids=["gpu-staged", "pinned-on-the-stream"])
 def test_a_save_after_reserve_pins_nothing_new(tmp_path, monkeypatch, staged):
     """reserve() pins a buffer per CUDA tensor in snapshot()'s order: the save then reuses every one of them."""
-    monkeypatch.setattr(async_save, "STAGE_FRACTION", 0.85 if staged else 0.0)
-    cfg = parse_args(["--preset=tiny", "--device=cuda", f"--out_dir={tmp_path}", "--train.steps=100"])
-    mesh = Mesh.build(device="cuda")
+    cfg, mesh, trainer, tok = _tiny_gpu_trainer(tmp_path, monkeypatch, staged)
     try:
-        trainer = parallelize(GPT(cfg.model), mesh, cfg)
-        tok = torch.randint(0, 1000, (cfg.train.micro_batch, cfg.train.seq_len + 1), device="cuda")
         trainer.forward_backward([(tok[:, :-1], tok[:, 1:])])
         trainer.step(1e-3)
         writer = async_save.writer_for(str(tmp_path))

@@ -106,15 +106,20 @@ def test_graphed_fp8_training_matches_eager(fp8, delayed):
         torch.testing.assert_close(graph_w[k], eager_w[k], atol=1e-5, rtol=1e-5, msg=lambda m: f"{k}: {m}")
 
 
-def test_engine_keeps_grad_buffers_for_the_graph():
-    """With keep_grad_buffers the engine zeroes .grad in place after a step (the same tensors the captured
-    backward accumulates into), instead of freeing them."""
+def _tiny_cpu_engine():
+    """(cfg, a 1-layer tiny GPT, its one-process CPU engine, a (2, 9) token batch)."""
     cfg = PRESETS["tiny"]()
     cfg.model.n_layer = 1
     torch.manual_seed(0)
     model = GPT(cfg.model)
     engine = build_engine(model, Mesh.build(device="cpu"), cfg)
-    x = torch.randint(0, cfg.model.vocab_size, (2, 9))
+    return cfg, model, engine, torch.randint(0, cfg.model.vocab_size, (2, 9))
+
+
+def test_engine_keeps_grad_buffers_for_the_graph():
+    """With keep_grad_buffers the engine zeroes .grad in place after a step (the same tensors the captured
+    backward accumulates into), instead of freeing them."""
+    cfg, model, engine, x = _tiny_cpu_engine()
     _, loss = model(x[:, :-1], x[:, 1:])
     engine.backward(loss)
     engine.keep_grad_buffers = True
@@ -133,12 +138,7 @@ def test_one_replay_a_step_leaves_the_gradients_to_the_graph():
     """GraphedMicroStep(overwrite=True), as the Trainer builds it at one micro-step a step: before the capture every
     .grad is unset (the captured backward then makes them and each replay writes them whole) and the engine's step
     neither frees nor zeroes them; accumulation (overwrite off) keeps zeroing in place."""
-    cfg = PRESETS["tiny"]()
-    cfg.model.n_layer = 1
-    torch.manual_seed(0)
-    model = GPT(cfg.model)
-    engine = build_engine(model, Mesh.build(device="cpu"), cfg)
-    x = torch.randint(0, cfg.model.vocab_size, (2, 9))
+    cfg, model, engine, x = _tiny_cpu_engine()
     micro = GraphedMicroStep(model, contextlib.nullcontext, 1.0, engine, overwrite=True)
     micro._fwd_bwd(x[:, :-1], x[:, 1:])  # the warm-up's gradients
     micro._before_capture()
