@@ -143,8 +143,8 @@ SETS = {
                    Job("post_train", 1, ["bench/post_train_demo.py", "--recipe=small", "--seeds=1,2,3", "--jobs=3",
                                                   "--out", "{out}/post_train"], 7200)],
     # one GPU, ~10 min: the rows the open goals wait for since the last GPU run (notes/checkpoints.md,
-    # notes/fp8.md, notes/moe.md): async saves with the host buffers pinned after step 1, graphs that write their gradients, the FP8
-    # casts' tuned tiles, the MoE step's profile
+    # notes/fp8.md, notes/moe.md): async saves with the host buffers pinned after step 1, graphs that write
+    # their gradients, the FP8 casts' tuned tiles, the MoE step's profile
     "pending": [Job("ckpt_async", 1, ["bench/bench_ckpt.py", "--modes=none,async,none", "--periods", "2", "--each",
                                       "--ckpt_dir=/tmp/bench_ckpt", "--out", "{out}/ckpt.jsonl"], 300),
                 Job("fp8_e2e_graph", 1, ["bench/bench_fp8_e2e.py", "--presets", "gpt_1b", "--modes",

@@ -1,6 +1,6 @@
 """FP8 quantization: amax -> scale -> saturating cast, per tensor, per row, per column (written transposed), per
 1x128 and per 128x128 block, in one pass over memory each (per tensor and per column: an amax pass first).
-Long file: four kernels for the five granularities, the interpreter's exact fp8 rounding and one shared reference.
+Long file: four kernels for five granularities, their autotuned tiles, the interpreter's fp8 rounding, one reference.
 
 Math, for a group G of elements of x (the whole tensor, a row, a column, 1x128 or 128x128 elements):
     amax  = max_{i in G} |x_i|                 NaNs ignored: they stay NaN in q (and in any GEMM they reach)

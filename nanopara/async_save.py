@@ -111,8 +111,8 @@ class Writer:
 def reserve(state: dict, writer: Writer) -> float:
     """Pin the host buffers of `state`'s CUDA tensors now, in snapshot()'s order; seconds taken. Pinning a multi-GB
     state takes seconds and holds the CUDA driver, so the training thread's launches wait: on gpt_1b the first step
-    after the first async save took 5.0 s instead of 0.44 (results/ckpt_async_profile_h100.txt). Done once after the first
-    step (train.py), every save finds its buffers; a state whose shapes change later still gets new ones."""
+    after the first async save took 5.0 s instead of 0.44 (results/ckpt_async_profile_h100.txt). Done once after
+    the first step (train.py), every save finds its buffers; a state whose shapes change later gets new ones."""
     t0 = time.perf_counter()
     for i, t in enumerate(_split(state, clone=False)[1]):
         writer.host_buffer(i, t)
