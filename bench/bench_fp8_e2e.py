@@ -45,7 +45,9 @@ TORCHAO = {"ao_tensorwise": "tensorwise", "ao_rowwise": "rowwise"}
 GRAPHED = ("bf16+graph", "tensor+graph", "row+graph")  # the same, forward + backward replayed from a CUDA graph
 # the fair peer (issue #43 item 6): the same GPT with PyTorch ops (SDPA) under torch.compile, bf16 and torchao float8
 COMPILED = ("bf16+compile", "ao_tensorwise+compile", "ao_rowwise+compile")
-MODES = ("bf16", *NANOPARA_FP8, *TORCHAO, "nanogpt", *GRAPHED, *COMPILED)
+# tensor mode with delayed scaling (train.fp8_delayed): X and dY scaled from an amax history, one pass per cast
+DELAYED = ("tensor+delayed", "tensor+delayed+graph")
+MODES = ("bf16", *NANOPARA_FP8, *TORCHAO, "nanogpt", *GRAPHED, *COMPILED, *DELAYED)
 DEFAULT_BATCH = {"gpt_1b": 8, "gpt_3b": 8, "gpt2_124m": 32, "tiny": 2}
 # named row sets: --set NAME = these presets and modes (gpt_3b: issue #43's goal, tensor >= 1.30x its best bf16)
 SETS = {"gpt_3b": ("gpt_3b", "bf16,bf16+graph,tensor,tensor+graph,row,block")}
@@ -69,6 +71,7 @@ def build(preset: str, mode: str, args, mesh):
                               "train.micro_batch": batch_for(preset, args), "train.tokens_per_step": 0,
                               "train.fp8": base if base in NANOPARA_FP8 else "none",
                               **({"train.fp8_filter": args.fp8_filter} if base in NANOPARA_FP8 else {}),
+                              **({"train.fp8_delayed": True} if "+delayed" in mode else {}),
                               "train.cuda_graph": "true" if mode.endswith("+graph") else "false"})
     prepare = (lambda model: torchao_convert(model, TORCHAO[base])) if base in TORCHAO else None
     trainer, n_params = H.build_trainer(cfg, mesh, prepare)
