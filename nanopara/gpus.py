@@ -49,6 +49,24 @@ def grouped_tflops(gpu, rows_per_expert: float) -> float:
     return t0 * (max(rows_per_expert, 1.0) / r0) ** (math.log(t1 / t0) / math.log(r1 / r0))
 
 
+def attention_tflops(gpu, head_dim: int, T: int) -> float:
+    """Our attention's fwd + bwd TFLOP/s for head dim `head_dim` at sequence length T: log-log in T between the
+    in-step points (the model's call, from step profiles; the table's "128_long" at 16,384 where they stop below
+    it), clamped at the ends; the table's key where no in-step point exists for that head dim."""
+    key = "64" if head_dim < 128 else "128"
+    pts = sorted(gpu.attention_in_step.get(key, []))
+    if not pts:
+        return gpu.attention_tflops["128_long" if key == "128" and T >= 16384 else key]
+    if key == "128" and pts[-1][0] < 16384 and gpu.attention_tflops.get("128_long"):
+        pts.append([16384, gpu.attention_tflops["128_long"]])
+    if T <= pts[0][0]:
+        return pts[0][1]
+    for (t0, r0), (t1, r1) in zip(pts, pts[1:]):
+        if T <= t1:
+            return r0 * (r1 / r0) ** (math.log(T / t0) / math.log(t1 / t0))
+    return pts[-1][1]
+
+
 @dataclass
 class GPU:
     name: str
@@ -65,6 +83,9 @@ class GPU:
     latency_us: float = 15.0      # a collective's floor within a node
     grouped_mlp: list = field(default_factory=list)  # [[rows per expert, TFLOP/s]]: MoE expert MLP fwd + bwd
     fp8_modes: dict = field(default_factory=dict)    # {mode: (GEMM rate / tensorwise, ps a quantized element)}
+    attention_in_step: dict = field(default_factory=dict)  # {head dim: [[T, TFLOP/s]]}: our attention as the model
+    #                                                        calls it (packed-qkv views), from step profiles
+    adamw_share: float = 0.83     # torch's fused AdamW (the engines' optimizer) against copy bandwidth
     sources: dict = field(default_factory=dict)
 
 
@@ -104,6 +125,12 @@ _H100 = GPU(
     # bwd, per element (8192 x 2048): tensor X (+X^T) 50.2 us, row X rows 23.7 + X cols 71.3, block X 1x128 (+X^T) 65.7
     fp8_modes={"tensor": (1.0, 50.2e6 / 16777216), "row": (1202 / 1088, 95.0e6 / 16777216),
                "block": (780 / 1088, 65.7e6 / 16777216)},
+    # the attention kernels' CUPTI time in one-GPU step profiles (fwd + bwd, causal FLOPs): gpt_1b (D128, 8 x 16
+    # heads, T 1024) 9.21 / 9.20 ms a micro-step (results/tp2_graph_gpt_1b_h100.jsonl), 8.76 (fp8_e2e_h100.txt's
+    # profile), 38.55 / 4 (ckpt_async_profile_h100.txt): 235 TFLOP/s, where attention.txt's contiguous (B, H, T, D)
+    # rows at T 4096 give 397; at T 16384 629.4 / 640.3 ms for 4 micro-steps (cp2_16k_h100_2.jsonl's 1-GPU rows):
+    # 436. gpt2_moe (D64, 8 x 12 heads, T 1024): 2.29 / 2.33 ms a step (moe_step_profile_h100.jsonl): 236
+    attention_in_step={"128": [[1024, 235.0], [16384, 436.0]], "64": [[1024, 236.0]]},
     sources={
         "mem_gb": "spec: H100 SXM 80 GB HBM3, 79.2 GiB as torch reports it",
         "peak": "spec: NVIDIA H100 SXM dense bf16 989 TFLOP/s, fp8 1979 (report.PEAK_FLOPS)",
@@ -130,17 +157,27 @@ _H100 = GPU(
         "latency_us": "assumed: NCCL small-message floor on NVLink, ~10-20 us (nccl-tests)",
         "grouped_mlp": "results/moe_h100.txt section 4 (grouped_mlp_triton fwd + bwd, GEMMs only, 4,096 and 8,192 "
                        "rows an expert)",
-        "fp8_modes": "results/fp8_h100.txt (GEMM table at gpt_1b's shapes; quantization kernels at 8192 x 2048)"})
+        "fp8_modes": "results/fp8_h100.txt (GEMM table at gpt_1b's shapes; quantization kernels at 8192 x 2048)",
+        "attention_in_step": "attention kernels' time in one-GPU step profiles: tp2_graph_gpt_1b_h100.jsonl, "
+                             "fp8_e2e_h100.txt, ckpt_async_profile_h100.txt (D128 T1024), cp2_16k_h100_2.jsonl "
+                             "(D128 T16384), moe_step_profile_h100.jsonl (D64 T1024)",
+        "adamw_share": "results/bench_adamw.txt: torch's fused AdamW at 83 % of copy bandwidth (29 bytes a "
+                       "parameter; kernels/adamw.py's flat kernel 98 %, not what the engines run)"})
 
 _H200 = copy.deepcopy(_H100)
 _H200.name, _H200.mem_gb = "H200", 150.75
 _H200.attention_tflops = {"64": 261.0, "128": 389.0, "128_long": 389.0, "cudnn_128": 462.0, "sdpa_64": 159.0,
                           "sdpa_128": 268.0}
 _H200.membw_gbs = {"copy": 4250.0, "elementwise": 0.8 * 4250.0}
+# gpt_1b's attention in H200 step profiles: 34.87 / 34.31 / 34.69 / 34.68 ms for 4 micro-steps (scaleout_2,
+# scaleout_pp_graph, scaleout_tp _h200.jsonl, 1-GPU rows): 250 TFLOP/s; T 16384 from the calibration (436); D64 none
+_H200.attention_in_step = {"128": [[1024, 250.0]]}
 _H200.sources.update({
     "mem_gb": "spec: H200 141 GB HBM3e, 143,771 MiB as nvidia-smi reports it",
     "gemm_tflops": "the H100 figures (same GH100 compute and clocks) until bench_calibrate",
     "attention_tflops": "results/attention.txt (H200 rows, GPU time by graph replay)",
+    "attention_in_step": "D128 T1024: attention kernels' time in the 1-GPU rows' profiles of scaleout_2_h200.jsonl, "
+                         "scaleout_pp_graph_h200.jsonl, scaleout_tp_h200.jsonl",
     "membw_gbs": "results/bench_adamw.txt: D2D copy 4250 GB/s; elementwise 0.8 x copy",
     "comm": "results/comm_2.json, comm_4.json (measured on H200)"})
 

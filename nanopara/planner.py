@@ -323,11 +323,12 @@ def block_gpu(run: Run, gpu, moe: bool) -> dict:
         gemm += [_linear_s(gpu, t, n, k, fp8, mode[0]) for n, k in mlp]
     fwd = sum(g[0] for g in gemm)
     bwd = sum(g[1] for g in gemm)
-    key = "64" if m.hd < 128 else ("128_long" if s * L.cp >= 16384 else "128")
+    attn_flops = 2 * L.micro_batch * (m.n_head / tp) * s * (s * L.cp) * m.hd * 3.5  # causal: 1/cp of 2bHS^2D
     if L.kernels in ("torch", "cudnn"):  # SDPA's flash backend; other trainers' cuDNN attention
         key = {"torch": "sdpa_", "cudnn": "cudnn_"}[L.kernels] + ("64" if m.hd < 128 else "128")
-    attn_flops = 2 * L.micro_batch * (m.n_head / tp) * s * (s * L.cp) * m.hd * 3.5  # causal: 1/cp of 2bHS^2D
-    attn = attn_flops / (gpu.attention_tflops.get(key, gpu.attention_tflops["128"]) * 1e12)
+        attn = attn_flops / (gpu.attention_tflops.get(key, gpu.attention_tflops["128"]) * 1e12)
+    else:  # ours at the sequence length (ring attention: the whole sequence's), as the model calls it
+        attn = attn_flops / (G.attention_tflops(gpu, m.hd, s * L.cp) * 1e12)
     f = m.ffn / m.d
     rep, shd = 58.0, 36.0 + 34.0 * f / 4  # bytes/token/C, fwd+bwd: LayerNorms and residual; MLP act, bias grads
     if L.kernels == "torch":  # eager LayerNorm ~1.9x our bytes (results/bench_layernorm.txt), unfused residual
