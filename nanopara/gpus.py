@@ -12,7 +12,10 @@ to the end-to-end rows the planner is checked against (plan_check.py).
 
 Collectives: the time of a measured (kind, group size) is interpolated in log(bytes) between measured sizes
 (linear in bytes to the latency floor below the smallest); other group sizes convert through the ring's bus
-factor (all-reduce 2(n-1)/n, reduce-scatter / all-gather / all-to-all (n-1)/n). A group that spans nodes is
+factor (all-reduce 2(n-1)/n, reduce-scatter / all-gather / all-to-all (n-1)/n), but where only the all-reduce is
+measured at n (comm_4.json) the others take its time x their measured share of an all-reduce of that size at the
+nearest measured n (2 GPUs: all-gather 0.64-0.67 of an all-reduce at 48-64 MiB, not the 0.5 of equal bus
+bandwidth; results/tp.txt's 4-GPU SP steps: 0.95 / 0.82 for all-gather / reduce-scatter). A group that spans nodes is
 hierarchical: its k members in a node run the intra-node part, the m = n/k nodes exchange S/k bytes a GPU over
 each GPU's own NIC (`FABRIC`). Callers: nanopara/planner.py, plan_search.py, plan.py.
 """
@@ -102,11 +105,15 @@ def _derived(ar: list, n: int) -> dict:
     return {"all_reduce": ar, "reduce_scatter": half, "all_gather": half, "all_to_all": half, "send_recv": pair}
 
 
+# Host variants known as a ratio to the dense block (a CPU proxy's, where the real host's us are not measured): ZB-H1's
+# split backward, F + B + W against 1F1B's F + backward for the same 12 blocks, 7.7 against 6.2 ms (bench/host_zb.py,
+# notes/pp.md; one W node per 4 Linears, the code since 9fd2303)
+HOST_RATIOS = {"zb": 7.7 / 6.2}
 _HOST = {  # us; the seeds' derivation is in SOURCES["host"]
     "launch_us": 9.0,
     "layer_us": {"torch_kernels": 1470.0, "dense": 1950.0, "ac_full": 2325.0, "ac_selective": 2100.0,
                  "fp8_tensor": 2350.0, "moe": 2550.0, "tp2": 2050.0, "tp2_sp": 2200.0, "dp2": 2030.0,
-                 "pp2": 1950.0, "zero3": 2500.0, "zb": 2010.0, "cp2": 2100.0},
+                 "zero3": 2500.0, "zb": 1950.0 * HOST_RATIOS["zb"], "cp2": 2100.0},  # pp: none measured (= dense)
     "step_us": {"dense": 1500.0}}
 
 _H100 = GPU(
@@ -116,7 +123,7 @@ _H100 = GPU(
     attention_tflops={"64": 256.0, "128": 397.0, "128_long": 397.0, "cudnn_128": 464.0, "sdpa_64": 154.0,
                       "sdpa_128": 265.0},
     membw_gbs={"copy": 3001.0, "elementwise": 0.8 * 3001.0},
-    host=copy.deepcopy(_HOST), comm={"2": _derived(_AR2, 2), "4": _derived(_AR4, 4)},
+    host=copy.deepcopy(_HOST), comm={"2": _derived(_AR2, 2), "4": {"all_reduce": _AR4}},
     # results/moe_h100.txt section 4, "GEMMs only": grouped_mlp_triton fwd + bwd (both expert GEMMs, bias + GELU
     # epilogues, bias gradients) on dropless routing's sorted rows, E = 8, C = 768: 32,768 rows 3.276 ms, 65,536 6.149
     grouped_mlp=[[4096.0, 283.2], [8192.0, 301.8]],
@@ -150,8 +157,8 @@ _H100 = GPU(
                 "(bench_launch: attention fwd+bwd 362 vs SDPA 148 us, LayerNorm 335 vs ~200 x 2). ac_full +375, "
                 "ac_selective +150 (CPU proxy, notes/pp.md); fp8 +100 a Linear (CPU proxy, notes/fp8.md); "
                 "zero3 +550 (bench_dp.py host ms of units of 3 blocks, results/archive/dp2_zero3_units_b16.json); "
-                "zb +60 (CPU proxy: B + W over one backward, notes/pp.md); tp2 +25 us a collective, dp2 +80, cp2 +150, "
-                "moe +600: assumed. All until bench_calibrate measures them",
+                "zb x 1.24 (CPU proxy: F + B + W over 1F1B's F + backward, notes/pp.md); tp2 +25 us a "
+                "collective, dp2 +80, cp2 +150, moe +600: assumed. All until bench_calibrate measures them",
         "comm": "all-reduce: results/comm_2.json, comm_4.json (NCCL 2.28.9 on H200 NVLink 4, the same NVSwitch "
                 "fabric as H100 SXM); the other collectives and p2p derived from it at equal bus bandwidth",
         "latency_us": "assumed: NCCL small-message floor on NVLink, ~10-20 us (nccl-tests)",
@@ -184,10 +191,32 @@ _H200.sources.update({
 SEEDS = {"H100": _H100, "H200": _H200}
 
 
+# The host CPU's speed on the manifest's machines, measured by the one block every host ran: GPT-2's block with
+# model.kernels=torch, 1,470 us to issue its fwd + bwd (bench_dp.py's host ms with the GPU held busy, H100 host:
+# results/archive/dp_one_b32_1_h100.json 18.6 ms for 12 blocks less ~1 ms of head; dp2_h100.txt's 19.7 on another).
+HOST_ANCHOR_US = 1470.0
+
+
+def anchored(layer_us: dict) -> dict:
+    """A calibration's us a block by variant at the manifest hosts' speed: each variant's cost relative to the
+    file's own torch-kernel block is the software's, the torch block's absolute the host CPU's (HOST_ANCHOR_US)."""
+    own = layer_us.get("torch_kernels")
+    return {k: v / own * HOST_ANCHOR_US for k, v in layer_us.items()} if own else dict(layer_us)
+
+
+def _merge_layer(seed: dict, new: dict) -> dict:
+    """The seed's us a block by variant with `new`'s in place; a seed variant `new` lacks keeps its difference to
+    the dense block (what it adds is the software's), on `new`'s dense block."""
+    shift = new.get("dense", seed["dense"]) - seed["dense"]
+    out = {**{k: v + shift if k not in ("dense", "torch_kernels") else v for k, v in seed.items()}, **new}
+    out.update({k: r * out["dense"] for k, r in HOST_RATIOS.items() if k not in new})
+    return out
+
+
 def _load(seed: GPU, path: str, drop: tuple = (), host_relative: bool = False) -> GPU:
     """The seed with bench_calibrate.py's measured numbers in place (its sections only; the rest stay seeds).
-    drop: "section.key" entries not taken; host_relative: each host variant as its ratio to the file's own dense
-    block times the seed's dense block (the variants' costs are the software's, the dense block's the host CPU's)."""
+    drop: "section.key" entries not taken; host_relative: the host variants at the manifest hosts' speed
+    (`anchored`), else the file's own host's us."""
     with open(path) as f:
         cal = json.load(f)
     for d in drop:
@@ -209,14 +238,14 @@ def _load(seed: GPU, path: str, drop: tuple = (), host_relative: bool = False) -
         setattr(g, key, next((v[key] for v in cal.get("comm", {}).values() if key in v), getattr(g, key)))
     if cal.get("host"):
         h = dict(cal["host"])
-        if host_relative and "dense" in h.get("layer_us", {}):
-            base, own = g.host["layer_us"]["dense"], h["layer_us"]["dense"]
-            h["layer_us"] = {k: v / own * base for k, v in h["layer_us"].items()}
+        if host_relative:
+            h["layer_us"] = anchored(h.get("layer_us", {}))
         g.host["launch_us"] = h.get("launch_us", g.host["launch_us"])
-        for k in ("layer_us", "step_us", "syncs_per_layer"):
+        g.host["layer_us"] = _merge_layer(g.host["layer_us"], h.get("layer_us", {}))
+        for k in ("step_us", "syncs_per_layer"):
             g.host.setdefault(k, {}).update(h.get(k, {}))
         g.sources["host"] = f"measured: {where} (unmeasured variants keep their seeds" + \
-            ("; each variant as its ratio to the file's dense block x the seed's dense block)" if host_relative
+            ("; at the manifest hosts' speed: x HOST_ANCHOR_US / the file's torch-kernel block)" if host_relative
              else ")")
     if "membw_gbs" in cal and "elementwise" not in cal["membw_gbs"]:
         g.membw_gbs["elementwise"] = 0.8 * g.membw_gbs["copy"]
@@ -224,19 +253,24 @@ def _load(seed: GPU, path: str, drop: tuple = (), host_relative: bool = False) -
 
 
 # Calibrations taken into a seed, and what of them is not (notes/planner.md). The first 2 x H200 table: its head-dim-64
-# attention was timed eagerly at 87 TFLOP/s (the launches, not the kernel: attention.txt's graph replay says 261),
-# its per-step host figures come from a subtraction that went negative at pp2 (-19 ms), and its host ran the dense
-# block at 3.67 ms where bench_dp's host measure on the manifest's machines says 1.95: its variants are taken as
-# ratios to its own dense block (tp2 1.20, tp2 + sp 1.86, pp2 1.84, MoE 1.78, ep2 2.85, FP8 1.76, AC full 1.60).
-ADOPTED = {"H200": ("calibrate_gpus_h200.json", ("attention_tflops.64", "host.step_us"), True)}
-# What a calibration measures that is not the chip's or the host CPU's, taken by the other GPUs: NCCL's collectives
-# and send/recv by size on 2 GPUs with the host's wait on them (H100 SXM and H200 share NVLink 4 and NVSwitch; the
-# seeds' all-reduce rows are H200's already) and the host syncs a block makes (the code's: ep2's split sizes).
-SHARED = {"H100": ("calibrate_gpus_h200.json", ("comm", "syncs_per_layer"))}
+# attention was timed eagerly at 87 TFLOP/s (the launches, not the kernel: attention.txt's graph replay says 261);
+# its host rows are wall time of a tiny model's step at 2 and 6 blocks (the probe of 557d434): at pp2 that slope
+# carries the pipeline's (m + p - 1) / m fill and its intercept went negative (-19 ms), so neither pp2's block nor
+# any per-step figure is taken; the other variants at the manifest hosts' speed (`anchored`: its torch block 1,930
+# us -> 1,470; dense 3,670 -> 2,795, tp2 1.20x dense, tp2 + sp 1.86, MoE 1.78, ep2 2.85, FP8 1.76, AC full 1.60).
+ADOPTED = {"H200": ("calibrate_gpus_h200.json", ("attention_tflops.64", "host.step_us", "host.pp2"), True)}
+# What a calibration measures that is not the chip's, taken by the other GPUs: NCCL's collectives and send/recv by
+# size on 2 GPUs with the host's wait on them (H100 SXM and H200 share NVLink 4 and NVSwitch; the seeds' all-reduce
+# rows are H200's already), the host syncs a block makes (the code's: ep2's split sizes) and the host cost of each
+# variant at the manifest hosts' speed (the software's; what H100's seeds held was assumed or, for our kernels'
+# +480 us a block, from a bench_launch before the Gluon attention kernels: results/bench_smoke_h200.txt's gives
+# our LayerNorm + attention 1,083 us a block over torch's on its host).
+SHARED = {"H100": ("calibrate_gpus_h200.json", ("comm", "syncs_per_layer", "layer_us"), ("pp2",))}
 
 
-def _share(seed: GPU, path: str, parts: tuple) -> GPU:
-    """The seed with `parts` of another GPU's calibration: "comm" (rows and wait shares), "syncs_per_layer"."""
+def _share(seed: GPU, path: str, parts: tuple, drop: tuple = ()) -> GPU:
+    """The seed with `parts` of another GPU's calibration: "comm" (rows and wait shares), "syncs_per_layer",
+    "layer_us" (`anchored`, less the variants in `drop`)."""
     with open(path) as f:
         cal = json.load(f)
     g = copy.deepcopy(seed)
@@ -250,6 +284,11 @@ def _share(seed: GPU, path: str, parts: tuple) -> GPU:
     if "syncs_per_layer" in parts:
         g.host["syncs_per_layer"] = dict(cal.get("host", {}).get("syncs_per_layer", {}))
         g.sources["host"] += f"; host syncs a block: {where}"
+    if "layer_us" in parts:
+        layer = anchored(cal.get("host", {}).get("layer_us", {}))
+        g.host["layer_us"] = _merge_layer(g.host["layer_us"], {k: v for k, v in layer.items() if k not in drop})
+        g.sources["host"] = f"us a block by variant: {where} at the manifest hosts' speed (x {HOST_ANCHOR_US:.0f} " \
+            f"/ its torch-kernel block), less {', '.join(drop) or 'nothing'}; the rest: " + g.sources["host"]
     return g
 
 
@@ -261,9 +300,9 @@ def table(results_dir: str | None = None) -> dict:
     for key, (name, drop, rel) in ADOPTED.items():
         if os.path.exists(os.path.join(res, name)):
             gpus[key] = _load(gpus[key], os.path.join(res, name), drop, rel)
-    for key, (name, parts) in SHARED.items():
+    for key, (name, parts, drop) in SHARED.items():
         if os.path.exists(os.path.join(res, name)):
-            gpus[key] = _share(gpus[key], os.path.join(res, name), parts)
+            gpus[key] = _share(gpus[key], os.path.join(res, name), parts, drop)
     for path in sorted(glob.glob(os.path.join(res, "plan_gpus_*.json"))):
         with open(path) as f:
             name = json.load(f).get("gpu", "")
@@ -311,8 +350,14 @@ def intra_time(gpu: GPU, kind: str, size: float, n: int) -> float:
         return 0.0
     measured = sorted(int(k) for k in gpu.comm if gpu.comm[k].get(kind))
     near = min(measured, key=lambda k: (abs(k - n), -k))
-    t = _interp(gpu.comm[str(near)][kind], size, gpu.latency_us * 1e-6)
-    return t * BUS[kind](n) / BUS[kind](near) if kind != "send_recv" else t
+    floor = gpu.latency_us * 1e-6
+    t = _interp(gpu.comm[str(near)][kind], size, floor)
+    if kind == "send_recv":
+        return t
+    ar_n, ar_near = gpu.comm.get(str(n), {}).get("all_reduce"), gpu.comm[str(near)].get("all_reduce")
+    if near != n and ar_n and ar_near:  # n measured for all-reduce only: its all-reduce x this kind's measured
+        return t / _interp(ar_near, size, floor) * _interp(ar_n, size, floor)  # share of one at `near`, same size
+    return t * BUS[kind](n) / BUS[kind](near)
 
 
 def coll_time(gpu: GPU, kind: str, size: float, n: int, stride: int = 1, fabric: dict | None = None) -> float:
