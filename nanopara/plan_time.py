@@ -2,7 +2,7 @@
 
 Per pp stage and micro-batch: the forward and backward GPU time of its blocks (planner.block_gpu), the head or
 embedding, the weights' bf16 casts and gradient accumulation, and the exposed TP / SP (all collectives on the
-critical path: tp_overlap is off by default), CP (ring: each step's K/V message against that step's attention;
+critical path: tp_overlap is off by default), CP (ring: its K/V messages and dK/dV parts exposed, as measured;
 Ulysses: four all-to-alls each way), EP (dispatch and combine all-to-alls) communication. The host issues each
 action at planner._host_layer per block, so an action takes max(GPU, host) (+ the table's host_wait_share of the
 smaller where an eager collective makes the host wait). Pipeline (p stages, m micro-batches, S_i = F_i + B_i):
@@ -48,13 +48,14 @@ def micro_comm(run: Run, gpu, blocks: list[int], attn_s: float) -> dict:
         if L.cp_impl == "ulysses":
             a2a = G.coll_time(gpu, "all_to_all", t * m.qkv_out * 2 / L.tp, L.cp, L.tp, fab)
             out["cp_comm"] = n * 2 * 2 * a2a
-        else:
+        else:  # (cp-1) K/V messages forward, (cp-1) K/V + (cp-1) dK/dV parts backward, all on the critical
+            # path: bench_cp's step against the same step with the messages as no-ops says 1.12 / 1.16 ms a layer at
+            # cp2 16k (two hosts) and 3.25 at cp4 32k, more than the messages' own 0.81 / 2.42 ms at the pair's rate
+            # (results/cp_gpt_1b_16k_h100.json, cp2_16k_h100_2.txt, cp4_32k_gpt_1b_h100.json): none hides
             kv = t * 2 * m.kv_heads * m.hd * 2 / L.tp
             msg = G.coll_time(gpu, "send_recv", kv, 2, L.tp, fab)
-            step = attn_s / L.cp  # one ring step's attention (fwd and bwd share attn_s as 1 : 2.5)
-            fwd = (L.cp - 1) * max(0.0, msg - step / 3.5)
-            bwd = (L.cp - 1) * max(0.0, 2 * msg - step * 2.5 / 3.5)
-            out["cp_comm"] = n * (fwd + bwd + (L.cp - 1) * 2 * gpu.latency_us * 1e-6)
+            out["cp_comm"] = n * (L.cp - 1) * (3 * msg + 2 * gpu.latency_us * 1e-6)
+            del attn_s
     moe = sum(_is_moe(m, b) for b in blocks)
     if moe and L.ep > 1:
         a2a = G.coll_time(gpu, "all_to_all", t * m.top_k * m.d * 2 / (L.tp if L.sp else 1), L.ep, L.tp, fab)

@@ -239,6 +239,12 @@ def act_coef(run: Run, moe: bool) -> float:
 # ----------------------------------------------------------------------------------------------------------------
 # memory
 
+# Ring attention's glue (K/V stacks, the packed-qkv gradient's cat, mixed-dtype adds of the dK/dV parts, casts:
+# strided, non-vectorised kernels), bytes-equivalent at the elementwise rate per ring step, token of the rank and C:
+# the "other" kernels of a cp step beyond 1/cp of the one-GPU step's, gpt_1b at 16k on H100: cp2 176.1 - 114.6 / 2
+# ms for 4 micro-steps (results/cp2_16k_h100_2.jsonl, notes/cp.md) = 118 bytes, cp4 30.0 - 28.7 / 4 ms for one
+# (cp4_16k_h100_2.jsonl) = 91 bytes; their mean
+RING_GLUE = 104.0
 SLACK = 0.07     # caching allocator: reserved over allocated (2 MB block rounding, cached free blocks); assumed
 CONTEXT_GB = 1.0  # CUDA context + NCCL buffers, outside torch's counters; assumed
 
@@ -338,6 +344,8 @@ def block_gpu(run: Run, gpu, moe: bool) -> dict:
     mem_bytes = t * m.d * ((rep + shd) / tp if L.sp else rep + shd / tp)
     if moe:  # permute, unpermute, fwd and bwd (results/moe_h100.txt section 3: 75-88 % of copy bandwidth)
         mem_bytes += t * m.top_k * m.d * 2 * 8
+    if L.cp > 1 and L.cp_impl == "ring":  # the ring's glue, per ring step (cp a layer) and token of the rank
+        mem_bytes += L.cp * t * m.d * RING_GLUE / (tp if L.sp else 1)
     memb = mem_bytes / (gpu.membw_gbs["elementwise"] * 1e9)
     if fp8 and mode[1] is not None:  # each FP8 Linear quantizes its input X and output gradient dY (and their
         # transposes) once a micro-batch, at the mode's measured time an element (gpus.fp8_modes)
