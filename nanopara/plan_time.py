@@ -116,11 +116,17 @@ def _stage(run: Run, gpu, i: int, blocks: list[int]) -> dict:
     grad_bytes = 18.0 if L.graph else 18 - 12 / run.accum
     per_micro = ((6 if L.pp == 1 else 0) + grad_bytes) * (dense + expert) / (gpu.membw_gbs["elementwise"] * 1e9)
     kinds["head"], kinds["params_pass"] = head, per_micro
+    fp8_w = 0.0  # each FP8 Linear quantizes its weight (and the transpose) once a step, at the mode's rate an
+    if L.fp8 != "none" and gpu.fp8_modes.get(L.fp8, (1.0, None))[1]:  # element (fp8.py weight_fp8's cache)
+        lin = m.d * m.qkv_out + m.d * m.d + (3 if m.swiglu else 2) * m.d * m.ffn
+        dense_blocks = sum(not _is_moe(m, b) for b in blocks)
+        fp8_w = dense_blocks * lin / L.tp * gpu.fp8_modes[L.fp8][1] * 1e-12
     comm = micro_comm(run, gpu, blocks, kinds["attention"] / max(len(blocks), 1))
     steps_host = 0.0 if (L.graph or L.kernels == "cudnn") else gpu.host["step_us"].get("dense", 0) * 1e-6
     host += MICRO_SHARE * steps_host
     gpu_s = sum(kinds.values()) + sum(comm.values())
     return {"kinds": kinds, "comm": comm, "gpu": gpu_s, "gpu_fwd": fwd + head / 3, "host": host, "wait": wait,
+            "fp8_weights": fp8_w,
             "dense": dense, "expert": expert, "bwd_gpu": gpu_s - fwd - head / 3, "step_host": steps_host}
 
 
@@ -159,6 +165,9 @@ def step_time(run: Run) -> dict:
         if run.model.tied:  # the tied embedding's two halves summed between the first and last stage
             opt += G.coll_time(gpu, "all_reduce", 4 * run.model.vocab * run.model.d / L.tp, 2, L.tp * L.cp * L.dp,
                                run.fabric)
+    # FP8 weights: cast once a step eagerly; a graph's replay casts them again every micro-step (graph.py bumps
+    # the FP8 generation before capturing, so the capture records the casts)
+    fp8_w = s["fp8_weights"] * (m if L.graph else 1)
     tail = max(opt, (1 - MICRO_SHARE) * s["step_host"])
     items = {k2: m * v for k2, v in s["kinds"].items()}
     items.update({k2: m * v for k2, v in s["comm"].items()})
@@ -169,6 +178,7 @@ def step_time(run: Run) -> dict:
     items["dp_exposed"] = dp["exposed"]
     items["dp_contention"] = CONTENTION * dp["overlapped"]
     items["optimizer"] = tail
+    items["fp8_weights"] = fp8_w
     step = sum(items.values())
     return {"items": items, "step_s": step, "stage": k, "host_bound": items["host_excess"] > 0.05 * step}
 
