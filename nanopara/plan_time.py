@@ -23,6 +23,10 @@ from nanopara.planner import (Run, _host_layer, _is_moe, _linear_s, block_gpu, c
 CONTENTION = 0.3   # compute slowdown per second of overlapped collective (notes/dp.md's no-communication control)
 CE_BYTES_TORCH = 68.0  # F.cross_entropy over fp32 logits, fwd+bwd, per token and vocab entry at copy bandwidth
                        # (results/bench_cross_entropy_full.txt: 13.2 ms at 16384 x 50304, H200); ours 7.3 -> 8
+# share of a block's fwd + bwd host time spent issuing its forward (autograd's backward runs in C++ and issues about
+# 2x the forward's kernels for less than 2x its host time): CPU proxies of the dense block, 1F1B's F 2.4 ms against
+# its backward 3.5-4.1 (bench/host_zb.py) and a forward alone ~250 us of ~650-750 (notes/pp.md's recompute proxy)
+HOST_FWD_SHARE = 0.37
 MICRO_SHARE = 0.6  # share of the table's per-step host time that recurs every micro-step (embedding, head, loss)
 
 
@@ -141,7 +145,7 @@ def step_time(run: Run) -> dict:
         p2p = L.virtual * G.coll_time(gpu, "send_recv", act, 2, L.tp * L.cp * L.dp, run.fabric)
     S = []
     for s in stages:
-        hf = s["host"] / 3  # a forward issues about a third of the block's launches
+        hf = s["host"] * HOST_FWD_SHARE
         F = _combine(s["gpu_fwd"], hf, s["wait"]) + p2p
         B = _combine(s["bwd_gpu"], s["host"] - hf, s["wait"]) + p2p
         S.append((F, B))
