@@ -192,9 +192,10 @@ SEEDS = {"H100": _H100, "H200": _H200}
 
 
 # The host CPU's speed on the manifest's machines, measured by the one block every host ran: GPT-2's block with
-# model.kernels=torch, 1,470 us to issue its fwd + bwd (bench_dp.py's host ms with the GPU held busy, H100 host:
-# results/archive/dp_one_b32_1_h100.json 18.6 ms for 12 blocks less ~1 ms of head; dp2_h100.txt's 19.7 on another).
-HOST_ANCHOR_US = 1470.0
+# model.kernels=torch. bench_dp.py's host ms (gpt2_124m's fwd + bwd issued with the GPU held busy, B 32, one GPU) on
+# two H100 hosts: 18.64 ms (results/archive/dp_one_b32_1_h100.json) and 19.7 (results/dp2_h100.txt); their mean less
+# the 0.9 ms of embedding, head and loss a micro-step that step_us charges (MICRO_SHARE x 1,500), over 12 blocks.
+HOST_ANCHOR_US = 1520.0
 
 
 def anchored(layer_us: dict) -> dict:
@@ -257,7 +258,7 @@ def _load(seed: GPU, path: str, drop: tuple = (), host_relative: bool = False) -
 # its host rows are wall time of a tiny model's step at 2 and 6 blocks (the probe of 557d434): at pp2 that slope
 # carries the pipeline's (m + p - 1) / m fill and its intercept went negative (-19 ms), so neither pp2's block nor
 # any per-step figure is taken; the other variants at the manifest hosts' speed (`anchored`: its torch block 1,930
-# us -> 1,470; dense 3,670 -> 2,795, tp2 1.20x dense, tp2 + sp 1.86, MoE 1.78, ep2 2.85, FP8 1.76, AC full 1.60).
+# us -> 1,520; dense 3,670 -> 2,890, tp2 1.20x dense, tp2 + sp 1.86, MoE 1.78, ep2 2.85, FP8 1.76, AC full 1.60).
 ADOPTED = {"H200": ("calibrate_gpus_h200.json", ("attention_tflops.64", "host.step_us", "host.pp2"), True)}
 # What a calibration measures that is not the chip's, taken by the other GPUs: NCCL's collectives and send/recv by
 # size on 2 GPUs with the host's wait on them (H100 SXM and H200 share NVLink 4 and NVSwitch; the seeds' all-reduce
