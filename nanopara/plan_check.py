@@ -9,7 +9,8 @@ baselines (torch DDP, torch.compile, torchao, nanoGPT), rows of trees older than
 options the planner does not model (tp_overlap > 0), the old ZB-H1 (before zb.py), profiles and kernel rows. Peak
 memory under a CUDA graph is not compared (the graph's pool is allocated before bench_layout resets the counter).
 `check()` predicts each row (planner + plan_time with gpus.table()) and returns the table and the accuracy summary
-that tests/test_plan.py asserts; `python -m nanopara.plan_check` prints it (results/plan_check.txt).
+that tests/test_plan.py asserts; `python -m nanopara.plan_check` prints it (results/plan_check.txt), `--classes` the
+rows within 15 % by class (GPU, preset, axes, eager / graph, kernels, MoE, FP8, AC; results/plan_check_classes.txt).
 """
 from __future__ import annotations
 
@@ -66,6 +67,35 @@ def summary(out: list[dict]) -> dict:
             "mem_over_30": [o["id"] for o in out if o["mem_err"] is not None and abs(o["mem_err"]) > GOAL["worst"]]}
 
 
+def row_classes(row: dict) -> dict:
+    """The classes a manifest row falls in, for grouping the misses: GPU, preset, layout axes, eager or graphed,
+    kernels, dense or MoE, FP8 mode, activation checkpointing."""
+    lay = row["layout"]
+    axes = "+".join(k for k in ("tp", "pp", "cp", "dp", "ep") if lay[k] > 1) or "1gpu"
+    return {"gpu": row["gpu"], "preset": row["preset"], "axis": axes, "mode": "graph" if lay["graph"] else "eager",
+            "kernels": lay["kernels"], "moe": "moe" if row["preset"] == "gpt2_moe" else "dense", "fp8": lay["fp8"],
+            "ac": lay["ac"]}
+
+
+def classes(res: dict) -> dict:
+    """{"class=value": [rows, within 15 %, under-predicted past it, over-predicted past it]}, "all" first."""
+    out = {"all": [0, 0, 0, 0]}
+    for o in res["rows"]:
+        e = o["time_err"]
+        col = 1 if abs(e) <= GOAL["time"] else 2 if e < 0 else 3
+        for key in ["all"] + [f"{k}={v}" for k, v in row_classes(o["row"]).items()]:
+            c = out.setdefault(key, [0, 0, 0, 0])
+            c[0] += 1
+            c[col] += 1
+    return {"all": out.pop("all"), **dict(sorted(out.items()))}
+
+
+def render_classes(res: dict) -> str:
+    lines = [f"{'class':24s} {'rows':>4s} {'within':>6s} {'under':>5s} {'over':>4s}"]
+    lines += [f"{k:24s} {n:4d} {w:6d} {u:5d} {o:4d}" for k, (n, w, u, o) in classes(res).items()]
+    return "\n".join(lines)
+
+
 def read(path: str = MANIFEST) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip() and not line.startswith("#")]
@@ -95,6 +125,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--build", action="store_true", help="rebuild results/plan_manifest.jsonl from results/")
     ap.add_argument("--append", action="store_true", help="append plan_manifest.APPENDED's new rows")
+    ap.add_argument("--classes", action="store_true", help="the rows within 15 %% step time by class instead")
     args = ap.parse_args(argv)
     if args.build:
         from nanopara.plan_manifest import build
@@ -102,7 +133,7 @@ def main(argv=None):
     if args.append:
         from nanopara.plan_manifest import append
         append(MANIFEST)
-    print(render(check()))
+    print(render_classes(check()) if args.classes else render(check()))
 
 
 if __name__ == "__main__":
