@@ -346,12 +346,13 @@ def ptxas_report(quick=False, log=sys.stdout):
                 print(f"{rows[-1]['kernel']:>48}: {r['regs']:3d} regs, spills {r['spill_bytes']:4d} B, "
                       f"smem {r['smem']:6d} B, wgmma {r['wgmma']}, TMA ops {r['tma_ops']}", file=log, flush=True)
     fmt = dict(FP8_MAX=448.0, MANT=3, BIAS=7, POW2=True, SOFT=False)
-    qsig = dict(X="*bf16", Q="*fp8e4nv", QT="*fp8e4nv", S="*fp32", ST="*fp32", AMAX="*fp32", AMAX_OUT="*i32",
+    qsig = dict(X="*bf16", H="*bf16", Q="*fp8e4nv", QT="*fp8e4nv", S="*fp32", ST="*fp32", AMAX="*fp32", AMAX_OUT="*i32",
                 CSUM="*fp32", M="i32", K="i32", M_BUCKET="i32", stride_xm="i32", stride_qm="i32", stride_qtk="i32",
                 stride_sm="i32", stride_sk="i32", stride_stk="i32", stride_stm="i32")
     # the autotuned per-tensor / per-column kernels: every candidate tile with each flag set the launchers use
     # (quick: the cast with q, q^T and RECORD, whose persistent walk spilled first)
-    cast = lambda **f: {**dict(WRITE_Q=True, WRITE_QT=True, RECORD=False, COLSUM=False), **f, **fmt}  # noqa: E731
+    def cast(**f):
+        return {**dict(WRITE_Q=True, WRITE_QT=True, RECORD=False, COLSUM=False, PROLOGUE=0), **f, **fmt}
     flag_sets = [("cast tensor +T +record", fq._cast_kernel, cast(PER_COL=False, RECORD=True), {}),
                  ("cast tensor +T +record +colsum", fq._cast_kernel, cast(PER_COL=False, RECORD=True, COLSUM=True),
                   {}),
@@ -360,8 +361,16 @@ def ptxas_report(quick=False, log=sys.stdout):
                  ("cast tensor +T fp32 in", fq._cast_kernel, cast(PER_COL=False), {"X": "*fp32"}),
                  ("cast per column (T)", fq._cast_kernel, cast(PER_COL=True, WRITE_Q=False), {}),
                  ("cast per column (T) +colsum", fq._cast_kernel, cast(PER_COL=True, WRITE_Q=False, COLSUM=True), {}),
-                 ("amax per tensor", fq._amax_kernel, dict(PER_COL=False), {"AMAX": "*i32"}),
-                 ("amax per column", fq._amax_kernel, dict(PER_COL=True), {"AMAX": "*i32"})]
+                 ("amax per tensor", fq._amax_kernel, dict(PER_COL=False, PROLOGUE=0, SOFT=False), {"AMAX": "*i32"}),
+                 ("amax per column", fq._amax_kernel, dict(PER_COL=True, PROLOGUE=0, SOFT=False), {"AMAX": "*i32"}),
+                 # the FP8 MLP's casts with the GELU folded in (kernels/fp8_prologue.py): forward g, backward dh
+                 ("amax gelu", fq._amax_kernel, dict(PER_COL=False, PROLOGUE=1, SOFT=False), {"AMAX": "*i32"}),
+                 ("cast gelu +T", fq._cast_kernel, cast(PER_COL=False, PROLOGUE=1), {}),
+                 ("cast gelu +T +record", fq._cast_kernel, cast(PER_COL=False, PROLOGUE=1, RECORD=True), {}),
+                 ("amax gelu bwd", fq._amax_kernel, dict(PER_COL=False, PROLOGUE=2, SOFT=False), {"AMAX": "*i32"}),
+                 ("cast gelu bwd +T +colsum", fq._cast_kernel, cast(PER_COL=False, PROLOGUE=2, COLSUM=True), {}),
+                 ("cast gelu bwd +T +record +colsum", fq._cast_kernel,
+                  cast(PER_COL=False, PROLOGUE=2, RECORD=True, COLSUM=True), {})]
     quants = [(f"{name} {fq.tile_name(cfg)}", tuned.fn, {**flags, **cfg.kwargs}, over, cfg.num_warps,
                cfg.num_stages) for name, tuned, flags, over in (flag_sets[:1] if quick else flag_sets)
               for cfg in tuned.configs]

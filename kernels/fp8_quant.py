@@ -11,6 +11,7 @@ Math, for a group G of elements of x (the whole tensor, a row, a column, 1x128 o
 FP8_MAX: 448 (e4m3: activations, weights), 57344 (e5m2: gradients). Scales: fp32 grids of shape (ceil(R/br),
 ceil(C/bc)) for br x bc blocks; `fp8_quantize_ref` is that math for any block, every kernel bit-exact to it.
 Delayed scaling: `quantize_tensor(x, amax=a)` scales by a given amax (a history's max) and records x's own.
+Prologue (per tensor; kernels/fp8_prologue.py): both passes quantize gelu(x) or x * gelu'(h), made in registers.
 
 Kernels (memory bound; the first two take their tile, warps and walk from the autotuner, per shape and flags):
   _amax_kernel    tile amax, folded with atomic_max into one fp32 (per tensor) or one per column, as int32 bits
@@ -32,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8_prologue import PROLOGUES, apply_prologue, prologue_ref
 from kernels.launch import cdiv as _cdiv, fast, next_pow2 as _next_pow2
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -212,15 +214,17 @@ def _sm_count(device):
 
 def _prune(configs, named_args, **kwargs):
     """Per shape: no tile taller than the M bucket or wider than K (above the smallest), no persistent candidate
-    with no more tiles than its programs (it would be the one-tile-a-program candidate again)."""
+    with no more tiles than its programs (it would be the one-tile-a-program candidate again); with the GELU
+    backward prologue no 16-warp persistent walk (ptxas: 4 B of spills with h, RECORD and COLSUM)."""
     if _INTERPRET:
         return configs
     M, K = named_args["M_BUCKET"], named_args["K"]
     sms = _sm_count(named_args["X"].device)
+    two_inputs = kwargs.get("PROLOGUE") == PROLOGUES["gelu_tanh_bwd"]
 
     def keep(c):
         m, k, p = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_K"], c.kwargs["PROGRAMS_PER_SM"]
-        if m > max(32, M) or k > max(64, _next_pow2(K)):
+        if m > max(32, M) or k > max(64, _next_pow2(K)) or two_inputs and p and c.num_warps == 16:
             return False
         return p == 0 or p * sms // _cdiv(K, k) < _cdiv(M, m)  # as _grid sizes it
     return [c for c in configs if keep(c)] or configs[:1]
@@ -250,27 +254,31 @@ _TUNE = dict(configs=_configs(), prune_configs_by={"early_config_prune": _prune}
 
 
 @triton.jit
-def _amax_tile(X, M, K, stride_xm, pid_m, cols, PER_COL: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The amax of row tile pid_m of one column strip: per column (BLOCK_K,), or one scalar."""
+def _amax_tile(X, H, M, K, stride_xm, pid_m, cols, PER_COL: tl.constexpr, PROLOGUE: tl.constexpr,
+               SOFT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The amax of row tile pid_m of one column strip (after the prologue): per column (BLOCK_K,), or one scalar."""
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     mask = (rows < M)[:, None] & (cols < K)[None, :]
-    x = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    offs = rows[:, None] * stride_xm + cols[None, :]
+    x = apply_prologue(tl.load(X + offs, mask=mask, other=0.0).to(tl.float32), H, offs, mask, PROLOGUE, SOFT)
     return _amax(x, 0) if PER_COL else _amax(x, None)
 
 
-@triton.autotune(key=["K", "M_BUCKET", "PER_COL"], **_TUNE)  # + the dtypes (the autotuner adds them)
+@triton.autotune(key=["K", "M_BUCKET", "PER_COL", "PROLOGUE"], **_TUNE)  # + the dtypes (the autotuner adds them)
 @triton.jit
-def _amax_kernel(X, AMAX, M, K, M_BUCKET, stride_xm, PER_COL: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr):
+def _amax_kernel(X, H, AMAX, M, K, M_BUCKET, stride_xm, PER_COL: tl.constexpr, PROLOGUE: tl.constexpr,
+                 SOFT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr):
     """Fold the amax of x into AMAX (int32 bits of fp32, zeroed): one value, or one per column (PER_COL). Program
     (i, j) takes row tile i of column strip j; persistent (PROGRAMS_PER_SM > 0, fewer programs along axis 0): also
     the strip's tiles i + n, i + 2n, ... (n = programs along axis 0), keeping a running max, so one atomic per
-    program instead of one per tile. M_BUCKET: tuning key only."""
+    program instead of one per tile. M_BUCKET: tuning key only. PROLOGUE (kernels/fp8_prologue.py): the amax of
+    gelu(x), or of x * gelu'(h) with h read from H (X's strides), never written."""
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    amax = _amax_tile(X, M, K, stride_xm, tl.program_id(0), cols, PER_COL, BLOCK_M)
+    amax = _amax_tile(X, H, M, K, stride_xm, tl.program_id(0), cols, PER_COL, PROLOGUE, SOFT, BLOCK_M)
     if PROGRAMS_PER_SM > 0:  # a constexpr branch: the loop would cost the one-tile kernel registers
         for pid_m in range(tl.program_id(0) + tl.num_programs(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
-            amax = tl.maximum(amax, _amax_tile(X, M, K, stride_xm, pid_m, cols, PER_COL, BLOCK_M))  # no NaN here
+            amax = tl.maximum(amax, _amax_tile(X, H, M, K, stride_xm, pid_m, cols, PER_COL, PROLOGUE, SOFT,
+                                               BLOCK_M))  # no NaN here
     if PER_COL:
         tl.atomic_max(AMAX + cols, amax.to(tl.int32, bitcast=True), mask=cols < K, sem="relaxed")
     else:
@@ -278,16 +286,18 @@ def _amax_kernel(X, AMAX, M, K, M_BUCKET, stride_xm, PER_COL: tl.constexpr, BLOC
 
 
 @triton.jit
-def _cast_tile(X, Q, QT, CSUM, M, K, stride_xm, stride_qm, stride_qtk, pid_m, cols, qs,
+def _cast_tile(X, H, Q, QT, CSUM, M, K, stride_xm, stride_qm, stride_qtk, pid_m, cols, qs,
                PER_COL: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr, COLSUM: tl.constexpr,
-               FP8_MAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, SOFT: tl.constexpr,
-               BLOCK_M: tl.constexpr):
-    """Cast row tile pid_m of one column strip with qs (per column, or a scalar), store q and/or q^T and the
-    tile's column sums (row pid_m of CSUM); returns the tile's amax (for RECORD; unused values are dropped)."""
+               PROLOGUE: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
+               SOFT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Cast row tile pid_m of one column strip (after the prologue) with qs (per column, or a scalar), store q and/or
+    q^T and the tile's column sums (row pid_m of CSUM); returns the tile's amax (for RECORD; unused values are
+    dropped)."""
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cmask = cols < K
     mask = (rows < M)[:, None] & cmask[None, :]
-    x = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    offs = rows[:, None] * stride_xm + cols[None, :]
+    x = apply_prologue(tl.load(X + offs, mask=mask, other=0.0).to(tl.float32), H, offs, mask, PROLOGUE, SOFT)
     amax = _amax(x, None)  # here, not after the stores, which it would keep x live across (ptxas: ~2x registers)
     if PER_COL:
         y = _to_fp8(x * qs[None, :], Q.dtype.element_ty, FP8_MAX, MANT, BIAS, SOFT)
@@ -302,19 +312,20 @@ def _cast_tile(X, Q, QT, CSUM, M, K, stride_xm, stride_qm, stride_qtk, pid_m, co
     return amax
 
 
-@triton.autotune(key=["K", "M_BUCKET", "PER_COL", "WRITE_Q", "WRITE_QT", "RECORD", "COLSUM"],
+@triton.autotune(key=["K", "M_BUCKET", "PER_COL", "WRITE_Q", "WRITE_QT", "RECORD", "COLSUM", "PROLOGUE"],
                  pre_hook=_zero_stale_parts, **_TUNE)
 @triton.jit
-def _cast_kernel(X, Q, QT, S, AMAX, AMAX_OUT, CSUM, M, K, M_BUCKET, stride_xm, stride_qm, stride_qtk,
+def _cast_kernel(X, H, Q, QT, S, AMAX, AMAX_OUT, CSUM, M, K, M_BUCKET, stride_xm, stride_qm, stride_qtk,
                  PER_COL: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_QT: tl.constexpr, RECORD: tl.constexpr,
-                 COLSUM: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
-                 POW2: tl.constexpr, SOFT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PROGRAMS_PER_SM: tl.constexpr):
+                 COLSUM: tl.constexpr, PROLOGUE: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr,
+                 BIAS: tl.constexpr, POW2: tl.constexpr, SOFT: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PROGRAMS_PER_SM: tl.constexpr):
     """Cast x with the scale(s) of AMAX (fp32: one, or one per column), store it as q (M, K) and/or as q^T (K, M);
     tiles as _amax_kernel's (persistent or not). Programs with program_id(0) == 0 (their first tile is row tile 0,
     for every tile and grid) write the scales S. RECORD: fold x's amax into AMAX_OUT (delayed scaling: the scale
     came from history, the amax of this x goes into it), one atomic per program. COLSUM: each tile's column sums
-    into row pid_m of CSUM (>= cdiv(M, BLOCK_M) rows, the rest zero), summed by the launcher: deterministic."""
+    into row pid_m of CSUM (>= cdiv(M, BLOCK_M) rows, the rest zero), summed by the launcher: deterministic.
+    PROLOGUE: what is cast, recorded and summed is gelu(x) or x * gelu'(h) (as in _amax_kernel), in fp32."""
     pid_k = tl.program_id(1)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     cmask = cols < K
@@ -326,13 +337,13 @@ def _cast_kernel(X, Q, QT, S, AMAX, AMAX_OUT, CSUM, M, K, M_BUCKET, stride_xm, s
         qs, s = _scales(tl.load(AMAX), FP8_MAX, POW2)
         if (tl.program_id(0) == 0) & (pid_k == 0):
             tl.store(S, s)
-    amax = _cast_tile(X, Q, QT, CSUM, M, K, stride_xm, stride_qm, stride_qtk, tl.program_id(0), cols, qs,
-                      PER_COL, WRITE_Q, WRITE_QT, COLSUM, FP8_MAX, MANT, BIAS, SOFT, BLOCK_M)
+    amax = _cast_tile(X, H, Q, QT, CSUM, M, K, stride_xm, stride_qm, stride_qtk, tl.program_id(0), cols, qs,
+                      PER_COL, WRITE_Q, WRITE_QT, COLSUM, PROLOGUE, FP8_MAX, MANT, BIAS, SOFT, BLOCK_M)
     if PROGRAMS_PER_SM > 0:  # as in _amax_kernel: the strip's further row tiles, the scales computed once
         for pid_m in range(tl.program_id(0) + tl.num_programs(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
-            amax = tl.maximum(amax, _cast_tile(X, Q, QT, CSUM, M, K, stride_xm, stride_qm, stride_qtk, pid_m, cols,
-                                               qs, PER_COL, WRITE_Q, WRITE_QT, COLSUM, FP8_MAX, MANT, BIAS, SOFT,
-                                               BLOCK_M))
+            amax = tl.maximum(amax, _cast_tile(X, H, Q, QT, CSUM, M, K, stride_xm, stride_qm, stride_qtk, pid_m,
+                                               cols, qs, PER_COL, WRITE_Q, WRITE_QT, COLSUM, PROLOGUE, FP8_MAX, MANT,
+                                               BIAS, SOFT, BLOCK_M))
     if RECORD:
         tl.atomic_max(AMAX_OUT, amax.to(tl.int32, bitcast=True), sem="relaxed")
 
@@ -446,6 +457,19 @@ def _fmt(dtype, pow2):
     return fmt
 
 
+def _prologue_input(x, prologue, h):
+    """(x, the kernels' H): for "gelu_tanh_bwd" h, checked (x's shape and device, a float dtype) and read with x's
+    strides (both made contiguous where they differ); else x itself, a placeholder the kernels never read."""
+    if prologue not in PROLOGUES:
+        raise ValueError(f"fp8 quantize: prologue must be one of {list(PROLOGUES)}, got {prologue!r}")
+    if prologue != "gelu_tanh_bwd":
+        return x, x
+    if h is None or h.shape != x.shape or h.device != x.device or not h.dtype.is_floating_point:
+        raise ValueError(f"fp8 quantize: the gelu_tanh_bwd prologue needs h of x's shape {tuple(x.shape)} and device"
+                         f", got {None if h is None else (tuple(h.shape), h.device, h.dtype)}")
+    return (x, h) if h.stride() == x.stride() else (x.contiguous(), h.contiguous())
+
+
 def _amax_bits(n, device):
     """Zeroed int32 buffer (1, n) for the atomic amax (bits of non-negative fp32: 0 is +0.0); the kernels see only
     its address, the (1, n) shape is the amax the launchers return (one view, no reshape)."""
@@ -479,27 +503,32 @@ def _grid(M, K, sms, meta):
     return (tiles_m if per_sm == 0 else max(1, min(tiles_m, per_sm * sms // tiles_k)), tiles_k)
 
 
-def quantize_tensor(x, dtype=E4M3, pow2=False, amax=None, write_q=True, transpose=False, colsum=False):
+def quantize_tensor(x, dtype=E4M3, pow2=False, amax=None, write_q=True, transpose=False, colsum=False,
+                    prologue=None, h=None):
     """Per-tensor scale. amax=None: x's own (an amax pass, then the cast); else the given fp32 amax (delayed
     scaling), and x's amax is recorded for the history in one pass. Returns FP8Tensors(q or None, s (1, 1),
-    qt (K, M) or None, st = s, amax (1, 1) of x, colsum: x's column sums (K,) fp32 if asked, from the cast pass)."""
+    qt (K, M) or None, st = s, amax (1, 1) of x, colsum: x's column sums (K,) fp32 if asked, from the cast pass).
+    prologue (kernels/fp8_prologue.py): "gelu_tanh" quantizes gelu(x), "gelu_tanh_bwd" x * gelu'(h) (h: x's
+    shape), computed in fp32 in both passes and never written; amax and colsum are then those of that tensor."""
     _check_dtype(x, dtype)
     x = _as_rows(x)
     M, K = x.shape
+    x, h = _prologue_input(x, prologue, h)
     q = torch.empty(M, K, dtype=dtype, device=x.device) if write_q else None
     qt = torch.empty(K, M, dtype=dtype, device=x.device) if transpose else None
     s = torch.empty(1, 1, dtype=torch.float32, device=x.device)
     bits = _amax_bits(1, x.device)
     grid, mb = functools.partial(_grid, M, K, _sm_count(x.device)), _m_bucket(M)
+    pro = PROLOGUES[prologue]
     if M * K and amax is None:
-        _amax_k[grid](x, bits, M, K, mb, x.stride(0), PER_COL=False)
+        _amax_k[grid](x, h, bits, M, K, mb, x.stride(0), PER_COL=False, PROLOGUE=pro, SOFT=_INTERPRET)
     own = bits.view(torch.float32)  # (1, 1)
     given = own if amax is None else amax.float().reshape(1).contiguous()
     parts = _parts(colsum, _cdiv(M, PARTS_BLOCK_M), K, x.device)
     if M * K:
-        _cast_k[grid](x, q if write_q else qt, qt, s, given, bits, parts, M, K, mb, x.stride(0), K, M,
+        _cast_k[grid](x, h, q if write_q else qt, qt, s, given, bits, parts, M, K, mb, x.stride(0), K, M,
                       PER_COL=False, WRITE_Q=write_q, WRITE_QT=transpose, RECORD=amax is not None, COLSUM=colsum,
-                      **_fmt(dtype, pow2))
+                      PROLOGUE=pro, **_fmt(dtype, pow2))
     else:
         s.copy_(scales_from_amax_ref(given.view(1, 1), dtype, pow2)[1])
     return FP8Tensors(q, s, qt, s if transpose else None, own, parts.sum(0) if colsum else None)
@@ -518,9 +547,9 @@ def quantize_cols_t(x, dtype=E4M3, pow2=False, colsum=False):
     grid, mb = functools.partial(_grid, M, K, _sm_count(x.device)), _m_bucket(M)
     parts = _parts(colsum, _cdiv(M, PARTS_BLOCK_M), K, x.device)
     if M * K:
-        _amax_k[grid](x, bits, M, K, mb, x.stride(0), PER_COL=True)
-        _cast_k[grid](x, qt, qt, st, own, bits, parts, M, K, mb, x.stride(0), K, M, PER_COL=True,
-                      WRITE_Q=False, WRITE_QT=True, RECORD=False, COLSUM=colsum, **_fmt(dtype, pow2))
+        _amax_k[grid](x, x, bits, M, K, mb, x.stride(0), PER_COL=True, PROLOGUE=0, SOFT=_INTERPRET)
+        _cast_k[grid](x, x, qt, qt, st, own, bits, parts, M, K, mb, x.stride(0), K, M, PER_COL=True,
+                      WRITE_Q=False, WRITE_QT=True, RECORD=False, COLSUM=colsum, PROLOGUE=0, **_fmt(dtype, pow2))
     else:
         st.copy_(scales_from_amax_ref(torch.zeros(K, 1, device=x.device), dtype, pow2)[1])
     return FP8Tensors(None, None, qt, st, own, parts.sum(0) if colsum else None)
@@ -593,8 +622,9 @@ def quantize_128x128(x, dtype=E4M3, pow2=False, transpose=False):
 GRANULARITIES = ("tensor", "row", "col", "1x128", "128x128")
 
 
-def _ref(x, dtype, granularity, pow2, transpose, amax, colsum=False):
+def _ref(x, dtype, granularity, pow2, transpose, amax, colsum=False, prologue=None, h=None):
     """The reference behind fp8_quantize, returning what the matching launcher returns."""
+    x = prologue_ref(x, prologue, h)
     M, K = x.shape
     if granularity == "tensor":
         q, s, own = fp8_quantize_ref(x, dtype, None, pow2, amax)
@@ -618,11 +648,12 @@ def _ref(x, dtype, granularity, pow2, transpose, amax, colsum=False):
 
 
 def fp8_quantize(x, dtype=E4M3, granularity="tensor", pow2=False, transpose=False, amax=None, triton_path=None,
-                 colsum=False):
+                 colsum=False, prologue=None, h=None):
     """Quantize a 2-D x. granularity: tensor | row | col (per column, returned transposed as qt) | 1x128 | 128x128;
     transpose: also q^T (tensor, 1x128, 128x128); amax: delayed scaling (tensor only); colsum: x's column sums
-    (fp32) from the same pass (tensor, col, 1x128: dY's bias gradient). triton_path: None = Triton on CUDA, the
-    reference elsewhere; True forces the kernels (CPU: TRITON_INTERPRET=1)."""
+    (fp32) from the same pass (tensor, col, 1x128: dY's bias gradient). prologue (tensor only): quantize gelu(x)
+    ("gelu_tanh") or x * gelu'(h) ("gelu_tanh_bwd") instead of x (quantize_tensor). triton_path: None = Triton on
+    CUDA, the reference elsewhere; True forces the kernels (CPU: TRITON_INTERPRET=1)."""
     if granularity not in GRANULARITIES:
         raise ValueError(f"fp8_quantize: granularity must be one of {GRANULARITIES}, got {granularity!r}")
     if amax is not None and granularity != "tensor":
@@ -631,11 +662,14 @@ def fp8_quantize(x, dtype=E4M3, granularity="tensor", pow2=False, transpose=Fals
         raise ValueError("fp8_quantize: colsum is for the granularities dY takes: tensor, col, 1x128")
     if transpose and granularity in ("row", "col"):
         raise ValueError("fp8_quantize: per-row scales of x are per-column scales of x^T: use granularity='col'")
+    if prologue is not None and granularity != "tensor":
+        raise ValueError("fp8_quantize: a prologue is per tensor only (the FP8 MLP's tensor mode)")
     if not (x.is_cuda if triton_path is None else triton_path):
         _check_dtype(x, dtype)
-        return _ref(x, dtype, granularity, pow2, transpose, amax, colsum)
+        _prologue_input(x, prologue, h)
+        return _ref(x, dtype, granularity, pow2, transpose, amax, colsum, prologue, h)
     if granularity == "tensor":
-        return quantize_tensor(x, dtype, pow2, amax, transpose=transpose, colsum=colsum)
+        return quantize_tensor(x, dtype, pow2, amax, transpose=transpose, colsum=colsum, prologue=prologue, h=h)
     if granularity == "row":
         return quantize_rows(x, dtype, pow2)
     if granularity == "col":

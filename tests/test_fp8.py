@@ -650,9 +650,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels import fp8_quant as fq
 fmt = dict(FP8_MAX=57344.0, MANT=2, BIAS=15, POW2=True, SOFT=False)
-sig = dict(X="*fp32", Q="*fp8e4nv", QT="*fp8e4nv", S="*fp32", ST="*fp32", AMAX="*fp32", AMAX_OUT="*i32", CSUM="*fp32",
-           M="i32", K="i32", M_BUCKET="i32", stride_xm="i32", stride_qm="i32", stride_qtk="i32", stride_sm="i32",
-           stride_sk="i32", stride_stk="i32", stride_stm="i32")
+sig = dict(X="*fp32", H="*fp32", Q="*fp8e4nv", QT="*fp8e4nv", S="*fp32", ST="*fp32", AMAX="*fp32", AMAX_OUT="*i32",
+           CSUM="*fp32", M="i32", K="i32", M_BUCKET="i32", stride_xm="i32", stride_qm="i32", stride_qtk="i32",
+           stride_sm="i32", stride_sk="i32", stride_stk="i32", stride_stm="i32")
 kernels = {
     "128x128 +T": (fq._blocks_kernel, dict(TILE_SCALE=True, WRITE_QT=True, COLSUM=False, BLOCK_M=128, BLOCK_K=128),
                    16),
@@ -661,9 +661,11 @@ kernels = {
                                                  BLOCK_K=128), 16),
     # the autotuned cast at its old fixed tile; bench_fp8.py --ptxas checks every candidate (test above)
     "cast tensor +T": (fq._cast_kernel.fn, dict(PER_COL=False, WRITE_Q=True, WRITE_QT=True, RECORD=True,
-                                                COLSUM=False, BLOCK_M=32, BLOCK_K=128, PROGRAMS_PER_SM=0), 8),
+                                                COLSUM=False, PROLOGUE=0, BLOCK_M=32, BLOCK_K=128,
+                                                PROGRAMS_PER_SM=0), 8),
     "cast tensor +T +colsum": (fq._cast_kernel.fn, dict(PER_COL=False, WRITE_Q=True, WRITE_QT=True, RECORD=True,
-                                                        COLSUM=True, BLOCK_M=32, BLOCK_K=128, PROGRAMS_PER_SM=0), 8),
+                                                        COLSUM=True, PROLOGUE=0, BLOCK_M=32, BLOCK_K=128,
+                                                        PROGRAMS_PER_SM=0), 8),
 }
 out = {}
 for name, (fn, consts, warps) in kernels.items():
