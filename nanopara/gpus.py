@@ -12,10 +12,10 @@ to the end-to-end rows the planner is checked against (plan_check.py).
 
 Collectives: the time of a measured (kind, group size) is interpolated in log(bytes) between measured sizes
 (linear in bytes to the latency floor below the smallest); other group sizes convert through the ring's bus
-factor (all-reduce 2(n-1)/n, reduce-scatter / all-gather / all-to-all (n-1)/n), but where only the all-reduce is
-measured at n (comm_4.json) the others take its time x their measured share of an all-reduce of that size at the
-nearest measured n (2 GPUs: all-gather 0.64-0.67 of an all-reduce at 48-64 MiB, not the 0.5 of equal bus
-bandwidth; results/tp.txt's 4-GPU SP steps: 0.95 / 0.82 for all-gather / reduce-scatter). A group that spans nodes is
+factor (all-reduce 2(n-1)/n, reduce-scatter / all-gather / all-to-all (n-1)/n); the other collectives are the
+all-reduce at the nearest measured group size (comm_4.json's at 4) x their measured share of an all-reduce of the
+same bytes where both were measured (2 GPUs: all-gather 0.64-0.67 at 48-64 MiB, not the 0.5 of equal bus bandwidth;
+results/tp.txt's 4-GPU SP steps: 0.95 / 0.82 for all-gather / reduce-scatter). A group that spans nodes is
 hierarchical: its k members in a node run the intra-node part, the m = n/k nodes exchange S/k bytes a GPU over
 each GPU's own NIC (`FABRIC`). Callers: nanopara/planner.py, plan_search.py, plan.py.
 """
@@ -355,9 +355,15 @@ def intra_time(gpu: GPU, kind: str, size: float, n: int) -> float:
     t = _interp(gpu.comm[str(near)][kind], size, floor)
     if kind == "send_recv":
         return t
-    ar_n, ar_near = gpu.comm.get(str(n), {}).get("all_reduce"), gpu.comm[str(near)].get("all_reduce")
-    if near != n and ar_n and ar_near:  # n measured for all-reduce only: its all-reduce x this kind's measured
-        return t / _interp(ar_near, size, floor) * _interp(ar_n, size, floor)  # share of one at `near`, same size
+    with_ar = [k for k in measured if gpu.comm[str(k)].get("all_reduce")]
+    if kind != "all_reduce" and with_ar:  # the all-reduce at the nearest measured size of group (n's own where
+        near = min(with_ar, key=lambda k: (abs(k - n), -k))  # there is one) x this kind's measured share of an
+        ar = sorted(int(k) for k in gpu.comm if gpu.comm[k].get("all_reduce"))  # all-reduce of the same bytes
+        base = min(ar, key=lambda k: (abs(k - n), -k))
+        share = _interp(gpu.comm[str(near)][kind], size, floor) / _interp(gpu.comm[str(near)]["all_reduce"], size,
+                                                                           floor)
+        return share * _interp(gpu.comm[str(base)]["all_reduce"], size, floor) * BUS["all_reduce"](n) / \
+            BUS["all_reduce"](base)
     return t * BUS[kind](n) / BUS[kind](near)
 
 

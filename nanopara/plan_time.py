@@ -56,10 +56,15 @@ def micro_comm(run: Run, gpu, blocks: list[int], attn_s: float) -> dict:
             # path: bench_cp's step against the same step with the messages as no-ops says 1.12 / 1.16 ms a layer at
             # cp2 16k (two hosts) and 3.25 at cp4 32k, more than the messages' own 0.81 / 2.42 ms at the pair's rate
             # (results/cp_gpt_1b_16k_h100.json, cp2_16k_h100_2.txt, cp4_32k_gpt_1b_h100.json): none hides
+            # (other trainers' runs, kernels=cudnn: each step's message against that step's attention, as assumed)
             kv = t * 2 * m.kv_heads * m.hd * 2 / L.tp
             msg = G.coll_time(gpu, "send_recv", kv, 2, L.tp, fab)
-            out["cp_comm"] = n * (L.cp - 1) * (3 * msg + 2 * gpu.latency_us * 1e-6)
-            del attn_s
+            if L.kernels == "cudnn":
+                step = attn_s / L.cp  # one ring step's attention (fwd and bwd share attn_s as 1 : 2.5)
+                msgs = max(0.0, msg - step / 3.5) + max(0.0, 2 * msg - step * 2.5 / 3.5)
+            else:
+                msgs = 3 * msg
+            out["cp_comm"] = n * (L.cp - 1) * (msgs + 2 * gpu.latency_us * 1e-6)
     moe = sum(_is_moe(m, b) for b in blocks)
     if moe and L.ep > 1:
         a2a = G.coll_time(gpu, "all_to_all", t * m.top_k * m.d * 2 / (L.tp if L.sp else 1), L.ep, L.tp, fab)

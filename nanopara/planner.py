@@ -344,7 +344,7 @@ def block_gpu(run: Run, gpu, moe: bool) -> dict:
     mem_bytes = t * m.d * ((rep + shd) / tp if L.sp else rep + shd / tp)
     if moe:  # permute, unpermute, fwd and bwd (results/moe_h100.txt section 3: 75-88 % of copy bandwidth)
         mem_bytes += t * m.top_k * m.d * 2 * 8
-    if L.cp > 1 and L.cp_impl == "ring":  # the ring's glue, per ring step (cp a layer) and token of the rank
+    if L.cp > 1 and L.cp_impl == "ring" and L.kernels != "cudnn":  # our ring's glue (RING_GLUE)
         mem_bytes += L.cp * t * m.d * RING_GLUE / (tp if L.sp else 1)
     memb = mem_bytes / (gpu.membw_gbs["elementwise"] * 1e9)
     if fp8 and mode[1] is not None:  # each FP8 Linear quantizes its input X and output gradient dY (and their
