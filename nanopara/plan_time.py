@@ -5,9 +5,9 @@ embedding, the weights' bf16 casts and gradient accumulation, and the exposed TP
 critical path: tp_overlap is off by default), CP (ring: its K/V messages and dK/dV parts exposed, as measured;
 Ulysses: four all-to-alls each way), EP (dispatch and combine all-to-alls) communication. The host issues each
 action at planner._host_layer per block (HOST_FWD_SHARE of it in the forward), so an action takes max(GPU, host)
-(+ the table's host_wait_share of the smaller where an eager collective makes the host wait). Pipeline (p stages, m micro-batches, S_i = F_i + B_i):
-T = m max S + (p-1) x mean unit, unit = S (1F1B, GPipe), S/v (interleaved), F (ZB-H1: B's input half hides W),
-plus a p2p message a stage crossing. After the last micro-batch: data-parallel reduction (DDP all-reduce, ZeRO-1/2
+(+ the table's host_wait_share of the smaller where an eager collective makes the host wait). Pipeline (p stages,
+m micro-batches, S_i = F_i + B_i): T = m max S + (p-1) x mean unit, unit = S (1F1B, GPipe), S/v (interleaved), F
+(ZB-H1: B's input half hides W), plus a p2p message a stage crossing. After the last micro-batch: data-parallel reduction (DDP all-reduce, ZeRO-1/2
 reduce-scatter + all-gather, ZeRO-3 gathers per micro-step), overlapped with the last backward but its last bucket
 (the tied embedding's gradient completes last), with 30 % of the overlapped time added to compute (notes/dp.md:
 the backward slows ~1 ms under ~2 ms of all-reduce against a no-communication control), then torch's fused AdamW
