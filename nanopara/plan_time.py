@@ -4,16 +4,16 @@ Per pp stage and micro-batch: the forward and backward GPU time of its blocks (p
 embedding, the weights' bf16 casts and gradient accumulation, and the exposed TP / SP (all collectives on the
 critical path: tp_overlap is off by default), CP (ring: its K/V messages and dK/dV parts exposed, as measured;
 Ulysses: four all-to-alls each way), EP (dispatch and combine all-to-alls) communication. The host issues each
-action at planner._host_layer per block (HOST_FWD_SHARE of it in the forward), so an action takes max(GPU, host)
-(+ the table's host_wait_share of the smaller where an eager collective makes the host wait). Pipeline (p stages,
-m micro-batches, S_i = F_i + B_i): T = m max S + (p-1) x mean unit, unit = S (1F1B, GPipe), S/v (interleaved), F
+action at planner._host_layer per block (HOST_FWD_SHARE of it in the forward), so an action takes max(GPU, host) (+
+the table's host_wait_share of the smaller where an eager collective makes the host wait). Pipeline (p stages, m
+micro-batches, S_i = F_i + B_i): T = m max S + (p-1) x mean unit, unit = S (1F1B, GPipe), S/v (interleaved), F
 (ZB-H1: B's input half hides W), plus a p2p message a stage crossing. After the last micro-batch: data-parallel
-reduction (DDP all-reduce, ZeRO-1/2 reduce-scatter + all-gather, ZeRO-3 gathers per micro-step), overlapped with the last backward but its last bucket
-(the tied embedding's gradient completes last), with 30 % of the overlapped time added to compute (notes/dp.md:
-the backward slows ~1 ms under ~2 ms of all-reduce against a no-communication control), then torch's fused AdamW
-(29 bytes a parameter at its measured share of copy bandwidth) plus the norm's read, and FP8's weight casts (once a
-step; every replay under a graph). Under a CUDA graph every micro-step adds its weight gradients into the kept .grad
-(18 bytes a parameter, zeroed once a step), where eager writes the first.
+reduction (DDP all-reduce, ZeRO-1/2 reduce-scatter + all-gather, ZeRO-3 gathers per micro-step), overlapped with the
+last backward but its last bucket (the tied embedding's gradient completes last), with 30 % of the overlapped time
+added to compute (notes/dp.md: the backward slows ~1 ms under ~2 ms of all-reduce against a no-communication
+control), then torch's fused AdamW (29 bytes a parameter at its measured share of copy bandwidth) plus the norm's
+read, and FP8's weight casts (once a step; every replay under a graph). Under a CUDA graph every micro-step adds its
+weight gradients into the kept .grad (18 bytes a parameter, zeroed once a step), where eager writes the first.
 """
 from __future__ import annotations
 
