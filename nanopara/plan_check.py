@@ -116,6 +116,10 @@ def render(res: dict) -> str:
     lines += ["", f"rows {s['rows']} (memory compared on {s['mem_rows']}); step time within 15 %: "
               f"{s['time_within']:.0%}, worst {s['time_worst']:.0%}; peak memory within 10 %: {s['mem_within']:.0%}, "
               f"worst {s['mem_worst']:.0%}; goal: >= 90 % of rows within, none past 30 %",
+              "step time within 15 % by GPU: " + ", ".join(
+                  f"{g} {sum(abs(o['time_err']) <= GOAL['time'] for o in res['rows'] if o['row']['gpu'] == g)} of "
+                  f"{sum(o['row']['gpu'] == g for o in res['rows'])}"
+                  for g in sorted({o["row"]["gpu"] for o in res["rows"]})),
               f"time past 30 %: {', '.join(s['time_over_30']) or 'none'}",
               f"memory past 30 %: {', '.join(s['mem_over_30']) or 'none'}"]
     return "\n".join(lines)
