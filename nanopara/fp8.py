@@ -103,16 +103,20 @@ class AmaxHistory:
 # ----------------------------------------------------------------------------------------------------------------
 # quantization of each operand per mode: FP8Tensors(q, s, qt, st); q / qt None where not needed
 
-def _quantize_act(x2, dtype, recipe, triton, want_q=True, want_qt=True, history=None, colsum=False):
+def _quantize_act(x2, dtype, recipe, triton, want_q=True, want_qt=True, history=None, colsum=False, prologue=None,
+                  h=None):
     """X or dY (M, C): q (M, C) scaled along C for the GEMM that contracts C, qt (C, M) scaled along the tokens
-    for the weight-gradient GEMM. colsum: also x2's column sums from a cast's pass (dY: db; row mode: from qt's)."""
+    for the weight-gradient GEMM. colsum: also x2's column sums from a cast's pass (dY: db; row mode: from qt's).
+    prologue (tensor mode, the FP8 MLP): quantize gelu(x2) or x2 * gelu'(h) instead (kernels/fp8_prologue.py)."""
     if recipe.mode == "tensor":
         amax = history.amax() if history is not None else None
         out = fp8_quantize(x2, dtype, "tensor", recipe.pow2, transpose=want_qt, amax=amax, triton_path=triton,
-                           colsum=colsum)
+                           colsum=colsum, prologue=prologue, h=h)
         if history is not None:
             history.push(out.amax)
         return out
+    if prologue is not None:
+        raise ValueError(f"fp8: a cast prologue is tensor mode only, not {recipe.mode!r}")
     if recipe.mode == "row":
         q = fp8_quantize(x2, dtype, "row", recipe.pow2, triton_path=triton) if want_q else FP8Tensors(None, None)
         t = fp8_quantize(x2, dtype, "col", recipe.pow2, triton_path=triton, colsum=colsum) if want_qt else \
@@ -140,6 +144,66 @@ def _gemm(a, b, sa, sb, bias, out_dtype, fast_accum, triton, out=None):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# one Linear's forward and backward on FP8 operands, shared by FP8LinearFunction and FP8MLPFunction
+
+def _out_dtype(x):
+    """The dtype of a Linear's output: the autocast dtype where autocast is on (as F.linear's), else x's."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+def _no_autocast(dev):
+    """Autocast off for the FP8 ops, whose dtypes are explicit (the reference path matmuls in fp32). The backward
+    runs outside autocast (engine.py, graph.py): then there is nothing to turn off, and the context's Python cost
+    (~2.5 us) would be host time on every FP8 linear."""
+    return torch.autocast(dev, enabled=False) if torch.is_autocast_enabled(dev) else contextlib.nullcontext()
+
+
+def _grad_dest(weight):
+    """weight where the engine gave it a gradient destination (model.matmul_weight's rule), asked for in backward;
+    else None."""
+    return weight if (getattr(weight, "grad_into", None) is not None and weight.grad is None
+                      and not torch.compiler.is_compiling()) else None
+
+
+def _linear_fwd(x2, weight, bias, layer, triton, out_dtype, want_qt, prologue=None):
+    """Y = X' W^T + b (M, N) with X' = x2 (M, K), or gelu(x2) for prologue="gelu_tanh": X' quantized (its
+    transpose too where wgrad will need it; from the layer's amax history under delayed scaling), W from the
+    layer's cache. Returns (Y, X' quantized, W quantized)."""
+    recipe = layer.fp8_state.recipe
+    w8 = layer.weight_fp8(weight, triton)
+    x8 = _quantize_act(x2, E4M3, recipe, triton, want_qt=want_qt, history=layer.hist_x if recipe.delayed else None,
+                       prologue=prologue)
+    return _gemm(x8.q, w8.q, x8.s, w8.s, bias, out_dtype, recipe.fast_accum_fwd, triton), x8, w8
+
+
+def _linear_bwd(dy2, saved, layer, triton, need, dest, dtypes, prologue=None, h=None):
+    """dY' = dy2 (M, N), or dy2 * gelu'(h) for prologue="gelu_tanh_bwd", quantized once (q for dgrad, q^T for
+    wgrad, its column sums for db); then dX = dY' W (M, K), dW = dY'^T X' (N, K) written into dest's engine buffer
+    where it gives one, db = sum of dY' over M. saved: (X'^T, its scale, W^T, its scale) from the forward;
+    need: (dX, dW, db) wanted; dtypes: (dX's, dW's, db's). Returns (dX, dW, db), None where not wanted."""
+    xqt, xst, wqt, wst = saved
+    need_dx, need_dw, need_db = need
+    recipe = layer.fp8_state.recipe
+    gdt = E5M2 if recipe.grad_dtype == "e5m2" else E4M3
+    g8 = _quantize_act(dy2, gdt, recipe, triton, want_q=need_dx, want_qt=need_dw,
+                       history=layer.hist_dy if recipe.delayed else None, colsum=need_db, prologue=prologue, h=h)
+    dx = dw = db = None
+    if need_dx:  # (M, N) x (K, N)^T -> (M, K)
+        dx = _gemm(g8.q, wqt, g8.s, wst, None, dtypes[0], recipe.fast_accum_bwd, triton)
+    if need_dw:  # (N, M) x (K, M)^T -> (N, K), straight into the engine's buffer view where it gave one
+        out = dest.grad_into(dest) if dest is not None else None
+        direct = out is not None and out.dtype in (torch.float32, torch.bfloat16) and out.stride(-1) == 1
+        dw = _gemm(g8.qt, xqt, g8.st, xst, None, dtypes[1], recipe.fast_accum_bwd, triton,
+                   out=out if direct else None)
+        if out is not None and not direct:
+            dw = out.copy_(dw)
+    if need_db:  # summed by a cast of dY as it reads dY (row mode without dW: one more pass)
+        db = (g8.colsum if g8.colsum is not None else dy2.sum(0, dtype=torch.float32)).to(dtypes[2])
+    return dx, dw, db
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # autograd
 
 class FP8LinearFunction(torch.autograd.Function):
@@ -148,56 +212,60 @@ class FP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, layer):
-        state, recipe = layer.fp8_state, layer.fp8_state.recipe
-        dev = x.device.type
-        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        triton = state.triton_path(x)
-        with torch.autocast(dev, enabled=False):  # dtypes are explicit below (the reference path matmuls in fp32)
-            K = x.shape[-1]
-            x2 = x.reshape(-1, K)  # (M, K)
-            w8 = layer.weight_fp8(weight, triton)
-            x8 = _quantize_act(x2, E4M3, recipe, triton, want_qt=ctx.needs_input_grad[1],
-                               history=layer.hist_x if recipe.delayed else None)
-            y = _gemm(x8.q, w8.q, x8.s, w8.s, bias, out_dtype, recipe.fast_accum_fwd, triton)  # (M, N)
+        triton = layer.fp8_state.triton_path(x)
+        out_dtype = _out_dtype(x)
+        with torch.autocast(x.device.type, enabled=False):
+            y, x8, w8 = _linear_fwd(x.reshape(-1, x.shape[-1]), weight, bias, layer, triton, out_dtype,
+                                    want_qt=ctx.needs_input_grad[1])  # (M, N)
         ctx.save_for_backward(x8.qt, x8.st, w8.qt, w8.st)
-        ctx.layer, ctx.triton, ctx.x_dtype, ctx.has_bias = layer, triton, x.dtype, bias is not None
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        # the engine's gradient destination (model.matmul_weight's rule): asked for in backward
-        ctx.weight = weight if (getattr(weight, "grad_into", None) is not None and weight.grad is None
-                                and not torch.compiler.is_compiling()) else None
-        ctx.w_dtype = weight.dtype
+        ctx.layer, ctx.triton, ctx.weight = layer, triton, _grad_dest(weight)
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])  # 2-D: not a view (tp.py reduces it in place)
 
     @staticmethod
     def backward(ctx, dy):
-        xqt, xst, wqt, wst = ctx.saved_tensors
-        layer, triton = ctx.layer, ctx.triton
-        recipe = layer.fp8_state.recipe
-        N = dy.shape[-1]
-        dy2 = dy.reshape(-1, N)  # (M, N)
-        gdt = E5M2 if recipe.grad_dtype == "e5m2" else E4M3
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dev = dy.device.type
-        # the backward runs outside autocast (engine.py, graph.py): then there is nothing to turn off, and the
-        # context's Python cost (~2.5 us) is host time on every FP8 linear
-        with torch.autocast(dev, enabled=False) if torch.is_autocast_enabled(dev) else contextlib.nullcontext():
-            need_db = ctx.has_bias and ctx.needs_input_grad[2]
-            g8 = _quantize_act(dy2, gdt, recipe, triton, want_q=need_dx, want_qt=need_dw,
-                               history=layer.hist_dy if recipe.delayed else None, colsum=need_db)
-            dx = dw = db = None
-            if need_dx:  # (M, N) x (K, N)^T -> (M, K)
-                dx = _gemm(g8.q, wqt, g8.s, wst, None, ctx.x_dtype, recipe.fast_accum_bwd, triton)
-                dx = dx.view(*dy.shape[:-1], dx.shape[-1])
-            if need_dw:  # (N, M) x (K, M)^T -> (N, K), straight into the engine's buffer view where it gave one
-                dest = ctx.weight.grad_into(ctx.weight) if ctx.weight is not None else None
-                direct = dest is not None and dest.dtype in (torch.float32, torch.bfloat16) and dest.stride(-1) == 1
-                dw = _gemm(g8.qt, xqt, g8.st, xst, None, ctx.w_dtype, recipe.fast_accum_bwd, triton,
-                           out=dest if direct else None)
-                if dest is not None and not direct:
-                    dw = dest.copy_(dw)
-            if need_db:  # summed by a cast of dY as it reads dY (row mode without dW: one more pass)
-                db = (g8.colsum if g8.colsum is not None else dy2.sum(0, dtype=torch.float32)).to(ctx.bias_dtype)
-        return dx, dw, db, None
+        need = ctx.needs_input_grad[:2] + (ctx.dtypes[2] is not None and ctx.needs_input_grad[2],)
+        with _no_autocast(dy.device.type):
+            dx, dw, db = _linear_bwd(dy.reshape(-1, dy.shape[-1]), ctx.saved_tensors, ctx.layer, ctx.triton, need,
+                                     ctx.weight, ctx.dtypes)
+        return None if dx is None else dx.view(*dy.shape[:-1], dx.shape[-1]), dw, db, None
+
+
+class FP8MLPFunction(torch.autograd.Function):
+    """The GPT-2 MLP y = c_proj(gelu_tanh(c_fc(x))) with both Linears in FP8 tensor mode, GELU folded into the casts
+    (kernels/fp8_prologue.py): the forward quantizes g = gelu(h) straight from c_fc's output h, the backward
+    dh = dg * gelu'(h) straight from c_proj's dgrad output dg; neither g nor dh is ever written in high precision.
+    Saves X^T, h (for gelu'), g^T and both W^T: h in its own dtype, the rest FP8 (what the two FP8LinearFunctions
+    and F.gelu save between them). Each Linear keeps its own amax histories (delayed scaling)."""
+
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, b2, fc, proj):
+        triton = True  # FP8Linear.fused_mlp: the Triton path only
+        out_dtype = _out_dtype(x)
+        need = ctx.needs_input_grad
+        with torch.autocast(x.device.type, enabled=False):
+            h, x8, w18 = _linear_fwd(x.reshape(-1, x.shape[-1]), w1, b1, fc, triton, out_dtype, want_qt=need[1])
+            y, g8, w28 = _linear_fwd(h, w2, b2, proj, triton, out_dtype, want_qt=need[3], prologue="gelu_tanh")
+        ctx.save_for_backward(x8.qt, x8.st, w18.qt, w18.st, h, g8.qt, g8.st, w28.qt, w28.st)
+        ctx.fc, ctx.proj, ctx.dests = fc, proj, (_grad_dest(w1), _grad_dest(w2))
+        ctx.dtypes1 = (x.dtype, w1.dtype, None if b1 is None else b1.dtype)
+        ctx.dtypes2 = (h.dtype, w2.dtype, None if b2 is None else b2.dtype)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        saved = ctx.saved_tensors
+        n = ctx.needs_input_grad
+        need1 = (n[0], n[1], ctx.dtypes1[2] is not None and n[2])
+        need2 = (any(need1), n[3], ctx.dtypes2[2] is not None and n[4])  # dg only for what lies before it
+        with _no_autocast(dy.device.type):
+            dg, dw2, db2 = _linear_bwd(dy.reshape(-1, dy.shape[-1]), saved[5:], ctx.proj, True, need2, ctx.dests[1],
+                                       ctx.dtypes2)
+            dx = dw1 = db1 = None
+            if dg is not None:  # (M, H): c_fc's dY' = dg * gelu'(h), made inside its cast
+                dx, dw1, db1 = _linear_bwd(dg, saved[:4], ctx.fc, True, need1, ctx.dests[0], ctx.dtypes1,
+                                           prologue="gelu_tanh_bwd", h=saved[4])
+        return None if dx is None else dx.view(*dy.shape[:-1], dx.shape[-1]), dw1, db1, dw2, db2, None, None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -224,6 +292,19 @@ class FP8Linear(Linear):
     @torch.compiler.disable  # under torch.compile: one graph break per FP8 linear, run eagerly (Python-side cache)
     def forward(self, x):
         return FP8LinearFunction.apply(x, self.weight, self.bias, self)
+
+    @torch.compiler.disable
+    def fused_mlp(self, x, c_proj):
+        """c_proj(gelu_tanh(self(x))) as one FP8MLPFunction where it applies, else None (the caller runs the three
+        ops: model.TorchOps.mlp). It applies where c_proj is an FP8Linear of this one's state in tensor mode, on the
+        Triton path (CUDA, or the interpreter), and neither module has forward hooks the fused call would skip;
+        row / block modes, one Linear in FP8, tp.py's parallel linears (not FP8Linear) keep the three ops."""
+        state = self.fp8_state
+        if (not isinstance(c_proj, FP8Linear) or c_proj.fp8_state is not state or state.recipe.mode != "tensor"
+                or not state.triton_path(x) or self._forward_hooks or self._forward_pre_hooks
+                or c_proj._forward_hooks or c_proj._forward_pre_hooks):
+            return None
+        return FP8MLPFunction.apply(x, self.weight, self.bias, c_proj.weight, c_proj.bias, self, c_proj)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", fp8={self.fp8_state.recipe.mode}"

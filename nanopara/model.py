@@ -54,7 +54,9 @@ class TorchOps:
 
     @staticmethod
     def mlp(x, c_fc, c_proj):  # c_proj(gelu_tanh(c_fc(x)))
-        return c_proj(F.gelu(c_fc(x), approximate="tanh"))
+        fused = getattr(c_fc, "fused_mlp", None)  # FP8 tensor mode: GELU folded into the casts (nanopara/fp8.py)
+        y = fused(x, c_proj) if fused is not None else None
+        return c_proj(F.gelu(c_fc(x), approximate="tanh")) if y is None else y
 
 
 class TritonOps:

@@ -325,6 +325,12 @@ class _SelectiveOps:
             ops = self._ops
             self.close()
             return ops.mlp(x, c_fc, c_proj)
+        fused = getattr(c_fc, "fused_mlp", None)
+        if fused is not None:  # an FP8 c_fc keeps x in FP8 only: nothing here for the window to recompute
+            self.close()
+            y = fused(x, c_proj)  # FP8 tensor mode: keeps h and FP8 copies, as the three ops would (c_proj: g^T)
+            if y is not None:
+                return y
         a = c_fc(x)  # (B, T, 4C): kept by GELU's backward
         self.close()
         g = F.gelu(a, approximate="tanh")  # TorchOps.mlp's math
