@@ -1,14 +1,13 @@
 """FP8 on one GPU: GEMMs, quantization kernels and the FP8 linear against cuBLAS and bf16, in one run.
 
-    python bench/bench_fp8.py [--quick] [--only gemm,quant,linear] [--accum fast|precise|both] [--out F.jsonl]
+    python bench/bench_fp8.py [--quick] [--only gemm,quant,linear,mlp] [--accum fast|precise|both] [--out F.jsonl]
         [--linear_models gpt_1b,gpt_3b,gpt2_124m,gpt_1b_m4096]      # the linear section's models
         [--profile attn.c_proj]                                     # kernels of those Linears' fwd+bwd
     python bench/bench_fp8.py --ptxas [--quick] [--json]   # no GPU: every GEMM tile and quantization kernel,
                                                            # compiled for sm_90a: registers, spills, wgmma, TMA
 
 Sections (each prints a table; every row also goes to --out as one JSON line, stamped by bench/harness.py):
-  parity  the Triton GEMM per scaling mode against fp8_matmul_ref, and every quantization kernel bit-exact against
-          fp8_quantize_ref, on the GPU (the hardware fp8 cast; the CPU tests check the interpreter's)
+  parity  each GEMM mode against fp8_matmul_ref, every quantization kernel bit-exact against fp8_quantize_ref (GPU)
   gemm    TFLOP/s at 8192^3 and at the training GEMMs of gpt_1b (8 x 1024 tokens, C = 2048) and gpt2_124m
           (32 x 1024 tokens, C = 768): each Linear's forward (M, N, K), dgrad (M, K, N) and wgrad (N, K, M).
           Ours: tensor, row, block (1x128 x 128x128; wgrad 1x128 x 1x128). cuBLAS: bf16 torch.mm, and
@@ -20,6 +19,8 @@ Sections (each prints a table; every row also goes to --out as one JSON line, st
   linear  FP8Linear forward + backward against the model's bf16 Linear under autocast (fp32 master weight), per
           mode, at each Linear of both models; the weight's cast is amortised over micro-batches (reused), and
           also shown paid every call ("+cast": one micro-batch per optimizer step); and what fp8.py's auto rule picks
+  mlp     a GPT-2 MLP fwd+bwd at gpt_1b's shape (8192 x 2048 -> 8192 -> 2048, bf16 autocast): bf16, FP8 tensor as
+          three ops, FP8 fused (GELU in the casts: fp8.FP8MLPFunction), fused delayed; ms, x bf16 (weight casts reused)
 Timing: triton.testing.do_bench medians. The first use of each (shape, mode) tunes the GEMM (kernels/tuning.py
 keeps the pick per GPU in ~/.cache/nanopara/tuned.json; `python -m kernels.tuning --export` ships it).
 """
@@ -292,6 +293,43 @@ def linear(out, quick, names="", profile=""):
           " auto rule: the modes fp8.py's fp8_filter=auto puts in FP8 here, '!' where the x column disagrees")
 
 
+def mlp(out, device="cuda", M=8 * 1024, C=2048):
+    """The mlp section (gpt_1b's MLP by default; tests/test_fp8_mlp.py runs it on CPU at a tiny shape, the kernels
+    in the interpreter: its times mean nothing there)."""
+    import torch.nn.functional as F
+
+    from nanopara.fp8 import FP8Linear, FP8Recipe, FP8State
+    from nanopara.model import Linear, TorchOps
+    torch.manual_seed(0)
+    fc, proj = Linear(C, 4 * C).to(device), Linear(4 * C, C).to(device)
+    x = torch.randn(M, C, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(M, C, device=device, dtype=torch.bfloat16)
+    interpret = torch.device(device).type != "cuda"
+    variants = [("bf16", False, fc, proj)]
+    for name, recipe, fused in (("FP8 tensor, three ops", FP8Recipe(), False), ("FP8 tensor fused", FP8Recipe(), True),
+                                ("FP8 tensor fused delayed", FP8Recipe(delayed=True), True)):
+        state = FP8State(recipe, interpret)
+        variants.append((name, fused, FP8Linear.from_linear(fc, state), FP8Linear.from_linear(proj, state)))
+
+    def step(fused, a, b):
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):  # the trainer's on a GPU, and here
+            y = TorchOps.mlp(x, a, b) if fused else b(F.gelu(a(x), approximate="tanh"))
+        y.backward(dy)
+        return y.grad_fn.name()
+    params = [x, fc.weight, fc.bias, proj.weight, proj.bias]  # grads set to None before each call
+    print(f"\nMLP fwd+bwd ({M} tokens, {C} -> {4 * C} -> {C}, fp32 master weights)")
+    t16 = None
+    for name, fused, a, b in variants:
+        last = step(fused, a, b)  # tunes; delayed: the histories' first (current-scaled) call
+        assert fused == last.startswith("FP8MLPFunction"), f"{name}: y came from {last}"
+        t = H.bench_ms(lambda: step(fused, a, b), device, reps=1, grad_to_none=params)  # reps: CPU only
+        t16 = t16 or t
+        print(f"{name:>28} {t:8.3f} ms {t16 / t:5.2f}x bf16")
+        H.append_jsonl(out, dict(section="mlp", variant=name, M=M, C=C, hidden=4 * C, ms=t, x_bf16=t16 / t))
+    print("weights' FP8 casts reused (micro-batches 2.. of a step); fused: g = gelu(h) and dh = dg gelu'(h) are made "
+          "inside the casts, never written (notes/fp8.md)")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # --ptxas: what every candidate compiles to on sm_90a, no GPU needed
 
@@ -396,7 +434,7 @@ def ptxas_report(quick=False, log=sys.stdout):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="8192^3 and gpt_1b's forward GEMMs only")
-    p.add_argument("--only", default="parity,gemm,quant,linear", help="comma-separated sections")
+    p.add_argument("--only", default="parity,gemm,quant,linear,mlp", help="comma-separated sections")
     p.add_argument("--accum", default="fast", choices=("fast", "precise", "both"), help="GEMM accumulation")
     p.add_argument("--out", help="append JSON lines here")
     p.add_argument("--linear_models", default="", help="linear section: e.g. gpt_1b,gpt_3b,gpt2_124m,gpt_1b_m4096")
@@ -426,6 +464,8 @@ def main():
         quant(out, args.quick)
     if "linear" in sections:
         linear(out, args.quick, args.linear_models, args.profile)
+    if "mlp" in sections:
+        mlp(out)
     print(f"\n{time.time() - t0:.0f} s")
 
 

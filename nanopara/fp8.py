@@ -21,7 +21,8 @@ a parameter or buffer; checkpoints add delayed scaling's amax histories (amax_st
 layout takes merge_amax's). Where a data-parallel engine set `weight.grad_into` (engine.py), the wgrad GEMM writes
 dW straight into that view. CPU tensors run the PyTorch references of the same quantizations and GEMMs;
 `interpret=True` runs the Triton kernels under TRITON_INTERPRET=1 (tests). train.fp8_filter=auto: resolve_filter.
-Callers: parallel.py (apply_fp8), tp.py (FP8 on the shards); tests/test_fp8.py; choices and numbers: notes/fp8.md.
+The MLP with both Linears in tensor mode is one FP8MLPFunction, GELU folded into the casts (FP8Linear.fused_mlp).
+Callers: parallel.py (apply_fp8), tp.py (FP8 on the shards), model.TorchOps.mlp; tests/test_fp8*.py; notes/fp8.md.
 """
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ GPU (`-m gpu`): fused vs unfused at gpt_1b's MLP (M = 8192, 2048 -> 8192 -> 2048
 """
 import copy
 import math
+import os
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from nanopara.model import GPT, Linear, TorchOps
 from nanopara.recompute import apply_activation_checkpointing
 
 M_TOK, C, H = 70, 48, 200
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # fused vs unfused FP8 MLP, relative Frobenius difference. fp32 (no autocast): g and dh are fp32 on both paths, the
 # only differences are gelu's last bits (none moved an fp8 rounding here: measured 0) and db1's summation order
@@ -392,6 +394,19 @@ def test_tiny_gpt_trains_the_same_fused_and_unfused(autocast, tol, monkeypatch, 
     assert calls[0] == 4
     assert fused[-1] < fused[0]
     assert max(abs(a - b) for a, b in zip(fused, plain)) <= tol, (fused, plain)
+
+
+def test_bench_mlp_section_runs_on_cpu(tmp_path, monkeypatch):
+    """bench/bench_fp8.py's mlp section at a tiny shape (interpreter): its four rows, the fused ones through
+    FP8MLPFunction (the section checks which path made y)."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    import bench_fp8
+    out = tmp_path / "mlp.jsonl"
+    bench_fp8.mlp(str(out), device="cpu", M=20, C=16)
+    rows = bench_fp8.H.read_jsonl(str(out))
+    assert [r["variant"] for r in rows] == ["bf16", "FP8 tensor, three ops", "FP8 tensor fused",
+                                            "FP8 tensor fused delayed"]
+    assert all(r["section"] == "mlp" and r["ms"] > 0 and r["hidden"] == 64 for r in rows)
 
 
 # ---------------------------------------------------------------------------------------------------------------
