@@ -47,7 +47,9 @@ GRAPHED = ("bf16+graph", "tensor+graph", "row+graph")  # the same, forward + bac
 COMPILED = ("bf16+compile", "ao_tensorwise+compile", "ao_rowwise+compile")
 # tensor mode with delayed scaling (train.fp8_delayed): X and dY scaled from an amax history, one pass per cast
 DELAYED = ("tensor+delayed", "tensor+delayed+graph")
-MODES = ("bf16", *NANOPARA_FP8, *TORCHAO, "nanogpt", *GRAPHED, *COMPILED, *DELAYED)
+# tensor mode with the MLP as three ops (FP8Linear, PyTorch's GELU, FP8Linear): what the fused FP8MLPFunction replaced
+UNFUSED = ("tensor+unfused", "tensor+delayed+unfused")
+MODES = ("bf16", *NANOPARA_FP8, *TORCHAO, "nanogpt", *GRAPHED, *COMPILED, *DELAYED, *UNFUSED)
 DEFAULT_BATCH = {"gpt_1b": 8, "gpt_3b": 8, "gpt2_124m": 32, "tiny": 2}
 # named row sets: --set NAME = these presets and modes (gpt_3b: issue #43's goal, tensor >= 1.30x its best bf16)
 SETS = {"gpt_3b": ("gpt_3b", "bf16,bf16+graph,tensor,tensor+graph,row,block")}
@@ -75,6 +77,10 @@ def build(preset: str, mode: str, args, mesh):
                               "train.cuda_graph": "true" if mode.endswith("+graph") else "false"})
     prepare = (lambda model: torchao_convert(model, TORCHAO[base])) if base in TORCHAO else None
     trainer, n_params = H.build_trainer(cfg, mesh, prepare)
+    if "+unfused" in mode:  # an instance attribute over FP8Linear.fused_mlp: "does not apply", the three ops run
+        for m in trainer.model.modules():
+            if hasattr(m, "fused_mlp"):
+                m.fused_mlp = lambda x, c_proj: None
     return cfg, trainer, n_params
 
 
