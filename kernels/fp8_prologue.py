@@ -22,12 +22,12 @@ import triton.language as tl
 PROLOGUES = {None: 0, "gelu_tanh": 1, "gelu_tanh_bwd": 2}  # fp8_quantize's `prologue` -> the kernels' constexpr
 
 BETA, KAPPA = 0.7978845608028654, 0.044715  # sqrt(2/pi), GELU tanh's cubic coefficient
-KAPPA3 = 0.134145  # 3 * kappa, as PyTorch writes it (3 * kKappa in fp32 rounds to the same float)
+KAPPA3 = 0.134145  # 3 kappa rounded once (PyTorch's fp32 3 * kKappa is 1 ulp below: rounded twice)
 LOG2E = 1.4426950408889634
 LN2_HI, LN2_LO = 0.693145751953125, 1.4286068203094173e-06  # ln 2 = HI + LO; HI has 16 bits: k * HI is exact
 EXP_MIN = -87.0  # exp(a) for a below this (subnormal results) is taken as 0
 ROUND = 12582912.0  # 1.5 * 2^23: (v + ROUND) - ROUND rounds |v| < 2^22 to the nearest integer (ties to even)
-HPOLY = 20.0  # |h| cap in gelu's second term: s (1 - s) is 0 from |h| > 10.3, and 0 * inf (h^2, 2h) is NaN
+HPOLY = 20.0  # |h| cap in the second term of gelu': s (1 - s) is 0 from |h| > 10.3, and 0 * inf (h^2, 2h) is NaN
 # the same numbers as the kernels see them (a @jit function reads only constexpr globals)
 _BETA, _KAPPA, _KAPPA3, _LOG2E = tl.constexpr(BETA), tl.constexpr(KAPPA), tl.constexpr(KAPPA3), tl.constexpr(LOG2E)
 _LN2_HI, _LN2_LO, _EXP_MIN = tl.constexpr(LN2_HI), tl.constexpr(LN2_LO), tl.constexpr(EXP_MIN)
