@@ -1,4 +1,4 @@
-"""Run a function in N gloo processes on this machine (the CPU stand-in for torchrun + NCCL).
+"""Run a function, or a script, in N gloo processes on this machine (the CPU stand-in for torchrun + NCCL).
 
 The processes come from a fork server that imported torch, numpy, train.py, nanopara and kernels once (the first
 spawn of a run starts it): a spawn then costs tens of milliseconds instead of every process importing torch anew
@@ -16,6 +16,7 @@ import faulthandler
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import runpy
 import signal
 import socket
 import sys
@@ -124,3 +125,54 @@ def spawn(fn, world: int, *args, port: int | None = None) -> None:
     """fn(rank, world, *args) in `world` processes with torchrun's environment (MASTER_PORT: `port`, or a free one);
     raises if any process fails."""
     processes(_entry, world, fn, world, port or free_port(), args)
+
+
+# ---- scripts -----------------------------------------------------------------------------------------------------
+# `python SCRIPT ARGS` / `torchrun --nproc_per_node=N SCRIPT ARGS` without starting python, torch and the launcher
+# again: a torchrun of two processes costs ~7 s on the 2-core machine before the script does anything (its agent and
+# each worker import torch), a fork of the server tens of ms.
+
+def _script(rank, path, argv, logs, cwd):
+    """In a worker: the script as `__main__` with sys.argv and sys.path[0] as python gives them, in `cwd`, with one
+    OpenMP thread (as OMP_NUM_THREADS=1 gives it); stdout to a file (the caller reads it), stderr to the caller's (a
+    traceback shows in the failing test's report)."""
+    fd = os.open(os.path.join(logs, f"stdout.{rank}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.close(fd)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    if cwd:
+        os.chdir(cwd)
+    sys.argv = [path, *argv]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    runpy.run_path(path, run_name="__main__")
+    sys.stdout.flush()
+
+
+def _script_rank(rank, world, path, argv, logs, cwd):
+    _script(rank, path, argv, logs, cwd)
+
+
+def run_script(path: str, *argv: str, logs: str, nproc: int | None = None, cwd: str | None = None) -> str:
+    """`python path ARGV` (nproc None: one process, without torchrun's environment) or `torchrun --standalone
+    --nproc_per_node=nproc path ARGV`, as processes of the fork server; returns their stdout, rank 0's first. A
+    failure raises (the stdout's tail printed to stderr; the workers' own stderr, a traceback included, is there)."""
+    os.makedirs(logs, exist_ok=True)
+    try:
+        if nproc is None:
+            processes(_script, 1, path, list(argv), logs, cwd)
+        else:
+            spawn(_script_rank, nproc, path, list(argv), logs, cwd)
+    except BaseException:
+        sys.stderr.write(f"--- stdout of {os.path.basename(path)} {' '.join(argv)}\n{_stdout(logs)[-3000:]}\n")
+        raise
+    return _stdout(logs)
+
+
+def _stdout(logs: str) -> str:
+    names = sorted((n for n in os.listdir(logs) if n.startswith("stdout.")), key=lambda n: int(n.split(".")[1]))
+    out = ""
+    for name in names:
+        with open(os.path.join(logs, name)) as f:
+            out += f.read()
+    return out

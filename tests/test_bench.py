@@ -9,17 +9,29 @@ import time
 
 import pytest
 
+from tests.distributed import run_script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 
 def _torchrun(n: int, script: str, *args, timeout=240):
+    """The real launcher, kept for one bench (test_bench_tp_baseline_and_tp_on_cpu) so that the scripts also run as
+    the GPU machines run them; the others go through _bench, without its ~7 s of start-up on the 2-core machine (the
+    agent and each worker import torch)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
            os.path.join(ROOT, "bench", script), *args]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
+
+
+def _bench(tmp_path, n: int | None, script: str, *args) -> str:
+    """`torchrun --nproc_per_node=n bench/SCRIPT ARGS` (n None: `python bench/SCRIPT ARGS`), one gloo process per
+    rank forked from the fork server (tests/distributed.py); returns the ranks' stdout."""
+    return run_script(os.path.join(ROOT, "bench", script), *args, logs=str(tmp_path / f"{script}-logs-{n or 1}"),
+                      nproc=n, cwd=ROOT)
 
 
 # ---- harness.py --------------------------------------------------------------------------------------------------
@@ -160,11 +172,8 @@ def test_bench_layout_runs_train_layouts_on_cpu(tmp_path, layout):
     args = ["--steps", "1", "--warmup", "1", "--out", str(out)]
     dp = 2 if "--parallel.dp=2" in layout else 1
     if dp == 2:  # the one-process run as train.py without torchrun: the baseline row
-        r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_layout.py"), *args, "--label", "one",
-                            "--", *flags[:-1]], capture_output=True, text=True, timeout=240, cwd=ROOT,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    r = _torchrun(2, "bench_layout.py", *args, "--label", "x", "--baseline", "one", "--", *flags)
+        _bench(tmp_path, None, "bench_layout.py", *args, "--label", "one", "--", *flags[:-1])
+    stdout = _bench(tmp_path, 2, "bench_layout.py", *args, "--label", "x", "--baseline", "one", "--", *flags)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     rec = rows[-1]
     mb = 2 if "--train.micro_batch=2" in layout else 1  # (the last repeated key wins)
@@ -177,7 +186,7 @@ def test_bench_layout_runs_train_layouts_on_cpu(tmp_path, layout):
         one = rows[0]
         assert one["n_gpu"] == 1 and one["micro_steps"] == 4 and rec["baseline"] == "one"
         assert rec["per_gpu_vs_baseline"] == pytest.approx(rec["tokens_per_s"] / 2 / one["tokens_per_s"])
-    assert "tok/s" in r.stdout and "x" in r.stdout
+    assert "tok/s" in stdout and "x" in stdout
 
 
 class _FakeEvent:
@@ -215,16 +224,13 @@ def test_bench_dp_runs_every_engine_on_cpu(tmp_path):
     modes = ["torch_ddp", "ddp", "zero2", "zero3:u2", "ddp:nocomm", "ddp:single"]
     args = ["--device", "cpu", "--large", "", "--steps", "1", "--warmup", "1", "--micro_batch", "1", "--seq_len",
             "16", "--accum", "2"]
-    _torchrun(2, "bench_dp.py", *args, "--modes", ",".join(modes), "--out", str(out))
+    _bench(tmp_path, 2, "bench_dp.py", *args, "--modes", ",".join(modes), "--out", str(out))
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [row["mode"] for row in rows] == modes
     assert all(row["tok_s"] > 0 and row["accum"] == 2 and row["gpus"] == 2 for row in rows)
     assert rows[1]["vs_torch_ddp"] == pytest.approx(rows[1]["tok_s"] / rows[0]["tok_s"])
     again = tmp_path / "again.jsonl"  # one process against the 2-process rows: scaling = tok/s / (1 x theirs)
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_dp.py"), *args, "--modes", "ddp",
-                        "--baseline", str(out), "--out", str(again)], capture_output=True, text=True, timeout=240,
-                       cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    _bench(tmp_path, None, "bench_dp.py", *args, "--modes", "ddp", "--baseline", str(out), "--out", str(again))
     (row,) = [json.loads(line) for line in again.read_text().splitlines()]
     assert row["gpus"] == 1 and row["scaling"] == pytest.approx(row["tok_s"] / rows[1]["tok_s"])
 
@@ -248,10 +254,10 @@ def test_bench_pp_runs_every_schedule_on_cpu(tmp_path):
     """bench_pp.py end to end on 2 gloo processes through the Trainer: a row per schedule with its bubble and the
     tied-gradient time, the dp comparison, and one clear skip for a split the model cannot take."""
     out = tmp_path / "pp.jsonl"
-    r = _torchrun(2, "bench_pp.py", "--device", "cpu", "--preset", "tiny", "--micro_batch", "1", "--seq_len", "32",
-                  "--n_micro", "2", "--schedules", "gpipe,interleaved:2,interleaved:3,zb", "--compare", "dp",
-                  "--steps", "1", "--warmup", "1", "--out", str(out))
-    assert "interleaved:3  m=2   skipped: model.n_layer=4 is fewer blocks than" in r.stdout, r.stdout
+    stdout = _bench(tmp_path, 2, "bench_pp.py", "--device", "cpu", "--preset", "tiny", "--micro_batch", "1",
+                    "--seq_len", "32", "--n_micro", "2", "--schedules", "gpipe,interleaved:2,interleaved:3,zb",
+                    "--compare", "dp", "--steps", "1", "--warmup", "1", "--out", str(out))
+    assert "interleaved:3  m=2   skipped: model.n_layer=4 is fewer blocks than" in stdout, stdout
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [row["schedule"] for row in rows] == ["interleaved:2", "zb", "dp", "gpipe"]
     assert all(row["tok_s"] > 0 and row["gpu"] == "cpu" for row in rows)
@@ -267,8 +273,8 @@ def test_bench_ep_runs_single_dp_and_ep_on_cpu(tmp_path):
     """bench_ep.py on 2 gloo processes through the Trainer: the one-process baseline, dp2 and ep2 each give a row;
     ep2 holds fewer parameters per GPU; the ratios row compares it with both."""
     out = tmp_path / "ep.jsonl"
-    _torchrun(2, "bench_ep.py", "--device=cpu", "--preset=tiny_moe", "--micro_batch=2", "--seq_len=32",
-              "--steps=1", "--warmup=1", f"--out={out}")
+    _bench(tmp_path, 2, "bench_ep.py", "--device=cpu", "--preset=tiny_moe", "--micro_batch=2", "--seq_len=32",
+           "--steps=1", "--warmup=1", f"--out={out}")
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     by = {r.get("layout", r.get("section")): r for r in rows}
     assert list(by) == ["single", "dp2", "ep2", "ratios"] and by["single"]["gpus"] == 1
@@ -281,8 +287,8 @@ def test_bench_cp_runs_every_section_on_cpu(tmp_path):
     """bench_cp.py on 2 gloo processes (reference blocks): 1 GPU against cp2 through the Trainer, the no-comm
     control, Ulysses, the zigzag and contiguous balance, each a stamped row."""
     out = tmp_path / "cp.jsonl"
-    _torchrun(2, "bench_cp.py", "--device=cpu", "--n_layer=2", "--n_embd=64", "--n_head=2", "--seq_len=64",
-              "--steps=1", f"--out={out}")
+    _bench(tmp_path, 2, "bench_cp.py", "--device=cpu", "--n_layer=2", "--n_embd=64", "--n_head=2", "--seq_len=64",
+           "--steps=1", f"--out={out}")
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["section"] for r in rows] == ["step", "exposed", "ulysses", "balance", "balance"]
     step = rows[0]
@@ -293,7 +299,7 @@ def test_bench_cp_runs_every_section_on_cpu(tmp_path):
 
 def test_bench_tp_baseline_and_tp_on_cpu(tmp_path):
     """bench_tp.py sections 1-2 on 2 gloo processes: each rank's one-process baseline, then tp2 with SP, through
-    the Trainer (sections 3-4 need CUDA events and memory)."""
+    the Trainer (sections 3-4 need CUDA events and memory). Under torchrun itself, as the GPU machines run it."""
     out = tmp_path / "tp.jsonl"
     _torchrun(2, "bench_tp.py", "--device", "cpu", "--preset", "tiny", "--micro_batch", "2", "--seq_len", "32",
               "--sp", "--quick", "--out", str(out))

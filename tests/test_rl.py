@@ -582,13 +582,11 @@ def demo_module():
 
 
 def run_demo(out, *extra):
-    """The demo's smoke sizes on CPU, train.py and rl.py inside its one process; its rows."""
-    import subprocess
-    import sys
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "post_train_demo.py"), f"--out={out}",
-                        "--device=cpu", "--smoke=1", "--inproc=1", *extra], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    """The demo's smoke sizes on CPU, train.py and rl.py inside its one process (a fork of the test's server, as
+    `python bench/post_train_demo.py` would run it without starting python and torch again); its rows."""
+    from tests.distributed import run_script
+    run_script(os.path.join(ROOT, "bench", "post_train_demo.py"), f"--out={out}", "--device=cpu", "--smoke=1",
+               "--inproc=1", *extra, logs=f"{out}_stdout", cwd=ROOT)
     return [json.loads(line) for line in (out / "post_train.jsonl").read_text().splitlines()]
 
 

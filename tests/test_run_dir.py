@@ -147,18 +147,26 @@ def test_cpu_step_times_are_each_steps_own(shards, tmp_path, monkeypatch):
     np.testing.assert_allclose(dts, [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], rtol=1e-9)
 
 
-def _cli(args, env=None):
-    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=300)
+def _cli(*runs):
+    """`python train.py ARGS` with ENV added, for each (ARGS, ENV) of `runs`, all at once (each starts python and
+    torch: ~3 s of one core); their CompletedProcess-like results, in order."""
+    procs = [subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, **env}) for args, env in runs]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
 
 
 def test_config_errors_print_one_line_once(tmp_path):
     bad = ["--preset=tiny", "--device=cpu", f"--out_dir={tmp_path}/x", "--train.log_every=0"]
-    r0, r1 = _cli(bad, {"RANK": "0"}), _cli(bad, {"RANK": "1"})  # as two ranks under torchrun
+    check = ["--check_world=4", "--preset=tiny", "--device=cpu", "--parallel.tp=8", f"--out_dir={tmp_path}/y"]
+    r0, r1, r = _cli((bad, {"RANK": "0"}), (bad, {"RANK": "1"}), (check, {}))  # (as two ranks under torchrun)
     assert r0.returncode == r1.returncode == 2
     assert r0.stderr.strip().splitlines() == ["error: --train.log_every=0 is out of range: it must be >= 1"]
     assert r1.stderr.strip() == ""  # the same error on every rank is printed by rank 0 only
-    r = _cli(["--check_world=4", "--preset=tiny", "--device=cpu", "--parallel.tp=8", f"--out_dir={tmp_path}/y"])
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
@@ -169,8 +177,8 @@ def test_make_train_checks_once_before_launching_and_honours_a_preset_in_args(tm
     r = make(f"--device=cpu --parallel.tp=3 --data.dataset={tmp_path}/*.bin --out_dir={tmp_path}/run")
     said = [ln for ln in r.stderr.splitlines() if not ln.startswith("make")]  # make adds its own "Error 2" line
     assert r.returncode != 0 and len(said) == 1 and said[0].startswith("error: model.n_head=4"), r.stderr
-    dry = subprocess.run(["make", "-n", "train", f"PY={sys.executable}", "ARGS=--preset=gpt2_124m --device=cpu"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60).stdout
+    dry = subprocess.run(["make", "-n", "train", "PY=/no/python", "ARGS=--preset=gpt2_124m --device=cpu"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60).stdout  # (no GPU probe: no torch)
     line = next(ln for ln in dry.splitlines() if "train.py" in ln)
     assert "--preset=gpt2_124m" in line and "--preset=tiny" not in line and line.count("--device=") == 1
 
