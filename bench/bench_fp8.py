@@ -21,8 +21,7 @@ Sections (each prints a table; every row also goes to --out as one JSON line, st
           also shown paid every call ("+cast": one micro-batch per optimizer step); and what fp8.py's auto rule picks
   mlp     a GPT-2 MLP fwd+bwd at gpt_1b's shape (8192 x 2048 -> 8192 -> 2048, bf16 autocast): bf16, FP8 tensor as
           three ops, FP8 fused (GELU in the casts: fp8.FP8MLPFunction), fused delayed; ms, x bf16 (weight casts reused)
-Timing: triton.testing.do_bench medians. The first use of each (shape, mode) tunes the GEMM (kernels/tuning.py
-keeps the pick per GPU in ~/.cache/nanopara/tuned.json; `python -m kernels.tuning --export` ships it).
+Timing: do_bench medians; the first use of each (shape, mode) tunes the GEMM, kept per GPU by kernels/tuning.py.
 """
 from __future__ import annotations
 
@@ -247,7 +246,8 @@ def quant(out, quick):
 def linear(out, quick, names="", profile=""):
     """names: comma-separated models of MODELS + MORE_LINEARS (default: gpt_1b with --quick, else MODELS).
     profile: comma-separated Linear names (e.g. attn.c_proj): one tensor-mode fwd+bwd of each, profiled."""
-    from nanopara.fp8 import FP8Linear, FP8Recipe, FP8State, auto_gains
+    from nanopara.fp8 import FP8Linear, FP8Recipe, FP8State
+    from nanopara.fp8_filter import auto_gains
     from nanopara.model import Linear
     print(f"\n{'FP8Linear fwd+bwd (M, N, K)':>34} {'bf16 ms':>8} | " + " | ".join(
         f"{m:>6} ms {'x':>5} {'+cast x':>7}" for m in ("tensor", "row", "block")) + " | auto rule")

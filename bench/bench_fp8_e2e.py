@@ -17,7 +17,7 @@ update; bf16 autocast, clip, fused AdamW). Modes:
     bf16+graph, tensor+graph, row+graph   forward + backward replayed from a CUDA graph (train.cuda_graph=true)
     bf16+compile, ao_*+compile            the fair peer: PyTorch ops (SDPA), torchao or not, under torch.compile
 Per mode: median step ms, tok/s, TFLOP/s, MFU, peak memory, last loss, the ratio to bf16, the share of the Linears
-in FP8 (count and FLOPs, lm_head included: fp8.fp8_share), the kernel tunings its warm-up ran (a fresh machine tunes
+in FP8 (count and FLOPs, lm_head included: fp8_filter.fp8_share), the kernel tunings its warm-up ran (a fresh machine tunes
 each new FP8 GEMM shape once). --profile: then one step of the first preset's fastest nanopara FP8 mode (or
 --profile_mode) profiled: GPU ms per kernel kind and the costliest kernels.
 --compare: final train loss (mean of the last --tail steps) and last validation loss of two runs, their relative
@@ -36,7 +36,7 @@ import torch
 
 import harness as H
 from kernels.tuning import STATS as TUNING
-from nanopara.fp8 import fp8_share
+from nanopara.fp8_filter import fp8_share
 from nanopara.mesh import Mesh
 from nanopara.report import flops_per_token, read_metrics
 

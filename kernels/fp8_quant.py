@@ -8,10 +8,9 @@ Math, for a group G of elements of x (the whole tensor, a row, a column, 1x128 o
     qs    = 2^floor(log2(qs)) if pow2          (mantissa bits cleared: exact, and s * q is exact in fp32)
     s     = 1 / qs                             the dequantization scale the GEMMs multiply by (x ~= q * s)
     q     = fp8(clamp(x * qs, -FP8_MAX, FP8_MAX))   round to nearest even, saturating at the format's maximum
-FP8_MAX: 448 (e4m3: activations, weights), 57344 (e5m2: gradients). Scales: fp32 grids of shape (ceil(R/br),
-ceil(C/bc)) for br x bc blocks; `fp8_quantize_ref` is that math for any block, every kernel bit-exact to it.
-Delayed scaling: `quantize_tensor(x, amax=a)` scales by a given amax (a history's max) and records x's own.
-Prologue (per tensor; kernels/fp8_prologue.py): both passes quantize gelu(x) or x * gelu'(h), made in registers.
+FP8_MAX: 448 (e4m3), 57344 (e5m2). Scales: fp32 grids (ceil(R/br), ceil(C/bc)) for br x bc blocks; every kernel is
+bit-exact to `fp8_quantize_ref`. Delayed: `quantize_tensor(x, amax=a)` scales by a given amax, records x's own.
+Prologue (per tensor, kernels/fp8_prologue.py): both passes quantize gelu(x) or x * gelu'(h), made in registers.
 
 Kernels (memory bound; the first two take their tile, warps and walk from the autotuner, per shape and flags):
   _amax_kernel    tile amax, folded with atomic_max into one fp32 (per tensor) or one per column, as int32 bits
@@ -22,7 +21,7 @@ Kernels (memory bound; the first two take their tile, warps and walk from the au
 Callers: nanopara/fp8.py, kernels/fp8_matmul.py (its reference). `fp8_quantize`: Triton on CUDA, the reference
 elsewhere; the `quantize_*` launchers force Triton. Casts: cvt.rn.satfinite on the GPU; the interpreter rounds fp8
 casts wrongly (notes/triton_cpu.md), so under TRITON_INTERPRET the kernels round to nearest even in integers.
-Run: `python -m kernels.fp8_quant` (= `bench/bench_fp8.py --only parity,quant`: GB/s against copy bandwidth).
+Run: `python -m kernels.fp8_quant` (= `bench/bench_fp8.py --only parity,quant`).
 """
 import functools
 import itertools

@@ -30,7 +30,8 @@ from nanopara.cp import apply_cp, keep_kv as cp_keep_kv, ring_of, shard_stage_in
 from nanopara.dp import DDP, SingleDevice
 from nanopara.engine import weak_method
 from nanopara.ep import apply_ep
-from nanopara.fp8 import FP8Recipe, apply_fp8, fp8_share, resolve_filter, share_line
+from nanopara.fp8 import FP8Recipe, apply_fp8
+from nanopara.fp8_filter import fp8_share, resolve_filter, share_line
 from nanopara.mesh import Mesh, check_degrees
 from nanopara.pp import Pipeline, Stage, build_schedule, embedding_group, split_layers, split_model
 from nanopara.recompute import apply_activation_checkpointing

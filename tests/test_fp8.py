@@ -555,7 +555,7 @@ def _preset_model(name, **over):
 
 def _auto(name, mode, device="cuda", **over):
     """(FP8 Linears' short names, share) of a preset under fp8_filter=auto, as parallel._apply_fp8 applies it."""
-    from nanopara.fp8 import fp8_share, resolve_filter
+    from nanopara.fp8_filter import fp8_share, resolve_filter
     cfg, model = _preset_model(name, **over)
     tokens = cfg.train.micro_batch * cfg.train.seq_len
     apply_fp8(model, mode, filter=resolve_filter("auto", mode, tokens, device))
@@ -581,7 +581,7 @@ def test_auto_rule_picks_the_measured_layers(name, mode, expected, count, flops)
 
 
 def test_auto_rule_thresholds():
-    from nanopara.fp8 import auto_gains
+    from nanopara.fp8_filter import auto_gains
     assert auto_gains("tensor", 2048, 8192, 8192) and auto_gains("tensor", 8192, 2048, 8192)
     assert not auto_gains("tensor", 2048, 6144, 8192) and not auto_gains("tensor", 2048, 2048, 8192)
     assert not auto_gains("tensor", 2048, 8192, 4096)  # no measured row below 8192 tokens a micro-step
@@ -596,7 +596,7 @@ def test_auto_below_the_measured_tokens_and_on_cpu():
 
 
 def test_explicit_filters_override_auto():
-    from nanopara.fp8 import resolve_filter
+    from nanopara.fp8_filter import resolve_filter
     assert resolve_filter("all", "tensor", 8192, "cuda") is None and resolve_filter("", "block", 1, "cuda") is None
     assert resolve_filter("*.attn.c_proj", "tensor", 8192, "cuda") == "*.attn.c_proj"
     cfg, model = _preset_model("gpt_1b")
