@@ -43,6 +43,8 @@ class ModelConfig:
     moe_z_coef: float = 0.001    # router z-loss weight (ST-MoE); 0 = off
     moe_bias_rate: float = 0.0   # aux-loss-free balancing bias step (DeepSeek-V3: 0.001); 0 = off
     moe_impl: str = "auto"       # auto (triton on CUDA, sorted on CPU) | triton | grouped_mm | sorted | loop
+    moe_hidden: int = 0          # each routed expert's MLP width; 0 = 4 * n_embd (fine-grained: smaller, more experts)
+    moe_shared: int = 0          # always-on shared experts of width moe_hidden per MoE layer (DeepSeekMoE); 0 = none
 
     @property
     def padded_vocab(self) -> int:
@@ -425,7 +427,7 @@ _RULES = [
     ("model.dropout", "in [0, 1)", lambda v: 0 <= v < 1),
     *[(f"model.{k}", ">= 1", _positive) for k in ("moe_every", "moe_top_k")],
     *[(f"model.{k}", ">= 0", _non_negative) for k in ("moe_experts", "moe_capacity", "moe_aux_coef", "moe_z_coef",
-                                                        "moe_bias_rate")],
+                                                        "moe_bias_rate", "moe_hidden", "moe_shared")],
     *[(f"train.{k}", ">= 1", _positive) for k in ("steps", "micro_batch", "seq_len", "val_steps", "log_every",
                                                     "max_bad_steps")],
     *[(f"train.{k}", ">= 0", _non_negative) for k in ("tokens_per_step", "warmup_steps", "weight_decay",

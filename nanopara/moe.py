@@ -4,10 +4,10 @@ Math, per token x (C,), E experts, top-k (Shazeer et al. 2017; Fedus et al. 2021
     z = W_r x in fp32 (E,),   s = softmax(z) | sigmoid(z)
     experts e_1..e_k = top-k of s + b      b: the aux-loss-free balancing bias (a buffer; selects, never weighs)
     gates g_j = s_{e_j} / sum_i s_{e_i}     (moe_renorm=False keeps s_{e_j}: with k = 1 a renormalised gate is 1)
-    y = sum_j g_j MLP_{e_j}(x),  MLP_e(x) = c_proj_e(gelu_tanh(c_fc_e(x)))
+    y = sum_j g_j MLP_{e_j}(x) [+ MLP_shared(x)],  MLP(x) = c_proj(gelu_tanh(c_fc(x))) (shared: moe_shared > 0)
   Capacity (moe_capacity = cf > 0): each expert keeps at most ceil(cf * N * k / E) of the N*k assignments, first
   choices before second choices, each in token order (GShard); a token whose k assignments all drop passes through
-  on the residual stream. cf = 0: dropless.
+  on the residual stream (and the shared experts). cf = 0: dropless.
 Aux losses over the N tokens of a forward (Switch eq. 4-6; ST-MoE eq. 5): balance L_b = E * sum_e f_e P_e (f_e:
   the share of assignments routed to e, P_e = mean_t p_e, p = s / sum(s)); z-loss L_z = mean_t logsumexp(z_t)^2;
   aux = moe_aux_coef * L_b + moe_z_coef * L_z. Its gradient enters in the backward of the layer's output
@@ -19,9 +19,9 @@ PyTorch references; host syncs), grouped_mm (torch._grouped_mm; CUDA, 16-bit), t
 kernels/grouped_gemm.py: no host sync, fixed shapes: a CUDA graph can hold it), auto (triton on CUDA, sorted elsewhere).
 `aux_loss` after a forward; `stats` (views of the `stat` buffer: aux, z, drop, load_min, load_max) after a training
 one: what a step changes is written in place into buffers (stat, load, aux_scale), so a graph replay repeats it.
-Parameters: router.weight (E, C); experts.c_fc / c_proj weights (E, 4C, C) / (E, C, 4C) and biases (nn.Linear's
-layout per expert). Expert parallel: ep.py. Callers: model.py (Block), trainer.py (aux scale, bias update, stats).
-Tests: tests/test_moe.py, tests/test_capture_safety.py (no host sync in the step); notes/moe.md.
+Parameters: router.weight (E, C); experts.c_fc / c_proj (E, H, C) / (E, C, H), H = moe_hidden or 4C, biases (E, H)
+/ (E, C); shared.c_fc / c_proj (S*H, C) / (C, S*H). Expert parallel: ep.py. Callers: model.py (Block), trainer.py
+(aux scale, bias update, stats). Tests: tests/test_moe.py, test_moe_fine.py, test_capture_safety.py; notes/moe.md.
 """
 from __future__ import annotations
 
@@ -53,6 +53,8 @@ class MoEConfig:
     moe_z_coef: float = 0.001    # router z-loss weight (ST-MoE: 0.001); 0 = off
     moe_bias_rate: float = 0.0   # aux-loss-free bias step u (DeepSeek-V3: 0.001); 0 = off
     moe_impl: str = "auto"       # auto | triton | grouped_mm | sorted | loop
+    moe_hidden: int = 0          # each expert's hidden width H; 0 = 4 * n_embd (GPT-2's MLP)
+    moe_shared: int = 0          # shared experts S (always on, width H each: one dense MLP of S*H); 0 = none
 
     def __post_init__(self):
         check_moe_config(self)
@@ -65,7 +67,7 @@ def check_moe_config(cfg) -> None:
                          f"experts={cfg.moe_experts}")
     if cfg.moe_score not in ("softmax", "sigmoid"):
         raise ValueError(f"moe_score must be softmax or sigmoid, got {cfg.moe_score!r}")
-    for name in ("moe_capacity", "moe_aux_coef", "moe_z_coef", "moe_bias_rate"):
+    for name in ("moe_capacity", "moe_aux_coef", "moe_z_coef", "moe_bias_rate", "moe_hidden", "moe_shared"):
         if getattr(cfg, name) < 0:
             raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)}")
     if cfg.moe_impl not in IMPLS:
@@ -129,13 +131,14 @@ class ExpertLinear(nn.Module):
 
 
 class Experts(nn.Module):
-    """E GPT-2 MLPs: c_fc C -> 4C, GELU (tanh), c_proj 4C -> C."""
+    """E GPT-2 MLPs: c_fc C -> H, GELU (tanh), c_proj H -> C; H = 4C unless given (moe_hidden)."""
     takes_fp8 = True  # fp8.apply_fp8 marks them (`fp8_state`): their MLP then runs kernels/grouped_gemm_fp8.py
 
-    def __init__(self, n_experts, n_embd, bias=True):
+    def __init__(self, n_experts, n_embd, bias=True, hidden=0):
         super().__init__()
-        self.c_fc = ExpertLinear(n_experts, n_embd, 4 * n_embd, bias)
-        self.c_proj = ExpertLinear(n_experts, 4 * n_embd, n_embd, bias)
+        hidden = hidden or 4 * n_embd
+        self.c_fc = ExpertLinear(n_experts, n_embd, hidden, bias)
+        self.c_proj = ExpertLinear(n_experts, hidden, n_embd, bias)
 
     def params(self):
         """(w_fc, b_fc, w_proj, b_proj), biases None without bias."""
@@ -226,7 +229,14 @@ class MoEMLP(nn.Module):
         if self.impl not in IMPLS:
             raise ValueError(f"MoEMLP: impl must be one of {', '.join(IMPLS)}, got {self.impl!r}")
         self.router = nn.Linear(C, E, bias=False)
-        self.experts = Experts(E, C, cfg.bias)
+        H, S = getattr(cfg, "moe_hidden", 0) or 4 * C, getattr(cfg, "moe_shared", 0)
+        self.experts = Experts(E, C, cfg.bias, H)
+        if S:  # model.Linear (lazy: model.py imports this module), outside tp's plan: replicated like the experts
+            from nanopara.model import Linear
+            self.shared = nn.Module()
+            self.shared.c_fc, self.shared.c_proj = Linear(C, S * H, bias=cfg.bias), Linear(S * H, C, bias=cfg.bias)
+        else:
+            self.shared = None
         self.register_buffer("expert_bias", torch.zeros(E))  # aux-loss-free balancing (checkpointed)
         self.register_buffer("load", torch.zeros(E), persistent=False)  # assignments since the last bias update
         self.register_buffer("stat", torch.zeros(len(STATS)), persistent=False)  # the last training forward's stats
@@ -259,7 +269,8 @@ class MoEMLP(nn.Module):
         """GPT-2's init (GPT.reset_parameters does the same by parameter name): N(0, 0.02), c_proj N(0, 0.02 /
         sqrt(2 n_layer)), zero biases."""
         nn.init.normal_(self.router.weight, std=0.02)
-        for lin, std in ((self.experts.c_fc, 0.02), (self.experts.c_proj, 0.02 / math.sqrt(2 * n_layer))):
+        lins = [self.experts.c_fc, self.experts.c_proj] + ([] if self.shared is None else [*self.shared.children()])
+        for lin, std in zip(lins, [0.02, 0.02 / math.sqrt(2 * n_layer)] * 2):
             nn.init.normal_(lin.weight, std=std)
             if lin.bias is not None:
                 nn.init.zeros_(lin.bias)
@@ -307,6 +318,10 @@ class MoEMLP(nn.Module):
             y = (mr.unpermute_triton if impl == "triton" else mr.unpermute_ref)(ys, dest, gates)
             counts, kept = r.counts, r.offsets[-1]
         y = self._losses(y, logits, counts, kept, N)
+        if self.shared is not None:  # the op table's MLP (FP8's fused one, selective recompute's windows) where given
+            sh = self.shared
+            y = y + (ops.mlp(x2, sh.c_fc, sh.c_proj) if ops is not None else
+                     sh.c_proj(F.gelu(sh.c_fc(x2), approximate="tanh"))).to(y.dtype)
         return F.dropout(y.view(*shape[:-1], y.shape[-1]), self.dropout, self.training)
 
     def _run_experts(self, impl, xs, offsets):

@@ -88,6 +88,18 @@ def gpt2_moe() -> Config:
     return c
 
 
+def gpt2_moe_fine() -> Config:
+    """Fine-grained MoE at the 124M width (DeepSeekMoE's segmentation, issue #44 item 5): in every other block 32
+    routed experts of hidden 768 (= C, a quarter of GPT-2's 4C: gpt2_moe's 8 x 4C cut in four), top-3, plus 1 shared
+    expert of hidden 768 on every token. Active MLP FLOPs per token: (3 + 1) x 2 x 768 x 768 = 2 x 768 x 3072, the
+    dense gpt2_124m MLP's exactly; only the router (32 x 768) and 4 x 768 - 3072 more bias terms per MoE layer are
+    extra (+0.1 % of the FLOPs a token; tests/test_moe_fine.py asserts < 1 %). Parameters: 330M, 124M active."""
+    c = Config(preset="gpt2_moe_fine")
+    m = c.model
+    m.moe_experts, m.moe_top_k, m.moe_every, m.moe_hidden, m.moe_shared = 32, 3, 2, 768, 1
+    return c
+
+
 def tiny_moe() -> Config:
     """tiny with 4 experts, top-2, every other block: the CPU MoE run."""
     c = tiny()
@@ -97,5 +109,5 @@ def tiny_moe() -> Config:
 
 
 PRESETS = {f.__name__: f for f in (tiny, gpt2_124m, gpt2_350m, gpt2_774m, gpt2_1558m, gpt_1b, gpt_3b, gpt2_moe,
-                                   tiny_moe, gpt2_124m_16k, gpt_1b_32k)}
+                                   gpt2_moe_fine, tiny_moe, gpt2_124m_16k, gpt_1b_32k)}
 

@@ -295,6 +295,21 @@ def test_moe_tensor_parallel_equals_single_process(shards, tmp_path):
     check_equal(got["tp2sp"], one_sp, tmp_path / "one_sp", tmp_path / "tp2sp", atol=TP_ATOL)
 
 
+def test_fine_grained_moe_ep2_and_tp2_sp_equal_single_process(shards, tmp_path):
+    """model.moe_hidden (40, not 4C) and a shared expert (moe_shared): ep2 shards the routed experts and replicates
+    the shared one (reduced over dp like a dense weight); tp2 + SP keeps both whole on each tp rank, gradients
+    summed over tp (SP without aux losses, as above)."""
+    tps, fine = "--train.tokens_per_step=128", ("--model.moe_hidden=40", "--model.moe_shared=1")
+    no_aux = ("--model.moe_aux_coef=0", "--model.moe_z_coef=0")
+    one = train.main(argv(shards, tmp_path / "one", tps, *fine))["losses"]
+    one_sp = train.main(argv(shards, tmp_path / "one_sp", tps, *fine, *no_aux))["losses"]
+    got = run_layouts(tmp_path, 2, [("ep2", (shards, tmp_path / "ep2", tps, *fine, "--parallel.ep=2")),
+                                    ("tp2sp", (shards, tmp_path / "tp2sp", tps, *fine, *no_aux, "--parallel.tp=2",
+                                               "--parallel.sp=true"))])
+    check_equal(got["ep2"], one, tmp_path / "one", tmp_path / "ep2")
+    check_equal(got["tp2sp"], one_sp, tmp_path / "one_sp", tmp_path / "tp2sp", atol=TP_ATOL)
+
+
 def test_moe_tensor_and_expert_parallel_equals_single_process(shards, tmp_path):
     """tp2 x ep2 (dp = ep = 2 in each tp line) with SP: each tp rank's rows go to the experts of its own ep group,
     the expert grads sum over tp (SP) and over their replicas (edp)."""
