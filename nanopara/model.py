@@ -228,7 +228,7 @@ class Block(nn.Module):
         self.ln_1 = LayerNorm(cfg.n_embd, cfg.bias)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = LayerNorm(cfg.n_embd, cfg.bias)
-        self.mlp = MoEMLP(cfg) if is_moe_block(cfg, i) else MLP(cfg)  # same forward(x, ops)
+        self.mlp = MoEMLP(cfg, linear=Linear) if is_moe_block(cfg, i) else MLP(cfg)  # same forward(x, ops)
 
     def forward(self, x, ops, kv_cache=None, m=None):
         """x: the residual stream; m: the previous block's MLP output, not yet added to it (None for block 0).

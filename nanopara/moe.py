@@ -216,9 +216,10 @@ def experts_sorted(xs, offsets, experts, grouped_mm=False):
 
 class MoEMLP(nn.Module):
     """Drop-in for model.MLP: forward(x, ops) -> (..., C). Reads `aux_loss` / `stats` after a forward (see the
-    module docstring); cfg: any object with MoEConfig's fields (MoEConfig, or the model's ModelConfig)."""
+    module docstring); cfg: any object with MoEConfig's fields (MoEConfig, or the model's ModelConfig). linear: the
+    shared experts' Linear class (model.py passes model.Linear: its direct fp32 gradient writes)."""
 
-    def __init__(self, cfg, impl=None):
+    def __init__(self, cfg, impl=None, linear=nn.Linear):
         super().__init__()
         check_moe_config(cfg)
         E, C = cfg.moe_experts, cfg.n_embd
@@ -231,10 +232,9 @@ class MoEMLP(nn.Module):
         self.router = nn.Linear(C, E, bias=False)
         H, S = getattr(cfg, "moe_hidden", 0) or 4 * C, getattr(cfg, "moe_shared", 0)
         self.experts = Experts(E, C, cfg.bias, H)
-        if S:  # model.Linear (lazy: model.py imports this module), outside tp's plan: replicated like the experts
-            from nanopara.model import Linear
+        if S:  # outside tp's plan: replicated like the experts
             self.shared = nn.Module()
-            self.shared.c_fc, self.shared.c_proj = Linear(C, S * H, bias=cfg.bias), Linear(S * H, C, bias=cfg.bias)
+            self.shared.c_fc, self.shared.c_proj = linear(C, S * H, bias=cfg.bias), linear(S * H, C, bias=cfg.bias)
         else:
             self.shared = None
         self.register_buffer("expert_bias", torch.zeros(E))  # aux-loss-free balancing (checkpointed)
