@@ -22,13 +22,13 @@ import train
 from nanopara.cli import parse_args
 from nanopara.config import ConfigError
 from nanopara.consolidate import full_model_state
-from nanopara.data import write_shard
 from nanopara.ep import AllToAll, apply_ep, expert_major, gather_experts
 from nanopara.mesh import Mesh, MeshError
 from nanopara.moe import MoEConfig, MoEMLP
 from nanopara.parallel import check_layout
 from nanopara.report import read_metrics
 from tests.distributed import agree_port, spawn
+from tests.shards import tiny_shards
 
 STEPS = 12
 
@@ -160,12 +160,7 @@ def test_all_to_all_and_layer(world, cases):
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    d = tmp_path_factory.mktemp("epshards")
-    rng = np.random.default_rng(0)
-    toks = np.where(rng.random(40000) < 0.2, rng.integers(0, 250, 40000), np.tile(np.arange(0, 250, 7), 1200)[:40000])
-    write_shard(str(d / "e_train_000000.bin"), toks)
-    write_shard(str(d / "e_val_000000.bin"), toks[:5000])
-    return str(d / "e_*.bin")
+    return tiny_shards(tmp_path_factory.mktemp("epshards"), "e")
 
 
 def argv(shards, out_dir, *extra):

@@ -17,7 +17,6 @@ import train
 from nanopara.cli import parse_args
 from nanopara.config import ConfigError
 from nanopara.consolidate import full_model_state
-from nanopara.data import write_shard
 from nanopara.ep import apply_ep, gather_experts
 from nanopara.mesh import Mesh
 from nanopara.model import GPT, TorchOps
@@ -26,6 +25,7 @@ from nanopara.planner import Model
 from nanopara.presets import PRESETS
 from nanopara.report import flops_per_token
 from tests.distributed import spawn
+from tests.shards import tiny_shards
 
 # the interpreter reads loop bounds loaded from memory (group offsets) through a 1-element array's __index__
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -150,12 +150,7 @@ def test_config_checks():
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    d = tmp_path_factory.mktemp("fineshards")
-    rng = np.random.default_rng(0)
-    toks = np.where(rng.random(20000) < 0.2, rng.integers(0, 250, 20000), np.tile(np.arange(0, 250, 7), 600)[:20000])
-    write_shard(str(d / "f_train_000000.bin"), toks)
-    write_shard(str(d / "f_val_000000.bin"), toks[:5000])
-    return str(d / "f_*.bin")
+    return tiny_shards(tmp_path_factory.mktemp("fineshards"), "f", n=20000)
 
 
 def test_fine_preset_trains_on_cpu_and_checkpoints(shards, tmp_path):

@@ -46,11 +46,8 @@ def test_moe_model_trains_with_fp8_experts(tmp_path):
     import numpy as np
 
     import train
-    from nanopara.data import write_shard
-    rng = np.random.default_rng(0)
-    toks = np.where(rng.random(20000) < 0.2, rng.integers(0, 250, 20000), np.tile(np.arange(0, 250, 7), 600)[:20000])
-    write_shard(str(tmp_path / "m_train_000000.bin"), toks)
-    write_shard(str(tmp_path / "m_val_000000.bin"), toks[:3000])
+    from tests.shards import tiny_shards
+    tiny_shards(tmp_path, "m", n=20_000, val=3_000)
     args = ["--preset=tiny_moe", "--device=cpu", f"--data.dataset={tmp_path}/m_*.bin", "--model.n_layer=2",
             "--model.n_head=2", "--model.n_embd=32", "--model.block_size=32", "--model.vocab_size=250",
             "--model.kernels=torch", "--train.micro_batch=4", "--train.seq_len=16", "--train.steps=8",

@@ -12,24 +12,19 @@ from nanopara import checkpoint
 from nanopara.cli import parse_args
 from nanopara.config import ConfigError, ModelConfig
 from nanopara.consolidate import full_model_state
-from nanopara.data import write_shard
 from nanopara.graph import GraphedMicroStep
 from nanopara.model import GPT
 from nanopara.moe import MoEMLP
 from nanopara.optim import param_groups
 from tests.distributed import spawn
+from tests.shards import tiny_shards
 
 MOE_KEYS = ("moe_aux", "moe_z", "moe_drop", "moe_load_min", "moe_load_max")
 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    d = tmp_path_factory.mktemp("moeshards")
-    rng = np.random.default_rng(0)
-    toks = np.where(rng.random(40000) < 0.2, rng.integers(0, 250, 40000), np.tile(np.arange(0, 250, 7), 1200)[:40000])
-    write_shard(str(d / "m_train_000000.bin"), toks)
-    write_shard(str(d / "m_val_000000.bin"), toks[:5000])
-    return str(d / "m_*.bin")
+    return tiny_shards(tmp_path_factory.mktemp("moeshards"), "m")
 
 
 def argv(shards, out_dir, *extra, steps=8):

@@ -20,11 +20,11 @@ from nanopara import checkpoint
 from nanopara.cli import parse_args
 from nanopara.config import ConfigError
 from nanopara.consolidate import full_model_state
-from nanopara.data import write_shard
 from nanopara.mesh import MeshError
 from nanopara.parallel import check_layout
 from nanopara.report import read_metrics
 from tests.distributed import agree_port, spawn
+from tests.shards import tiny_shards
 
 STEPS = 20
 ATOL = 1e-4
@@ -33,12 +33,7 @@ WEIGHT_ATOL = 5e-5
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pshards")
-    rng = np.random.default_rng(0)
-    toks = np.where(rng.random(40000) < 0.2, rng.integers(0, 250, 40000), np.tile(np.arange(0, 250, 7), 1200)[:40000])
-    write_shard(str(d / "p_train_000000.bin"), toks)
-    write_shard(str(d / "p_val_000000.bin"), toks[:5000])
-    return str(d / "p_*.bin")
+    return tiny_shards(tmp_path_factory.mktemp("pshards"), "p")
 
 
 def argv(shards, out_dir, micro_batch, *extra):

@@ -25,6 +25,7 @@ from nanopara.data import TokenLoader, write_shard
 from nanopara.mesh import Mesh
 from nanopara.parallel import parallelize
 from tests.distributed import free_ports, spawn
+from tests.shards import tiny_shards
 
 STEPS, SAVE = 6, 1  # the source saves after step SAVE; the target trains the 5 steps left
 RTOL = 1e-5
@@ -32,11 +33,7 @@ RTOL = 1e-5
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    d = tmp_path_factory.mktemp("rshards")
-    rng = np.random.default_rng(0)
-    toks = np.where(rng.random(40000) < 0.2, rng.integers(0, 250, 40000), np.tile(np.arange(0, 250, 7), 1200)[:40000])
-    write_shard(str(d / "r_train_000000.bin"), toks)
-    return str(d / "r_*.bin")
+    return tiny_shards(tmp_path_factory.mktemp("rshards"), "r", val=None)
 
 
 def argv(shards, out_dir, layout):
