@@ -99,13 +99,8 @@ def _layer(k, capacity, skew, impl="sorted"):
     return layer
 
 
-def check_layer(rank, world, ep, k, capacity, skew, impl="sorted"):
-    mesh = Mesh.build(dp=world, device="cpu", ep=ep)  # the default group exists: only the ep groups are new
-    g = torch.Generator().manual_seed(2)
-    xs = [torch.randn(2, 5, 8, generator=g) for _ in range(world)]
-    xs = [x.abs() for x in xs] if skew else xs  # skew: positive inputs, so expert 0's logit wins
-    # reference: the full layer on every rank's tokens; expert grads summed over the ranks of my ep group
-    ref = _layer(k, capacity, skew, impl)  # the same path on one device (triton vs sorted: tests/test_moe.py)
+def reference_runs(ref, xs):
+    """The whole layer on each rank's tokens in turn: [(y, dx)] and [{name: grad}] of the loss sum(y^2)."""
     outs, grads = [], []
     for x in xs:
         ref.zero_grad()
@@ -114,6 +109,17 @@ def check_layer(rank, world, ep, k, capacity, skew, impl="sorted"):
         (y * y).sum().backward()
         outs.append((y.detach(), x.grad))
         grads.append({n: p.grad.clone() for n, p in ref.named_parameters()})
+    return outs, grads
+
+
+def check_layer(rank, world, ep, k, capacity, skew, impl="sorted"):
+    mesh = Mesh.build(dp=world, device="cpu", ep=ep)  # the default group exists: only the ep groups are new
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(2, 5, 8, generator=g) for _ in range(world)]
+    xs = [x.abs() for x in xs] if skew else xs  # skew: positive inputs, so expert 0's logit wins
+    # reference: the full layer on every rank's tokens; expert grads summed over the ranks of my ep group
+    ref = _layer(k, capacity, skew, impl)  # the same path on one device (triton vs sorted: tests/test_moe.py)
+    outs, grads = reference_runs(ref, xs)
     layer = _layer(k, capacity, skew, impl)  # triton: the kernels in Triton's interpreter (conftest.py)
     apply_ep(layer, mesh)
     x = xs[rank].clone().requires_grad_(True)

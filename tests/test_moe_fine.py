@@ -26,6 +26,7 @@ from nanopara.presets import PRESETS
 from nanopara.report import flops_per_token
 from tests.distributed import spawn
 from tests.shards import tiny_shards
+from tests.test_ep import reference_runs
 
 # the interpreter reads loop bounds loaded from memory (group offsets) through a 1-element array's __index__
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -185,14 +186,8 @@ def _ep_worker(rank, world):
     mesh = Mesh.build(dp=world, device="cpu", ep=2)
     g = torch.Generator().manual_seed(2)
     xs = [torch.randn(2, 5, 8, generator=g) for _ in range(world)]
-    ref, outs, grads = _ep_layer(), [], []
-    for x in xs:  # the full layer on every rank's tokens
-        ref.zero_grad()
-        x = x.clone().requires_grad_(True)
-        y = ref(x)
-        (y * y).sum().backward()
-        outs.append((y.detach(), x.grad))
-        grads.append({n: p.grad.clone() for n, p in ref.named_parameters()})
+    ref = _ep_layer()
+    outs, grads = reference_runs(ref, xs)  # the full layer on every rank's tokens
     layer = _ep_layer()
     apply_ep(layer, mesh)
     assert layer.experts.c_fc.weight.shape == (2, 12, 8) and layer.shared.c_fc.weight.shape == (12, 8)
