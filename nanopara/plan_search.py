@@ -99,7 +99,7 @@ NAMES = {"gemm": "GEMMs", "attention": "attention", "memory_bound": "memory-boun
          "head": "lm head + loss", "params_pass": "weight casts + grad accumulation", "tp_comm": "TP/SP comm",
          "cp_comm": "CP comm", "ep_comm": "EP all-to-all", "pp_p2p": "pipeline p2p", "bubble": "pipeline bubble",
          "host_excess": "host floor (GPU waits for Python)", "dp_exposed": "exposed DP reduction",
-         "dp_contention": "DP overlap slowdown", "optimizer": "optimizer"}
+         "dp_contention": "DP overlap slowdown", "optimizer": "optimizer", "kernel_gaps": "gaps between kernels"}
 
 
 def shares(p: dict) -> dict:

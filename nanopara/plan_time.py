@@ -29,6 +29,15 @@ CE_BYTES_TORCH = 68.0  # F.cross_entropy over fp32 logits, fwd+bwd, per token an
 # its backward 3.5-4.1 (bench/host_zb.py) and a forward alone ~250 us of ~650-750 (notes/pp.md's recompute proxy)
 HOST_FWD_SHARE = 0.37
 MICRO_SHARE = 0.6  # share of the table's per-step host time that recurs every micro-step (embedding, head, loss)
+# the GPU's own gap between back-to-back kernels of one stream, none of which the kernel rates hold: a graph replay
+# (no host in play) of gpt2_moe, span 32.34 ms against 30.91 busy over 1,345 kernels (moe_step_profile_h100.jsonl):
+# 1.07 us a kernel. Kernels a block and micro-batch (eager step profiles, less ~100 a step for AdamW, clipping, the
+# embedding and loss): gpt_1b 5,401 in 4 micro-steps of 18 blocks (ckpt_async_profile_h100.jsonl) 74, gpt2_1558m
+# 3,010 in 48 (recompute_h100_4.jsonl, ac none) 61: dense 67; gpt2_moe 1,176 in 6 dense + 6 MoE blocks
+# (moe_step_profile_h100.jsonl, eager) leaves 112 an MoE block. Ours only: other trainers' (kernels=cudnn) counts
+# are not known
+KERNEL_GAP_US = 1.07
+KERNELS_PER_BLOCK = {False: 67, True: 112}
 
 
 def _combine(gpu_s: float, host_s: float, wait: float) -> float:
@@ -100,7 +109,7 @@ def _stage(run: Run, gpu, i: int, blocks: list[int]) -> dict:
     """One pp rank's micro-batch: GPU seconds by kind (forward / backward), host seconds, exposed comm."""
     m, L = run.model, run.layout
     t = L.micro_batch * run.seq // L.cp
-    kinds = {"gemm": 0.0, "attention": 0.0, "memory_bound": 0.0, "recompute": 0.0}
+    kinds = {"gemm": 0.0, "attention": 0.0, "memory_bound": 0.0, "recompute": 0.0, "kernel_gaps": 0.0}
     fwd = host = wait = 0.0
     for moe in (False, True):  # blocks of one kind cost the same: one evaluation each
         n = sum(_is_moe(m, b) == moe for b in blocks)
@@ -111,6 +120,8 @@ def _stage(run: Run, gpu, i: int, blocks: list[int]) -> dict:
         for k in kinds:
             kinds[k] += n * blk.get(k, 0.0)
         host += n * _host_layer(run, gpu, moe)
+        if L.kernels != "cudnn":
+            kinds["kernel_gaps"] += n * KERNELS_PER_BLOCK[moe] * KERNEL_GAP_US * 1e-6
         wait = max(wait, wait_share(run, gpu, moe))
     head = 0.0
     if i == L.pp - 1:  # lm_head over the (vocab / tp) shard and the loss's passes over the logits
