@@ -14,11 +14,11 @@ Sections, in order; one that would pass the time budget (--budget, 200 s) is ski
              (torch.cuda._sleep queued first: nothing the host does waits for a kernel) at two depths: us per block
              (the difference) and per step (the shallow step less its blocks), both issue times, so neither goes
              negative as wall-time differences can; a step that waits anyway (a sync, a full launch queue) is timed
-             by wall clock and listed under "waited". Our kernels, kernels=torch, AC full / selective, FP8, MoE;
+             by wall clock and listed under "waited". Ours, kernels=torch, AC full / selective, FP8 by mode, MoE;
              dense and MoE again at 8 x 1024 tokens (does the host cost grow with the shape?)
   comm       (world >= 2) NCCL all-reduce, reduce-scatter, all-gather, all-to-all, send/recv pairs by size; whether
              an eager collective makes the host wait for the GPU work queued before it; host per block at tp2,
-             tp2 + sp, dp (DDP) and per block-micro-batch at pp2 (1F1B), the rest of an even world as dp
+             tp2 + sp (also at 8 x 1024 tokens), dp (DDP), per block-micro-batch at pp2 (1F1B), the rest as dp
 Every number is one kernel, collective or launch on this machine, never an end-to-end training row: the planner is
 checked against those (nanopara/plan_check.py), so they must not be what sets its table. Rank 0 merges its rows into
 --out (a later run with more GPUs adds its comm sizes). Run by `make bench-all SET=calibrate` (bench/run_set.py).
@@ -233,6 +233,8 @@ HOST_1GPU = {"dense": {}, "torch_kernels": {"model.kernels": "torch"},
              "ac_full": {"train.activation_checkpointing": "full"},
              "ac_selective": {"train.activation_checkpointing": "selective"},
              "fp8_tensor": {"train.fp8": "tensor", "train.fp8_filter": "all"},
+             "fp8_row": {"train.fp8": "row", "train.fp8_filter": "all"},  # row / block: more quantization kernels
+             "fp8_block": {"train.fp8": "block", "train.fp8_filter": "all"},
              "moe": {"model.moe_experts": 8, "model.moe_top_k": 2, "model.moe_every": 1}}
 # the same at 8 x 1024 tokens a micro-batch (the manifest's MoE rows): does a block's host cost grow with the shape?
 # (issue times: the held GPU makes the kernels' own time irrelevant; the planner reads only the names above)
@@ -240,7 +242,9 @@ BIG = {"model.block_size": 1024, "train.seq_len": 1024, "train.micro_batch": 8}
 HOST_1GPU.update({"dense_8k": BIG, "moe_8k": {**HOST_1GPU["moe"], **BIG}})
 HOST_2GPU = {"tp2": ({"parallel.tp": 2}, 1), "tp2_sp": ({"parallel.tp": 2, "parallel.sp": "true"}, 1),
              "dp2": ({}, 1), "pp2": ({"parallel.pp": 2, "parallel.pp_layers": "even"}, 4),  # even: L / 2 a rank
-             "cp2": ({"parallel.cp": 2}, 1), "ep2": ({"parallel.ep": 2, **HOST_1GPU["moe"]}, 1)}
+             "cp2": ({"parallel.cp": 2}, 1), "ep2": ({"parallel.ep": 2, **HOST_1GPU["moe"]}, 1),
+             # eager TP at the manifest's 8 x 1024 tokens: does TP's host cost grow with the shape (notes/planner.md)?
+             "tp2_8k": ({"parallel.tp": 2, **BIG}, 1), "tp2_sp_8k": ({"parallel.tp": 2, "parallel.sp": "true", **BIG}, 1)}
 
 
 def _put(out: dict, name: str, r: dict) -> None:

@@ -401,7 +401,7 @@ def _host_layer(run: Run, gpu, moe: bool) -> float:
     """Host seconds to issue one block's forward + backward for one micro-batch: the table's us for the base
     variant plus each active variant's difference to it (calibrated one at a time by bench_calibrate.py)."""
     L, h = run.layout, gpu.host["layer_us"]
-    v = _variants(run, moe)
+    v = [f"fp8_{L.fp8}" if k == "fp8_tensor" and f"fp8_{L.fp8}" in h else k for k in _variants(run, moe)]
     us = h[v[0]] + sum(h.get(k, h["dense"]) - h["dense"] for k in v[1:])
     if L.cp > 2:
         us += (L.cp - 2) * (h.get("cp2", h["dense"]) - h["dense"])  # ring steps grow with cp
