@@ -19,10 +19,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_manifest_against_the_goals():
     """The issue's goals: peak memory within 10 % and step time within 15 % of measured for >= 90 % of the rows, no
-    row past 30 %. Memory meets them. Step time does not (results/plan_check.txt: 78 % of 145 rows within 15 %,
-    worst 52 %; 63 % / 67 % before this round's attention rate by T, fused AdamW's rate, host variants at the
-    manifest hosts' speed, ZB's host ratio, ring attention's exposed messages and glue, FP8's weight casts and the
-    forward's host share; notes/planner.md): the misses are eager steps where host and GPU time come close or the
+    row past 30 %. Memory meets them. Step time does not (results/plan_check.txt: 79 % of 145 rows within 15 %,
+    worst 52 %; 63 % / 67 % before the attention rate by T, fused AdamW's rate, host variants at the manifest
+    hosts' speed, ZB's host ratio, ring attention's exposed messages and glue, FP8's weight casts, the forward's
+    host share and the GPU's gap between kernels; notes/planner.md): the misses are eager steps where host and GPU time come close or the
     host is slower than its table (TP on H100 and H200, the 4-GPU H100 host's tp / cp rows, MoE, FP8 row mode,
     recompute on the older hosts). Until a calibrated table meets the goal, the current accuracy is asserted as a
     regression bound (a drift past it fails), with the goal beside it."""
@@ -31,7 +31,7 @@ def test_manifest_against_the_goals():
     assert s["mem_within"] >= GOAL["share"] and s["mem_worst"] <= GOAL["worst"], s
     if s["time_within"] >= GOAL["share"] and s["time_worst"] <= GOAL["worst"]:
         return  # the stated goal, met
-    assert s["time_within"] >= 0.77, s  # regression bound: results/plan_check.txt (78 % within 15 %)
+    assert s["time_within"] >= 0.79, s  # regression bound: results/plan_check.txt (79 %: 115 of 145 within 15 %)
     assert s["time_worst"] <= 0.53, s   # regression bound: results/plan_check.txt (worst 52 %, tp4 torch on H100)
 
 
