@@ -3,6 +3,7 @@
     python bench/bench_fp8.py [--quick] [--only gemm,quant,linear,mlp] [--accum fast|precise|both] [--out F.jsonl]
         [--linear_models gpt_1b,gpt_3b,gpt2_124m,gpt_1b_m4096]      # the linear section's models
         [--profile attn.c_proj]                                     # kernels of those Linears' fwd+bwd
+        [--gemm_modes tensor] [--gemm_shapes c_fc,mlp.c_proj]       # the gemm section's scalings and shapes
     python bench/bench_fp8.py --ptxas [--quick] [--json]   # no GPU: every GEMM tile and quantization kernel,
                                                            # compiled for sm_90a: registers, spills, wgmma, TMA
 
@@ -149,12 +150,13 @@ def parity(out):
     H.append_jsonl(out, dict(section="parity", quant_mismatches=bad))
 
 
-def gemm(out, quick, accum):
+def gemm(out, quick, accum, modes=("tensor", "row", "block"), only=""):
     from kernels.fp8_matmul import fp8_matmul_triton
     print(f"\n{'GEMM (M, N, K)':>34} {'bf16':>6} | {'tensor':>6} {'cuBLAS':>6} {'x':>5} | {'row':>6} {'cuBLAS':>6} "
           f"{'x':>5} | {'block':>6} {'x row':>5} {'cuBLAS':>6} {'x':>5}   (TFLOP/s)")
     fasts = {"fast": [True], "precise": [False], "both": [True, False]}[accum]
-    for label, M, N, K in gemm_shapes(quick):
+    shapes = gemm_shapes(quick and not only)
+    for label, M, N, K in [s for s in shapes if not only or any(w in s[0] for w in only.split(","))]:
         wgrad = label.endswith("wgrad")
         flop = 2 * M * N * K
         tf = lambda ms: flop / ms / 1e9  # noqa: E731
@@ -164,7 +166,7 @@ def gemm(out, quick, accum):
         del a16, b16
         for fast in fasts:
             row = dict(section="gemm", shape=label, M=M, N=N, K=K, fast_accum=fast, bf16_tflops=t_bf16)
-            for mode in ("tensor", "row", "block"):
+            for mode in modes:
                 a, b, sa, sb = _operands(M, N, K, mode, wgrad)
                 row[f"{mode}_tflops"] = tf(_bench(lambda: fp8_matmul_triton(a, b, sa, sb, None, torch.bfloat16,
                                                                               fast_accum=fast)))
@@ -436,6 +438,9 @@ def main():
     p.add_argument("--quick", action="store_true", help="8192^3 and gpt_1b's forward GEMMs only")
     p.add_argument("--only", default="parity,gemm,quant,linear,mlp", help="comma-separated sections")
     p.add_argument("--accum", default="fast", choices=("fast", "precise", "both"), help="GEMM accumulation")
+    p.add_argument("--gemm_modes", default="tensor,row,block", help="gemm section: scalings to time")
+    p.add_argument("--gemm_shapes", default="", help="gemm section: shape labels containing any of these "
+                   "(e.g. 'c_fc,mlp.c_proj': fwd, dgrad and wgrad of both; overrides --quick's forward-only list)")
     p.add_argument("--out", help="append JSON lines here")
     p.add_argument("--linear_models", default="", help="linear section: e.g. gpt_1b,gpt_3b,gpt2_124m,gpt_1b_m4096")
     p.add_argument("--profile", default="", help="linear section: Linear names to profile, e.g. attn.c_proj")
@@ -459,7 +464,7 @@ def main():
     if "parity" in sections:
         parity(out)
     if "gemm" in sections:
-        gemm(out, args.quick, args.accum)
+        gemm(out, args.quick, args.accum, tuple(args.gemm_modes.split(",")), args.gemm_shapes)
     if "quant" in sections:
         quant(out, args.quick)
     if "linear" in sections:

@@ -144,7 +144,8 @@ SETS = {
                                                   "--out", "{out}/post_train"], 7200)],
     # one GPU, ~10 min: the rows the open goals wait for since the last GPU run (notes/checkpoints.md,
     # notes/fp8.md, notes/moe.md): async saves with the host buffers pinned after step 1, graphs that write
-    # their gradients, the FP8 casts' tuned tiles, the MoE step's profile
+    # their gradients, the FP8 casts' tuned tiles, the FP8 gradient GEMMs (precise accumulation) against
+    # cuBLAS, the MoE step's profile
     "pending": [Job("ckpt_async", 1, ["bench/bench_ckpt.py", "--modes=none,async,none", "--periods", "2", "--each",
                                       "--ckpt_dir=/tmp/bench_ckpt", "--out", "{out}/ckpt.jsonl"], 300),
                 Job("fp8_e2e_graph", 1, ["bench/bench_fp8_e2e.py", "--presets", "gpt_1b", "--modes",
@@ -155,6 +156,8 @@ SETS = {
                                        "4", "--out", "{out}/fp8_e2e.jsonl"], 240),
                 Job("fp8_quant", 1, ["bench/bench_fp8.py", "--quick", "--only", "quant,linear,mlp", "--out",
                                      "{out}/fp8.jsonl"], 240),
+                Job("fp8_gemm_grads", 1, ["bench/bench_fp8.py", "--only", "gemm", "--accum", "both", "--gemm_modes",
+                                          "tensor", "--gemm_shapes", "gpt_1b", "--out", "{out}/fp8.jsonl"], 300),
                 Job("moe_step", 1, ["bench/bench_moe.py", "--sections=step", "--step-capacities=1.0",
                                     "--step-profile", "--out", "{out}/moe.jsonl"], 240)],
     # the planner's GPU table (nanopara/gpus.py): GEMMs, attention, bandwidth, host cost, collectives; < 240 s
