@@ -2,8 +2,7 @@
 
     python bench/bench_fp8.py [--quick] [--only gemm,quant,linear,mlp] [--accum fast|precise|both] [--out F.jsonl]
         [--linear_models gpt_1b,gpt_3b,gpt2_124m,gpt_1b_m4096]      # the linear section's models
-        [--profile attn.c_proj]                                     # kernels of those Linears' fwd+bwd
-        [--gemm_modes tensor] [--gemm_shapes c_fc,mlp.c_proj]       # the gemm section's scalings and shapes
+        [--profile attn.c_proj] [--gemm_modes tensor] [--gemm_shapes c_fc,mlp.c_proj]
     python bench/bench_fp8.py --ptxas [--quick] [--json]   # no GPU: every GEMM tile and quantization kernel,
                                                            # compiled for sm_90a: registers, spills, wgmma, TMA
 
