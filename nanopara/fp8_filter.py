@@ -14,19 +14,20 @@ import torch.nn as nn
 
 from nanopara.fp8 import DEFAULT_EXCLUDE
 
-# The measurement behind AUTO_MIN_KN: FP8Linear fwd+bwd against the bf16 Linear, one H100, M = 8192 tokens (results/fp8_h100.txt, `bench/bench_fp8.py --quick`,
-# 2026-11-26, the weight's cast reused):
-#     gpt_1b Linear  K -> N        K*N/(K+N)   tensor    row    block
-#     attn.c_proj    2048 -> 2048       1024    0.28x   0.24x   0.27x   (a mistuned tile: 0.37x cuBLAS, issue #43)
-#     c_attn         2048 -> 6144       1536    0.99x   0.75x   0.31x
-#     c_fc           2048 -> 8192       1638    1.15x   0.82x   0.75x
-#     mlp.c_proj     8192 -> 2048       1638    1.19x   1.01x   0.73x
-# Paying the weight's cast each step too (one micro-step a step; 'W fp32 tensor' 70 us at 8192 x 2048, same file):
-# tensor 0.94x / 1.08x / 1.11x on the last three. Hence: tensor from gpt_1b's MLP size up; row none (its one gain,
-# 1.01x, is noise: c_fc of the same size 0.82x, and below 1x with the weight cast); block none. The 124M shapes
-# (K*N/(K+N) 384-614) lie below every row, and the whole 124M step in FP8 tensor ran 0.71x (fp8_e2e_h100.txt).
-# No row has M < 8192: smaller micro-steps stay bf16 until measured. Re-measure and edit after kernel changes.
-AUTO_MIN_KN = {"tensor": 2048 * 8192 / (2048 + 8192), "row": None, "block": None}  # None: no shape measured to gain
+# The measurement behind AUTO_MIN_KN: FP8Linear fwd+bwd against the bf16 Linear, one H100, M = 8192 tokens, the casts'
+# tiles autotuned per shape (results/fp8_mlp_linear_h100.txt, `bench/bench_fp8.py --quick --only linear`, 2026-12-07;
+# the weight's cast reused, then paid every call):
+#     gpt_1b Linear  K -> N        K*N/(K+N)   tensor         row            block
+#     attn.c_proj    2048 -> 2048       1024    0.56x / 0.47   0.46x / 0.39   0.59x / 0.51
+#     c_attn         2048 -> 6144       1536    1.14x / 1.07   1.07x / 0.99   0.71x / 0.68
+#     c_fc           2048 -> 8192       1638    1.21x / 1.15   1.16x / 1.07   0.76x / 0.73
+#     mlp.c_proj     8192 -> 2048       1638    1.23x / 1.17   1.18x / 1.08   0.74x / 0.72
+# Hence: tensor from c_attn's size up (1536; end to end, gpt_1b with c_attn in FP8 too ran 1.121x bf16 against
+# 1.098x with the MLP alone: results/fp8_e2e_peer_h100.txt); row from the MLP's (1638: c_attn's row gain is gone once
+# the weight's cast is paid); block none. The 124M shapes (K*N/(K+N) 384-614) lie below every row. No row has
+# M < 8192: smaller micro-steps stay bf16 until measured. (2026-11-26, fixed cast tiles: tensor 0.28 / 0.99 / 1.15 /
+# 1.19x, row <= 1.01x, results/fp8_h100.txt.) Re-measure and edit after kernel changes.
+AUTO_MIN_KN = {"tensor": 2048 * 6144 / (2048 + 6144), "row": 2048 * 8192 / (2048 + 8192), "block": None}
 AUTO_MIN_TOKENS = 8192
 
 
