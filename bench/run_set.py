@@ -142,24 +142,20 @@ SETS = {
                    Job("sft", 1, ["bench/bench_sft.py", "--out", "{out}/sft"]),
                    Job("post_train", 1, ["bench/post_train_demo.py", "--recipe=small", "--seeds=1,2,3", "--jobs=3",
                                                   "--out", "{out}/post_train"], 7200)],
-    # one GPU, ~10 min: the rows the open goals wait for since the last GPU run (notes/checkpoints.md,
-    # notes/fp8.md, notes/moe.md): async saves with the host buffers pinned after step 1, graphs that write
-    # their gradients, the FP8 casts' tuned tiles, the FP8 gradient GEMMs (precise accumulation) against
-    # cuBLAS, the MoE step's profile
-    "pending": [Job("ckpt_async", 1, ["bench/bench_ckpt.py", "--modes=none,async,none", "--periods", "2", "--each",
-                                      "--ckpt_dir=/tmp/bench_ckpt", "--out", "{out}/ckpt.jsonl"], 300),
-                Job("fp8_e2e_graph", 1, ["bench/bench_fp8_e2e.py", "--presets", "gpt_1b", "--modes",
-                                         "bf16,bf16+graph,tensor,tensor+unfused,tensor+graph,tensor+delayed,tensor+delayed+graph",
-                                         "--steps", "12", "--warmup", "4", "--out", "{out}/fp8_e2e.jsonl"], 360),
-                Job("fp8_e2e_all", 1, ["bench/bench_fp8_e2e.py", "--presets", "gpt_1b", "--modes",
-                                       "tensor,tensor+delayed", "--fp8_filter", "all", "--steps", "12", "--warmup",
-                                       "4", "--out", "{out}/fp8_e2e.jsonl"], 240),
-                Job("fp8_quant", 1, ["bench/bench_fp8.py", "--quick", "--only", "quant,linear,mlp", "--out",
-                                     "{out}/fp8.jsonl"], 240),
+    # one GPU, ~10 min: the rows the open goals wait for since the last GPU run (notes/fp8.md): every cast tile at
+    # gpt_1b's shapes (why the three-op FP8 MLP's loss rose), gpt_1b and gpt_3b under the auto rule of 2026-12-07 (c_attn
+    # in tensor mode, the MLP in row mode) against torchao + compile, the gradient GEMMs' precise accumulation
+    "pending": [Job("fp8_tiles", 1, ["-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/test_fp8.py",
+                                     "-k", "every_tile or training_shapes or parity or bit_exact_large"], 300),
+                Job("fp8_e2e_auto", 1, ["bench/bench_fp8_e2e.py", "--presets", "gpt_1b", "--modes",
+                                        "bf16,tensor,tensor+unfused,tensor+graph,tensor+delayed+graph,row+graph,"
+                                        "ao_tensorwise+compile,ao_rowwise+compile", "--steps", "12", "--warmup", "4",
+                                        "--out", "{out}/fp8_e2e.jsonl"], 360),
                 Job("fp8_gemm_grads", 1, ["bench/bench_fp8.py", "--only", "gemm", "--accum", "both", "--gemm_modes",
-                                          "tensor", "--gemm_shapes", "gpt_1b", "--out", "{out}/fp8.jsonl"], 300),
-                Job("moe_step", 1, ["bench/bench_moe.py", "--sections=step", "--step-capacities=1.0",
-                                    "--step-profile", "--out", "{out}/moe.jsonl"], 240)],
+                                          "tensor,row,block", "--gemm_shapes", "gpt_1b", "--out", "{out}/fp8.jsonl"],
+                    300),
+                Job("fp8_3b", 1, ["bench/bench_fp8_e2e.py", "--set", "gpt_3b", "--steps", "8", "--warmup", "3",
+                                  "--out", "{out}/fp8_e2e.jsonl"], 360)],
     # the planner's GPU table (nanopara/gpus.py): GEMMs, attention, bandwidth, host cost, collectives; < 240 s
     "calibrate": [Job("calibrate", 1, torchrun("{ngpu}", "bench/bench_calibrate.py", "--out", "{out}/plan_gpus.json"),
                       300)],
