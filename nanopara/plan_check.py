@@ -24,7 +24,7 @@ from nanopara.planner import Layout, Model, Run
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MANIFEST = os.path.join(ROOT, "results", "plan_manifest.jsonl")
 PRESETS = {"gpt2_124m": (12, 12, 768), "gpt2_350m": (24, 16, 1024), "gpt2_774m": (36, 20, 1280),
-           "gpt2_1558m": (48, 25, 1600), "gpt_1b": (18, 16, 2048), "gpt2_moe": (12, 12, 768)}
+           "gpt2_1558m": (48, 25, 1600), "gpt_1b": (18, 16, 2048), "gpt_3b": (26, 24, 3072), "gpt2_moe": (12, 12, 768)}
 GOAL = {"mem": 0.10, "time": 0.15, "share": 0.90, "worst": 0.30}
 
 

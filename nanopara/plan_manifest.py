@@ -191,7 +191,27 @@ APPENDED = [("scaleout_pp_graph_h200.jsonl", "git 557d434 + the pipeline CUDA gr
             ("scaleout_tp_h200.jsonl", "git 557d434 + the pipeline CUDA graph (next commit), scaleout_h200.txt"),
             ("moe_step_graph_h200.jsonl", "tree after 273b1d4 (MoE step state on the device), moe_step_graph_h200.txt"),
             ("scaleout_2_h200.jsonl", "tree of 8eb229d (dp2 ZeRO-1, tp2 graph), scaleout_2_h200.txt"),
-            ("moe_step_profile_h100.jsonl", "tree of 70fb83d, moe_step_profile_h100.txt")]
+            ("moe_step_profile_h100.jsonl", "tree of 70fb83d, moe_step_profile_h100.txt"),
+            ("moe_step_overwrite_h100.jsonl", "tree of 6fcffe2 (graph writes its gradients), moe_step_overwrite_h100.txt"),
+            ("fp8_e2e_fused_h100.jsonl", "tree of 6fcffe2 (graph writes its gradients), fp8_e2e_fused_h100.txt"),
+            ("fp8_e2e_3b_124m_h100.jsonl", "tree of 6fcffe2, fp8_e2e_3b_124m_h100.txt")]
+
+
+def bf16_rows(name: str, rev: str) -> list:
+    """bench_fp8_e2e.py's bf16 rows, eager and graphed (its FP8 rows run the auto filter's share of the Linears in
+    FP8, which the planner does not model), one micro-step of 1,024-token sequences; the preset's own checkpointing."""
+    from nanopara.presets import PRESETS
+    out = []
+    for i, r in enumerate(_jsonl(name)):
+        if r.get("section") != "throughput" or r.get("mode") not in ("bf16", "bf16+graph") or "step_ms" not in r:
+            continue
+        tokens = round(r["tokens_per_s"] * r["step_ms"] / 1e3)
+        graph = r["mode"] == "bf16+graph"
+        lay = _lay(micro_batch=tokens // 1024, graph=graph, ac=PRESETS[r["preset"]]().train.activation_checkpointing)
+        out.append(_row(f"{name.split('.')[0]}:{r['preset']}_{r['mode']}#{i}", name, r["preset"], lay, 1024, tokens,
+                        r["gpu"], 1, r["date"], rev, r["step_ms"], None if graph else r["peak_mem_gb"],
+                        note="bench_fp8_e2e.py bf16 row"))
+    return out
 
 
 def moe_step_rows(name: str, rev: str) -> list:
@@ -213,7 +233,8 @@ def append(path: str) -> list:
         have = {json.loads(line)["id"] for line in f if line.strip() and not line.startswith("#")}
     new = []
     for name, rev in APPENDED:
-        rows = moe_step_rows(name, rev) if name.startswith("moe_step") else layout_rows(name)
+        rows = moe_step_rows(name, rev) if name.startswith("moe_step") else \
+            bf16_rows(name, rev) if name.startswith("fp8_e2e") else layout_rows(name)
         for r in rows:
             r["revision"] = rev
             if r["id"] not in have:

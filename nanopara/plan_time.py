@@ -40,6 +40,15 @@ KERNEL_GAP_US = 1.07
 KERNELS_PER_BLOCK = {False: 67, True: 112}
 
 
+def graph_adds(run: Run) -> bool:
+    """Whether a CUDA-graphed step keeps .grad and adds into it: all but trainer.py's GraphedMicroStep with
+    overwrite (one GPU's worth of dp x cp, no pipeline, one micro-step a step, tp_streams off: the planner's layouts
+    have no tp_streams), whose backward writes each gradient whole (gpt_1b bf16 graph 0.961x -> 0.999x eager,
+    results/fp8_e2e_compile_h100.txt and fp8_e2e_fused_h100.txt; gpt2_moe 32.0 -> 30.2 ms, moe_step_*_h100.txt)."""
+    L = run.layout
+    return L.graph and not (L.pp == 1 and L.dp * L.cp == 1 and run.accum == 1)
+
+
 def _combine(gpu_s: float, host_s: float, wait: float) -> float:
     return max(gpu_s, host_s) + wait * min(gpu_s, host_s)
 
@@ -133,8 +142,9 @@ def _stage(run: Run, gpu, i: int, blocks: list[int]) -> dict:
     # bytes (pp: once a step, in step_time); the bf16 weight gradient cast to fp32, 2 + 4, and from the second
     # micro-step on added into .grad, 4 + 4 + 4 (the first is written in place): elementwise kernels. Under a CUDA
     # graph .grad stays allocated and every micro-step adds into it (graph.py; notes/tp.md: `add<float>` 2.4 ms of
-    # a graphed tp2 step that the eager one-GPU step does not run), zeroed once a step in step_time
-    grad_bytes = 18.0 if L.graph else 18 - 12 / run.accum
+    # a graphed tp2 step that the eager one-GPU step does not run), zeroed once a step in step_time; not where
+    # the graph writes its gradients whole (graph_adds: one replay a step)
+    grad_bytes = 18.0 if graph_adds(run) else 18 - 12 / run.accum
     per_micro = ((6 if L.pp == 1 else 0) + grad_bytes) * (dense + expert) / (gpu.membw_gbs["elementwise"] * 1e9)
     kinds["head"], kinds["params_pass"] = head, per_micro
     fp8_w = 0.0  # each FP8 Linear quantizes its weight (and the transpose) once a step, at the mode's rate an
@@ -179,7 +189,7 @@ def step_time(run: Run) -> dict:
     opt_params = (s["dense"] + s["expert"]) / (L.dp * L.cp if L.zero >= 1 else 1)
     # torch's fused AdamW (optim.build_adamw) at its measured share of copy; the norm's read (foreach_norm)
     opt = (29 * opt_params / gpu.adamw_share + 4 * (s["dense"] + s["expert"])) / (gpu.membw_gbs["copy"] * 1e9)
-    if L.graph:  # the kept gradients zeroed in place (engine.zero_grad_buffers): 4 bytes written a parameter
+    if graph_adds(run):  # the kept gradients zeroed in place (engine.zero_grad_buffers): 4 bytes written a parameter
         opt += 4 * (s["dense"] + s["expert"]) / (gpu.membw_gbs["copy"] * 1e9)
     if p > 1:
         opt += 6 * (s["dense"] + s["expert"]) / (gpu.membw_gbs["copy"] * 1e9)  # one weight cast a step
