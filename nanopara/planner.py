@@ -234,9 +234,9 @@ def act_coef(run: Run, moe: bool) -> float:
     lin_in = 1.0 if L.fp8 != "none" else 2.0  # FP8: the Linears keep their inputs quantized (1 byte)
     ln_out = 2 * lin_in
     mlp_in, mlp_out = (4 * f, lin_in * f) if m.swiglu else (2 * f, lin_in * f)  # GELU in / out; SwiGLU gate, up
-    if moe:  # TODO(moe_shared): the shared experts' activations are not counted yet (notes/moe.md)
-        fe = m.expert_ffn / m.d
-        mlp_in, mlp_out = m.top_k * (2 + 2 * fe), m.top_k * 2 * fe
+    if moe:  # k permuted rows and their hidden; the shared experts' MLP (width shared x expert_ffn, whole on each
+        fe, fs = m.expert_ffn / m.d, m.shared * m.expert_ffn / m.d  # tp rank) its GELU's input and output as dense's
+        mlp_in, mlp_out = m.top_k * (2 + 2 * fe) + 2 * fs, m.top_k * 2 * fe + lin_in * fs
     if L.ac == "selective":
         ln_out, mlp_out = 0.0, 0.0
     sharded = 2 * m.qkv_out / m.d + lin_in + (mlp_in + mlp_out if not moe else 0)
@@ -277,7 +277,10 @@ def memory(run: Run) -> dict:
         n_moe = sum(_is_moe(m, b) for b in blocks)
         acts = in_flight(run, i) * tok * m.d * ((len(blocks) - n_moe) * act_coef(run, False) +
                                                   (n_moe and n_moe * act_coef(run, True)))
-        work = tok * (4 * m.ffn / L.tp * (m.top_k if m.experts else 1) + 8 * m.d)
+        # one block's backward workspace: the MLP hidden's gradient (an MoE block: the k routed rows' at the experts'
+        # width, or the shared experts' MLP if wider) and a few C-wide buffers
+        hidden = max(m.top_k * m.expert_ffn, m.shared * m.expert_ffn) if m.experts else m.ffn / L.tp
+        work = tok * (4 * hidden + 8 * m.d)
         if L.ac == "full":
             work += tok * m.d * act_coef(replace(run, layout=replace(L, ac="none")), False)
         logits = 0.0
