@@ -286,6 +286,7 @@ def loss_flag(loss: float, bf16_loss: float) -> str | None:
     gap = loss / bf16_loss - 1
     return f"loss {loss:.3f} is {gap:+.1%} off bf16's {bf16_loss:.3f}" if not gap <= LOSS_GAP else None
 
+
 COLS = [("preset", "preset", ""), ("mode", "mode", ""), ("step_ms", "ms/step", ".1f"),
         ("tokens_per_s", "tok/s", ",.0f"), ("tflops", "TFLOP/s", ".1f"), ("mfu", "MFU", ".1%"),
         ("peak_mem_gb", "peak GB", ".1f"), ("fp8_share", "FP8 lin/FLOPs", ""),

@@ -192,7 +192,8 @@ APPENDED = [("scaleout_pp_graph_h200.jsonl", "git 557d434 + the pipeline CUDA gr
             ("moe_step_graph_h200.jsonl", "tree after 273b1d4 (MoE step state on the device), moe_step_graph_h200.txt"),
             ("scaleout_2_h200.jsonl", "tree of 8eb229d (dp2 ZeRO-1, tp2 graph), scaleout_2_h200.txt"),
             ("moe_step_profile_h100.jsonl", "tree of 70fb83d, moe_step_profile_h100.txt"),
-            ("moe_step_overwrite_h100.jsonl", "tree of 6fcffe2 (graph writes its gradients), moe_step_overwrite_h100.txt"),
+            ("moe_step_overwrite_h100.jsonl",
+             "tree of 6fcffe2 (graph writes its gradients), moe_step_overwrite_h100.txt"),
             ("fp8_e2e_fused_h100.jsonl", "tree of 6fcffe2 (graph writes its gradients), fp8_e2e_fused_h100.txt"),
             ("fp8_e2e_3b_124m_h100.jsonl", "tree of 6fcffe2, fp8_e2e_3b_124m_h100.txt")]
 
