@@ -6,13 +6,15 @@
 A Linear (K -> N) at M tokens saves GEMM time in proportion to M*K*N in FP8 and pays the casts of X (M, K) and dY
 (M, N) in proportion to M*(K + N): M cancels, so FP8 gains where K*N/(K + N) is large enough (AUTO_MIN_KN, from the
 table below). Callers: nanopara/parallel.py (train.fp8_filter), bench/bench_fp8.py (its `auto rule` column),
-bench/bench_fp8_e2e.py (the share a row ran in FP8). Choices and numbers: notes/fp8.md.
+bench/bench_fp8_e2e.py (the share a row ran in FP8), nanopara/planner.py (which Linears it times in FP8). Choices
+and numbers: notes/fp8.md.
 """
 from __future__ import annotations
 
-import torch.nn as nn
+from typing import TYPE_CHECKING
 
-from nanopara.fp8 import DEFAULT_EXCLUDE
+if TYPE_CHECKING:  # torch is imported where a module is looked at: the rule itself (auto_gains) is the planner's too
+    import torch.nn as nn
 
 # The measurement behind AUTO_MIN_KN: FP8Linear fwd+bwd against the bf16 Linear, one H100, M = 8192 tokens, the casts'
 # tiles autotuned per shape (results/fp8_mlp_linear_h100.txt, `bench/bench_fp8.py --quick --only linear`, 2026-12-07;
@@ -35,6 +37,7 @@ AUTO_MIN_TOKENS = 8192
 def linear_shape(mod: nn.Module):
     """(K, N, FLOPs a token / 2) of a Linear, a tp shard's linear (its shard) or MoE experts (their c_fc, both of
     their Linears per routed token); None for anything else."""
+    import torch.nn as nn
     if isinstance(mod, nn.Linear) or getattr(mod, "takes_fp8", False) and getattr(mod, "weight", None) is not None:
         N, K = mod.weight.shape[-2:]
         return K, N, K * N
@@ -54,6 +57,7 @@ def resolve_filter(filter: str, mode: str, tokens: int, device_type: str):
     """train.fp8_filter -> apply_fp8's filter: "auto" = the Linears but lm_head that auto_gains picks at `tokens`
     a micro-step on CUDA (on a CPU, the reference path of the tests, nothing is measured: every one but lm_head);
     "all" or "" = every Linear but lm_head; anything else = comma-separated globs of module names."""
+    from nanopara.fp8 import DEFAULT_EXCLUDE
     f = filter.strip()
     if f in ("", "all") or f == "auto" and device_type != "cuda":
         return None

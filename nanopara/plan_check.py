@@ -38,6 +38,7 @@ def model_of(row: dict) -> Model:
 def run_of(row: dict) -> Run:
     lay = {k: v for k, v in row["layout"].items()}
     lay["pp_layers"] = tuple(lay.get("pp_layers", ()))
+    lay.setdefault("fp8_filter", "all")  # rows from before train.fp8_filter=auto ran every Linear but lm_head in FP8
     return Run(model_of(row), Layout(**lay), seq=row["seq"], tokens_per_step=row["tokens_per_step"],
                gpu=row["gpu"])
 

@@ -18,8 +18,8 @@ weight gradients into the kept .grad (18 bytes a parameter, zeroed once a step),
 from __future__ import annotations
 
 from nanopara import gpus as G
-from nanopara.planner import (Run, _host_layer, _is_moe, _linear_s, block_gpu, check, memory, stage_blocks,
-                              stage_params, wait_share)
+from nanopara.planner import (Run, _host_layer, _is_moe, _linear_s, block_gpu, check, fp8_linears, memory,
+                              stage_blocks, stage_params, wait_share)
 
 CONTENTION = 0.3   # compute slowdown per second of overlapped collective (notes/dp.md's no-communication control)
 CE_BYTES_TORCH = 68.0  # F.cross_entropy over fp32 logits, fwd+bwd, per token and vocab entry at copy bandwidth
@@ -149,7 +149,9 @@ def _stage(run: Run, gpu, i: int, blocks: list[int]) -> dict:
     kinds["head"], kinds["params_pass"] = head, per_micro
     fp8_w = 0.0  # each FP8 Linear quantizes its weight (and the transpose) once a step, at the mode's rate an
     if L.fp8 != "none" and gpu.fp8_modes.get(L.fp8, (1.0, None))[1]:  # element (fp8.py weight_fp8's cache)
-        lin = m.d * m.qkv_out + m.d * m.d + (3 if m.swiglu else 2) * m.d * m.ffn
+        on = fp8_linears(run)  # the Linears in FP8 (fp8_filter): their weights' elements
+        lin = (on["c_attn"] * m.d * m.qkv_out + on["attn.c_proj"] * m.d * m.d +
+               (on["c_fc"] * (2 if m.swiglu else 1) + on["mlp.c_proj"]) * m.d * m.ffn)
         dense_blocks = sum(not _is_moe(m, b) for b in blocks)
         fp8_w = dense_blocks * lin / L.tp * gpu.fp8_modes[L.fp8][1] * 1e-12
     comm = micro_comm(run, gpu, blocks, kinds["attention"] / max(len(blocks), 1))

@@ -114,6 +114,7 @@ class Layout:
     micro_batch: int = 1
     ac: str = "none"             # none | selective | full
     fp8: str = "none"
+    fp8_filter: str = "auto"     # auto: the Linears fp8_filter.auto_gains picks (train.py's default) | all
     graph: bool = False          # CUDA graph replay (no host floor)
     kernels: str = "triton"      # triton (ours) | torch | cudnn (other trainers: cuDNN attention, no host floor)
     cp_impl: str = "ring"
@@ -230,13 +231,16 @@ def act_coef(run: Run, moe: bool) -> float:
     tp, f = L.tp, m.ffn / m.d
     if L.ac == "full":
         return 6 / (tp if L.sp else 1)
-    ln_in, ln_out = 8.0, 4.0
-    lin_in = 1.0 if L.fp8 != "none" else 2.0  # FP8: the Linears keep their inputs quantized (1 byte)
-    ln_out = 2 * lin_in
-    mlp_in, mlp_out = (4 * f, lin_in * f) if m.swiglu else (2 * f, lin_in * f)  # GELU in / out; SwiGLU gate, up
+    ln_in = 8.0
+    on = fp8_linears(run)  # FP8 Linears keep their inputs quantized (1 byte), the others bf16
+    size = {name: 1.0 if f else 2.0 for name, f in on.items()}
+    lin_in = size["attn.c_proj"]
+    ln_out = size["c_attn"] + size["c_fc"]
+    mlp_out_b = size["mlp.c_proj"]
+    mlp_in, mlp_out = (4 * f, mlp_out_b * f) if m.swiglu else (2 * f, mlp_out_b * f)  # GELU in / out; SwiGLU
     if moe:  # k permuted rows and their hidden; the shared experts' MLP (width shared x expert_ffn, whole on each
         fe, fs = m.expert_ffn / m.d, m.shared * m.expert_ffn / m.d  # tp rank) its GELU's input and output as dense's
-        mlp_in, mlp_out = m.top_k * (2 + 2 * fe) + 2 * fs, m.top_k * 2 * fe + lin_in * fs
+        mlp_in, mlp_out = m.top_k * (2 + 2 * fe) + 2 * fs, m.top_k * 2 * fe + mlp_out_b * fs
     if L.ac == "selective":
         ln_out, mlp_out = 0.0, 0.0
     sharded = 2 * m.qkv_out / m.d + lin_in + (mlp_in + mlp_out if not moe else 0)
@@ -323,15 +327,31 @@ def _linear_s(gpu, t, n, k, fp8: bool, scale=1.0) -> tuple[float, float]:
     return _gemm_s(gpu, t, n, k, dt, scale), _gemm_s(gpu, t, k, n, dt, scale) + _gemm_s(gpu, n, k, t, dt, scale)
 
 
+def fp8_linears(run: Run) -> dict:
+    """Which of a dense block's Linears (c_attn, attn.c_proj, c_fc, mlp.c_proj) run FP8: all under
+    fp8_filter=all, else those fp8_filter.auto_gains picks at their (tp shard's) shape and the rank's tokens, as
+    parallel.py applies train.fp8_filter=auto."""
+    from nanopara.fp8_filter import auto_gains
+    m, L = run.model, run.layout
+    shapes = {"c_attn": (m.d, m.qkv_out / L.tp), "attn.c_proj": (m.d / L.tp, m.d),
+              "c_fc": (m.d, (2 if m.swiglu else 1) * m.ffn / L.tp), "mlp.c_proj": (m.ffn / L.tp, m.d)}
+    tokens = L.micro_batch * run.seq // L.cp
+    return {name: L.fp8 != "none" and (L.fp8_filter == "all" or auto_gains(L.fp8, int(k), int(n), tokens))
+            for name, (k, n) in shapes.items()}
+
+
 def block_gpu(run: Run, gpu, moe: bool) -> dict:
     """GPU seconds of one block's forward and backward for one micro-batch on one rank, by kind."""
     m, L = run.model, run.layout
     s = run.seq // L.cp
-    t, tp, fp8 = L.micro_batch * s, L.tp, L.fp8 != "none"
+    t, tp = L.micro_batch * s, L.tp
+    on = fp8_linears(run)
+    fp8 = any(on.values())
     lin = [(m.qkv_out / tp, m.d), (m.d, m.d / tp)]
     mlp = [((2 if m.swiglu else 1) * m.ffn / tp, m.d), (m.d, m.ffn / tp)]
+    lin_on, mlp_on = [on["c_attn"], on["attn.c_proj"]], [on["c_fc"], on["mlp.c_proj"]]
     mode = gpu.fp8_modes.get(L.fp8, (1.0, None)) if fp8 else (1.0, None)  # GEMM rate / tensorwise, ps an element
-    gemm = [_linear_s(gpu, t, n, k, fp8, mode[0]) for n, k in lin]
+    gemm = [_linear_s(gpu, t, n, k, f, mode[0] if f else 1.0) for (n, k), f in zip(lin, lin_on)]
     if moe:  # experts whole on each tp rank (sp: its own tokens; ep: the rows routed to its E/ep experts): the
         rows = t * m.top_k / (tp if L.sp else 1)  # grouped MLP, epilogues and bias gradients in, at its measured
         fw = 2 * rows * (3 if m.swiglu else 2) * m.expert_ffn * m.d  # rate for this many rows an expert
@@ -340,7 +360,7 @@ def block_gpu(run: Run, gpu, moe: bool) -> dict:
         ts, hs = t // (tp if L.sp else 1), m.shared * m.expert_ffn  # shared experts: dense GEMMs, whole per rank
         gemm += [_linear_s(gpu, ts, n, k, False) for n, k in ((hs, m.d), (m.d, hs))] if m.shared else []
     else:
-        gemm += [_linear_s(gpu, t, n, k, fp8, mode[0]) for n, k in mlp]
+        gemm += [_linear_s(gpu, t, n, k, f, mode[0] if f else 1.0) for (n, k), f in zip(mlp, mlp_on)]
     fwd = sum(g[0] for g in gemm)
     bwd = sum(g[1] for g in gemm)
     attn_flops = 2 * L.micro_batch * (m.n_head / tp) * s * (s * L.cp) * m.hd * 3.5  # causal: 1/cp of 2bHS^2D
@@ -361,11 +381,12 @@ def block_gpu(run: Run, gpu, moe: bool) -> dict:
     if L.cp > 1 and L.cp_impl == "ring" and L.kernels != "cudnn":  # our ring's glue (RING_GLUE)
         mem_bytes += L.cp * t * m.d * RING_GLUE / (tp if L.sp else 1)
     memb = mem_bytes / (gpu.membw_gbs["elementwise"] * 1e9)
+    fp8_lin = [nk for nk, f in zip(lin + ([] if moe else mlp), lin_on + ([] if moe else mlp_on)) if f]
     if fp8 and mode[1] is not None:  # each FP8 Linear quantizes its input X and output gradient dY (and their
         # transposes) once a micro-batch, at the mode's measured time an element (gpus.fp8_modes)
-        memb += t * sum(n + k for n, k in lin + ([] if moe else mlp)) * mode[1] * 1e-12
-    elif fp8:
-        memb += t * m.d * 96 / tp / (gpu.membw_gbs["elementwise"] * 1e9)  # X, dY and transposes: ~96 bytes a C
+        memb += t * sum(n + k for n, k in fp8_lin) * mode[1] * 1e-12
+    elif fp8:  # X, dY and transposes: ~96 bytes a C over a block's four Linears
+        memb += t * m.d * 96 / tp * len(fp8_lin) / 4 / (gpu.membw_gbs["elementwise"] * 1e9)
     out = {"gemm": fwd + bwd, "attention": attn, "memory_bound": memb, "fwd_share": (fwd + attn / 3.5) /
            max(fwd + bwd + attn, 1e-12)}
     if L.ac == "full":
@@ -379,7 +400,8 @@ def _variants(run: Run, moe: bool) -> list[str]:
     """The host table's variants this block runs (each calibrated alone against "dense")."""
     L = run.layout
     v = ["torch_kernels" if L.kernels == "torch" else "dense"]
-    v += ["ac_full"] * (L.ac == "full") + ["ac_selective"] * (L.ac == "selective") + ["fp8_tensor"] * (L.fp8 != "none")
+    v += ["ac_full"] * (L.ac == "full") + ["ac_selective"] * (L.ac == "selective")
+    v += ["fp8_tensor"] * any(fp8_linears(run).values())
     v += ["moe"] * moe + [("tp2_sp" if L.sp else "tp2")] * (L.tp > 1) + ["ep2"] * (moe and L.ep > 1)
     v += ["zero3"] * (L.zero == 3) + ["dp2"] * (L.zero < 3 and L.dp * L.cp > 1) + ["pp2"] * (L.pp > 1)
     return v + ["zb"] * (L.schedule == "zb" and L.pp > 1) + ["cp2"] * (L.cp > 1)
@@ -405,7 +427,8 @@ def _host_layer(run: Run, gpu, moe: bool) -> float:
     variant plus each active variant's difference to it (calibrated one at a time by bench_calibrate.py)."""
     L, h = run.layout, gpu.host["layer_us"]
     v = [f"fp8_{L.fp8}" if k == "fp8_tensor" and f"fp8_{L.fp8}" in h else k for k in _variants(run, moe)]
-    us = h[v[0]] + sum(h.get(k, h["dense"]) - h["dense"] for k in v[1:])
+    share = sum(fp8_linears(run).values()) / 4  # the FP8 variant was calibrated with all four Linears in FP8
+    us = h[v[0]] + sum((h.get(k, h["dense"]) - h["dense"]) * (share if k.startswith("fp8_") else 1) for k in v[1:])
     if L.cp > 2:
         us += (L.cp - 2) * (h.get("cp2", h["dense"]) - h["dense"])  # ring steps grow with cp
     return 0.0 if L.graph or L.kernels == "cudnn" else us * 1e-6

@@ -65,6 +65,24 @@ def test_step_items_add_up_and_pipeline_bubble_shrinks():
     assert runs["interleaved"]["time"]["items"]["bubble"] < runs["1f1b"]["time"]["items"]["bubble"]
 
 
+def test_fp8_filter_auto_times_the_linears_the_rule_picks():
+    """train.fp8_filter=auto (train.py's default) puts gpt_1b's c_attn and MLP in FP8 tensor mode and leaves
+    attn.c_proj in bf16 (fp8_filter.AUTO_MIN_KN); block mode none: its step is the bf16 step. "all" times all four."""
+    from nanopara.planner import fp8_linears
+    m = Model(name="gpt_1b", n_layer=18, n_head=16, d=2048)
+    run = lambda **kw: Run(m, Layout(micro_batch=8, **kw), tokens_per_step=8192)  # noqa: E731
+    assert fp8_linears(run(fp8="tensor")) == {"c_attn": True, "attn.c_proj": False, "c_fc": True, "mlp.c_proj": True}
+    assert all(fp8_linears(run(fp8="tensor", fp8_filter="all")).values())
+    assert not any(fp8_linears(run(fp8="block")).values()) and not any(fp8_linears(run()).values())
+    step = {k: predict(run(**kw))["step_s"] for k, kw in (("bf16", {}), ("block", dict(fp8="block")),
+                                                          ("auto", dict(fp8="tensor")),
+                                                          ("all", dict(fp8="tensor", fp8_filter="all")))}
+    assert step["block"] == pytest.approx(step["bf16"]) and step["auto"] != pytest.approx(step["all"])
+    mem = {k: memory(run(**kw))["peak_alloc"] for k, kw in (("bf16", {}), ("auto", dict(fp8="tensor")),
+                                                            ("all", dict(fp8="tensor", fp8_filter="all")))}
+    assert mem["bf16"] > mem["auto"] > mem["all"]  # 1-byte inputs kept for the FP8 Linears only
+
+
 def test_step_mechanisms_move_the_right_way():
     """The modelled mechanisms, each against its own source: a graphed step adds into kept gradients (notes/tp.md)
     unless it is one replay a step (graph_adds),
@@ -80,7 +98,7 @@ def test_step_mechanisms_move_the_right_way():
     assert it(graph=True)["params_pass"] == pytest.approx(it()["params_pass"])
     it2 = lambda **kw: predict(Run(m, Layout(micro_batch=8, **kw), tokens_per_step=16384))["time"]["items"]  # noqa
     assert it2(graph=True)["params_pass"] == pytest.approx(24 / 18 * it2()["params_pass"])
-    tensor, row, block = (it(fp8=f, graph=True) for f in ("tensor", "row", "block"))
+    tensor, row, block = (it(fp8=f, graph=True, fp8_filter="all") for f in ("tensor", "row", "block"))
     assert block["gemm"] > tensor["gemm"] > row["gemm"] and row["memory_bound"] > block["memory_bound"] > \
         tensor["memory_bound"]
     h100, h200 = G.table()["H100"], G.table()["H200"]
