@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import importlib.util
 import json
 import math
@@ -35,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -180,7 +182,9 @@ def pretrain(a) -> dict:
 # ----------------------------------------------------------------------------------------------------------------
 # one seed: SFT, RL, the control
 
-def run_seed(a, seed: int) -> dict:
+def run_seed(a, seed: int) -> list[dict]:
+    """SFT of `seed`, scored; then from its last checkpoint each RL arm (the recipe's, and --arm's) with its control,
+    at once: a row per arm."""
     runs = os.path.join(a.work, "runs", f"{a.tag}_{'base' if a.base else 'scratch'}_s{seed}")
     os.makedirs(runs, exist_ok=True)
     held_out = tasks.make_examples(a.task, a.test_n, "test", tasks.TEST_SEED)
@@ -188,7 +192,7 @@ def run_seed(a, seed: int) -> dict:
     row = {"kind": "seed", **recipe(a), "seed": seed,
            "held_out": {"seed": tasks.TEST_SEED, "n": a.test_n, "sha1": tasks.digest(held_out)}, "seconds": {}}
     sec = row["seconds"]
-    sft_dir, t0 = os.path.join(runs, "sft"), time.time()
+    sft_dir = os.path.join(runs, "sft")
     sec["sft"] = sh(a, sft_argv(a, seed, sft_dir, a.sft_steps, a.sft_lr, a.sft_every, a.base),
                     os.path.join(runs, "sft.log"))
     t1 = time.time()
@@ -201,28 +205,37 @@ def run_seed(a, seed: int) -> dict:
     row["sft_train_exact_match"] = score(load(start, a.device), a, sft_examples)  # its own labelled examples
     sec["score"] = time.time() - t1
     print(f"seed {seed}: SFT {sec['sft']:.0f} s, held-out exact match {row['sft_final_exact_match']:.1%}", flush=True)
-    rl_dir = os.path.join(runs, "rl")
+    arms = [(a.tag, a.rl_lr, a.rl_args)] + [(f"{a.tag}+{n}", lr, f"{a.rl_args} {x}".strip()) for n, lr, x in a.arm]
+    with ThreadPoolExecutor(1 if a.inproc else len(arms)) as pool:  # each arm: rl.py (and train.py) processes
+        return list(pool.map(lambda arm: run_arm(a, seed, runs, start, held_out, copy.deepcopy(row), *arm), arms))
+
+
+def run_arm(a, seed: int, runs: str, start: str, held_out: list, row: dict, tag: str, lr: float, args: str) -> dict:
+    """RL from SFT's last checkpoint `start` at `lr` with rl.py keys `args`, then its control: one row."""
+    sec, t0, sub = row["seconds"], time.time(), "" if tag == a.tag else "_" + tag[len(a.tag) + 1:]
+    row.update(tag=tag, rl_lr=lr, rl_args=args)
+    rl_dir, tok_step = os.path.join(runs, "rl" + sub), a.sft_batch * a.seq_len
     sec["rl"] = sh(a, ["rl.py", f"--init={start}", f"--task={a.task}", f"--out_dir={rl_dir}", "--overwrite=1",
                        f"--device={a.device}", f"--seed={seed}", f"--prompt_seed={a.prompt_seed}",
                        f"--test_seed={tasks.TEST_SEED}", f"--steps={a.rl_steps}", f"--prompts={a.prompts}",
-                       f"--group={a.group}", f"--lr={a.rl_lr}", "--max_new=8", f"--train_n={a.train_n}",
+                       f"--group={a.group}", f"--lr={lr}", "--max_new=8", f"--train_n={a.train_n}",
                        f"--test_n={a.test_n}", f"--eval_every={a.eval_every}", f"--micro={a.micro}", "--save=0",
-                       f"--sample_batch={a.sample_batch}", *a.rl_args.split()], os.path.join(runs, "rl.log"))
+                       f"--sample_batch={a.sample_batch}", *args.split()], rl_dir + ".log")
     rl_results(row, H.read_jsonl(os.path.join(rl_dir, "metrics.jsonl")))
-    print(f"seed {seed}: RL {sec['rl']:.0f} s ({row['rl_step_s']:.2f} s a step), held-out exact match "
+    print(f"{tag} seed {seed}: RL {sec['rl']:.0f} s ({row['rl_step_s']:.2f} s a step), held-out exact match "
           f"{row['rl_final_exact_match']:.1%}", flush=True)
     if a.control:  # continued SFT with RL's compute, from the same checkpoint, at SFT's final lr
         steps = max(1, math.ceil(row["rl_flop_tokens"] / (3 * tok_step)))
-        lr = a.sft_lr * TrainConfig().min_lr_frac  # where the cosine of sft_argv ends
-        ctl_dir = os.path.join(runs, "control")
-        sec["control"] = sh(a, sft_argv(a, seed, ctl_dir, steps, lr, max(1, steps // 4), start, const=True),
-                            os.path.join(runs, "control.log"))
-        row.update(control_steps=steps, control_lr=lr, control_flop_tokens=3 * tok_step * steps,
+        ctl_lr = a.sft_lr * TrainConfig().min_lr_frac  # where the cosine of sft_argv ends
+        ctl_dir = os.path.join(runs, "control" + sub)
+        sec["control"] = sh(a, sft_argv(a, seed, ctl_dir, steps, ctl_lr, max(1, steps // 4), start, const=True),
+                            ctl_dir + ".log")
+        row.update(control_steps=steps, control_lr=ctl_lr, control_flop_tokens=3 * tok_step * steps,
                    control_curve=ckpt_curve(ctl_dir, a, held_out, 3 * tok_step))
         row["control_final_exact_match"] = row["control_curve"][-1]["test_exact_match"]
     row.update(sft_tokens_per_step=tok_step, **gains(row))
-    sec["total"] = time.time() - t0
-    print(f"seed {seed}: held-out exact match SFT {row['sft_final_exact_match']:.1%} (its own examples "
+    sec["total"] = sec["sft"] + sec["score"] + time.time() - t0
+    print(f"{tag} seed {seed}: held-out exact match SFT {row['sft_final_exact_match']:.1%} (its own examples "
           f"{row['sft_train_exact_match']:.1%}) -> RL {row['rl_final_exact_match']:.1%}, control "
           f"{row.get('control_final_exact_match', float('nan')):.1%}; RL over the best of them "
           f"{row['gain_over_best']:+.1f} points; {sec['total']:.0f} s", flush=True)
@@ -405,6 +418,9 @@ def parse(argv=None):
     arg("--train_n", type=int, default=20_000, help="RL's unlabelled training prompts")
     arg("--prompt_seed", type=int, default=1337, help="which --train_n prompts (the same for every seed)")
     arg("--rl_args", default="", help="more rl.py keys, e.g. '--kl_coef=0.02 --temperature=0.7'")
+    arg("--arm", action="append", default=[], metavar="NAME:LR:ARGS",
+        help="an RL arm beside the recipe's, from the same SFT checkpoints: rl.py at LR with ARGS (rl.py keys) added "
+             "to --rl_args, and its own control; rows tagged TAG+NAME. Arms run at once. Repeatable")
     arg("--control", type=int, default=1, help="0: no continued-SFT control")
     arg("--test_n", type=int, default=1000, help="held-out prompts (tasks.TEST_SEED) every score uses")
     arg("--eval_every", type=int, default=100, help="RL's held-out scores every N steps")
@@ -421,6 +437,12 @@ def parse(argv=None):
     a.work = a.work or os.path.join(a.out, "work")
     a.base = os.path.abspath(a.base) if a.base else ""  # the scripts run from the repo root
     a.seeds = [int(s) for s in str(a.seeds).split(",") if s]  # none: only the data (and --base's pre-training)
+    try:
+        a.arm = [(n, float(lr), x) for n, lr, x in (arm.split(":", 2) for arm in a.arm)]
+    except ValueError:
+        raise SystemExit(f"--arm takes NAME:LR:ARGS (ARGS may be empty), e.g. os4:2e-5:--oversample=4; got {a.arm}")
+    if len({n for n, _, _ in a.arm}) < len(a.arm) or any(not n.isidentifier() for n, _, _ in a.arm):
+        raise SystemExit(f"--arm names must be distinct words: {[n for n, _, _ in a.arm]}")
     if a.sft_steps % a.sft_every:
         raise SystemExit("--sft_steps must be a multiple of --sft_every")
     return a
@@ -474,8 +496,8 @@ def main(argv=None):
             rows = run_jobs(a, rows_path)
         else:
             for s in a.seeds:
-                rows.append(run_seed(a, s))
-                H.append_jsonl(rows_path, rows[-1])
+                rows += run_seed(a, s)
+                H.append_jsonl(rows_path, [r for r in rows if r["seed"] == s])
         if a.gen_speed and rows:
             model = load(os.path.join(a.work, "runs", f"{a.tag}_{rows[0]['init']}_s{rows[0]['seed']}", "sft"),
                          a.device)  # its last checkpoint

@@ -686,6 +686,28 @@ def test_demo_two_seeds_one_held_out_set_a_fair_control_and_the_report(tmp_path)
         pass
 
 
+@pytest.mark.timeout_s(180)
+def test_demo_arms_share_the_sft_run(tmp_path):
+    """--arm: a second RL arm from each seed's one SFT checkpoint, at its own lr and rl.py keys, with its own control;
+    a row and a report per arm (tag+name), the SFT fields the same in both."""
+    rows = run_demo(tmp_path, "--seeds=1", "--arm=os2:5e-4:--oversample=2")
+    seeds = {r["tag"]: r for r in rows if r["kind"] == "seed"}
+    assert sorted(seeds) == ["smoke", "smoke+os2"]
+    assert sorted(r["tag"] for r in rows if r["kind"] == "report") == ["smoke", "smoke+os2"]
+    base, arm = seeds["smoke"], seeds["smoke+os2"]
+    for k in ("sft_curve", "sft_final_exact_match", "sft_train_exact_match", "held_out"):
+        assert base[k] == arm[k], k
+    assert (arm["rl_lr"], arm["rl_args"]) == (5e-4, "--oversample=2") and base["rl_lr"] == 1e-3
+    run = tmp_path / "work" / "runs" / "smoke_scratch_s1"
+    cfg = json.loads((run / "rl_os2" / "config.json").read_text())["rl"]
+    assert (cfg["lr"], cfg["oversample"]) == (5e-4, 2.0)
+    assert json.loads((run / "rl" / "config.json").read_text())["rl"]["oversample"] == 1
+    assert (run / "control_os2" / "metrics.jsonl").exists()
+    demo = demo_module()
+    with pytest.raises(SystemExit, match="NAME:LR:ARGS"):
+        demo.parse([f"--out={tmp_path}", "--arm=os2"])
+
+
 def test_demo_report_of_seed_rows(tmp_path):
     """--report: rows of several files grouped by recipe, start and GPU; mean, sample std, min, max; the goal (RL over
     the better baseline: mean >= 10 points, every seed >= 5)."""
