@@ -140,15 +140,13 @@ def prepare_run_dir(out_dir: str, resume: bool, overwrite: bool, is_main: bool) 
         for p in reversed(made):
             if os.path.isdir(p) and not os.listdir(p):
                 os.rmdir(p)
-    if not os.path.isdir(root):
-        return
-    for d in os.listdir(root):  # partial saves of a run that died (they may be what fills the disk)
-        p = os.path.join(root, d)
-        if overwrite or d.startswith(("tmp-", "old-")) or d.endswith(".tmp"):
-            shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.remove(p)
-    for f in RUN_FILES if overwrite else ():
+    for f in RUN_FILES if overwrite else ():  # also where the old run saved no checkpoint (rl.py --save=0)
         if os.path.exists(os.path.join(out_dir, f)):
             os.remove(os.path.join(out_dir, f))
+    for d in os.listdir(root) if os.path.isdir(root) else ():  # partial saves of a run that died (they may fill
+        p = os.path.join(root, d)                                # the disk)
+        if overwrite or d.startswith(("tmp-", "old-")) or d.endswith(".tmp"):
+            shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.remove(p)
 
 
 # ----------------------------------------------------------------------------------------------------------------

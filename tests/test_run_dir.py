@@ -238,3 +238,20 @@ def test_a_ckpt_folder_removed_between_checks_is_not_a_file(tmp_path, monkeypatc
     (out / "ckpt").write_text("x")
     with pytest.raises(checkpoint.CheckpointError, match="is a file, not a directory"):
         runguard.check_out_dir(str(out))
+
+
+def test_overwrite_discards_the_log_of_a_run_that_saved_no_checkpoint(tmp_path):
+    """--overwrite on a directory whose run wrote metrics.jsonl but no ckpt/ (rl.py --save=0): the old log goes, so
+    the new run's metrics are not appended to it (the post-training demo's curves once held two runs' evals)."""
+    from nanopara.runguard import RUN_FILES, prepare_run_dir
+    out = tmp_path / "rl"
+    out.mkdir()
+    for f in RUN_FILES:
+        (out / f).write_text("old\n")
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(checkpoint.CheckpointError, match="--overwrite to discard it"):
+        prepare_run_dir(str(out), resume=False, overwrite=False, is_main=True)
+    assert all((out / f).exists() for f in RUN_FILES)  # refused: nothing touched
+    prepare_run_dir(str(out), resume=False, overwrite=True, is_main=True)
+    assert not any((out / f).exists() for f in RUN_FILES)
+    assert (out / "keep.txt").read_text() == "mine"  # only a run's own files go
