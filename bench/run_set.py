@@ -16,7 +16,8 @@
   post_train  generation against Hugging Face (bench_generate); SFT (bench_sft); SFT then RL (post_train_demo)
   curves      loss curves on the offline book corpus (found through NANOPARA_MIRROR or data/shards): GPT-2 124M,
               and gpt_1b in bf16 against FP8 (bench_fp8_e2e --compare)
-  pending     one GPU, ~10 min: the rows the open goals wait for (the notes say which); all: the sets above but it
+  pending     one GPU, ~20 min in two calls (--only): the rows the open goals wait for (the notes say which)
+  all         (the default) every set of ORDER: not pending, calibrate
 Each job runs in its own process from the repo root with this Python (PY=python3 make bench-all uses python3), its
 output printed and kept in DIR/<job>.log. A job that needs more GPUs than are visible is skipped with a line that
 says so; one that fails or passes its time limit is reported and the set goes on. Every run ends with this
@@ -159,7 +160,12 @@ SETS = {
                                           "tensor,row,block", "--gemm_shapes", "gpt_1b", "--out", "{out}/fp8.jsonl"],
                     300),
                 Job("fp8_3b", 1, ["bench/bench_fp8_e2e.py", "--set", "gpt_3b", "--steps", "8", "--warmup", "3",
-                                  "--out", "{out}/fp8_e2e.jsonl"], 360)],
+                                  "--out", "{out}/fp8_e2e.jsonl"], 360),
+                # issue #46: the small recipe with dynamic sampling (+8.3 over SFT, no control, 2026-12-07) and its
+                # continued-SFT control at the same compute; ~9 min alone on one GPU (run it by itself: --only)
+                Job("post_train_os4", 1, ["bench/post_train_demo.py", "--recipe=small", "--seeds=1,2,3", "--jobs=3",
+                                          "--rl_steps=600", "--rl_args=--oversample=4", "--tag=small_os4",
+                                          "--out={out}/post_train_os4"], 600)],
     # the planner's GPU table (nanopara/gpus.py): GEMMs, attention, bandwidth, host cost, collectives; < 240 s
     "calibrate": [Job("calibrate", 1, torchrun("{ngpu}", "bench/bench_calibrate.py", "--out", "{out}/plan_gpus.json"),
                       300)],
