@@ -162,9 +162,10 @@ SETS = {
                 Job("fp8_3b", 1, ["bench/bench_fp8_e2e.py", "--set", "gpt_3b", "--steps", "8", "--warmup", "3",
                                   "--out", "{out}/fp8_e2e.jsonl"], 360),
                 # issue #46: the small recipe with dynamic sampling (+8.3 over SFT, no control, 2026-12-07) and its
-                # continued-SFT control at the same compute; ~9 min alone on one GPU (run it by itself: --only)
+                # continued-SFT control at the same compute; ~9-10 min alone on one GPU (by itself: --only)
                 Job("post_train_os4", 1, ["bench/post_train_demo.py", "--recipe=small", "--seeds=1,2,3", "--jobs=3",
                                           "--rl_steps=600", "--rl_args=--oversample=4", "--tag=small_os4",
+                                          "--sample_batch=4096",  # os4's 4,096 rows a step in one sampling batch
                                           "--out={out}/post_train_os4"], 600)],
     # the planner's GPU table (nanopara/gpus.py): GEMMs, attention, bandwidth, host cost, collectives; < 240 s
     "calibrate": [Job("calibrate", 1, torchrun("{ngpu}", "bench/bench_calibrate.py", "--out", "{out}/plan_gpus.json"),
