@@ -16,8 +16,7 @@
   post_train  generation against Hugging Face (bench_generate); SFT (bench_sft); SFT then RL (post_train_demo)
   curves      loss curves on the offline book corpus (found through NANOPARA_MIRROR or data/shards): GPT-2 124M,
               and gpt_1b in bf16 against FP8 (bench_fp8_e2e --compare)
-  pending     one GPU, ~20 min in two calls (--only): the rows the open goals wait for (the notes say which)
-  all         (the default) every set of ORDER: not pending, calibrate
+  pending     one GPU, ~10 min: the rows the open goals wait for (the notes say which); all: the sets above but it
 Each job runs in its own process from the repo root with this Python (PY=python3 make bench-all uses python3), its
 output printed and kept in DIR/<job>.log. A job that needs more GPUs than are visible is skipped with a line that
 says so; one that fails or passes its time limit is reported and the set goes on. Every run ends with this
@@ -142,7 +141,13 @@ SETS = {
                    Job("generate_mixed", 1, ["bench/bench_generate.py", "--mixed", "--out", "{out}/generate.jsonl"]),
                    Job("sft", 1, ["bench/bench_sft.py", "--out", "{out}/sft"]),
                    Job("post_train", 1, ["bench/post_train_demo.py", "--recipe=small", "--seeds=1,2,3", "--jobs=3",
-                                                  "--out", "{out}/post_train"], 7200)],
+                                                  "--out", "{out}/post_train"], 7200),
+                   # issue #46's next run: the small recipe with dynamic sampling (+8.3 over SFT without a control,
+                   # 2026-12-07), 4,096 sampled rows a step in one batch, and its control; ~9-10 min (--only)
+                   Job("post_train_os4", 1, ["bench/post_train_demo.py", "--recipe=small", "--seeds=1,2,3",
+                                             "--jobs=3", "--rl_steps=600", "--rl_args=--oversample=4",
+                                             "--sample_batch=4096", "--tag=small_os4", "--out={out}/post_train_os4"],
+                       600)],
     # one GPU, ~10 min: the rows the open goals wait for since the last GPU run (notes/fp8.md): every cast tile at
     # gpt_1b's shapes (why the three-op FP8 MLP's loss rose), gpt_1b and gpt_3b under the auto rule of 2026-12-07
     # (c_attn in tensor mode) against torchao + compile, row mode's MLP, the gradient GEMMs' precise accumulation
@@ -160,13 +165,7 @@ SETS = {
                                           "tensor,row,block", "--gemm_shapes", "gpt_1b", "--out", "{out}/fp8.jsonl"],
                     300),
                 Job("fp8_3b", 1, ["bench/bench_fp8_e2e.py", "--set", "gpt_3b", "--steps", "8", "--warmup", "3",
-                                  "--out", "{out}/fp8_e2e.jsonl"], 360),
-                # issue #46: the small recipe with dynamic sampling (+8.3 over SFT, no control, 2026-12-07) and its
-                # continued-SFT control at the same compute; ~9-10 min alone on one GPU (by itself: --only)
-                Job("post_train_os4", 1, ["bench/post_train_demo.py", "--recipe=small", "--seeds=1,2,3", "--jobs=3",
-                                          "--rl_steps=600", "--rl_args=--oversample=4", "--tag=small_os4",
-                                          "--sample_batch=4096",  # os4's 4,096 rows a step in one sampling batch
-                                          "--out={out}/post_train_os4"], 600)],
+                                  "--out", "{out}/fp8_e2e.jsonl"], 360)],
     # the planner's GPU table (nanopara/gpus.py): GEMMs, attention, bandwidth, host cost, collectives; < 240 s
     "calibrate": [Job("calibrate", 1, torchrun("{ngpu}", "bench/bench_calibrate.py", "--out", "{out}/plan_gpus.json"),
                       300)],
