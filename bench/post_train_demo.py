@@ -207,7 +207,16 @@ def run_seed(a, seed: int) -> list[dict]:
     print(f"seed {seed}: SFT {sec['sft']:.0f} s, held-out exact match {row['sft_final_exact_match']:.1%}", flush=True)
     arms = [(a.tag, a.rl_lr, a.rl_args)] + [(f"{a.tag}+{n}", lr, f"{a.rl_args} {x}".strip()) for n, lr, x in a.arm]
     with ThreadPoolExecutor(1 if a.inproc else len(arms)) as pool:  # each arm: rl.py (and train.py) processes
-        return list(pool.map(lambda arm: run_arm(a, seed, runs, start, held_out, copy.deepcopy(row), *arm), arms))
+        jobs = [pool.submit(run_arm, a, seed, runs, start, held_out, copy.deepcopy(row), *arm) for arm in arms]
+    rows = []
+    for (tag, *_), job in zip(arms, jobs):  # an arm that failed loses its row only, not the others'
+        try:
+            rows.append(job.result())
+        except RuntimeError as e:
+            print(f"{tag} seed {seed} failed: {e}", flush=True)
+    if not rows:
+        raise RuntimeError(f"seed {seed}: every RL arm failed (above)")
+    return rows
 
 
 def run_arm(a, seed: int, runs: str, start: str, held_out: list, row: dict, tag: str, lr: float, args: str) -> dict:

@@ -708,6 +708,16 @@ def test_demo_arms_share_the_sft_run(tmp_path):
         demo.parse([f"--out={tmp_path}", "--arm=os2"])
 
 
+@pytest.mark.timeout_s(180)
+def test_demo_arm_that_fails_loses_only_its_own_row(tmp_path):
+    """An arm whose rl.py stops (here on a bad key) is reported; the seed's other arms keep their rows and report."""
+    rows = run_demo(tmp_path, "--seeds=1", "--control=0", "--arm=bad:1e-3:--oversample=0")
+    assert [r["tag"] for r in rows if r["kind"] == "seed"] == ["smoke"]
+    assert [r["tag"] for r in rows if r["kind"] == "report"] == ["smoke"]
+    said = "".join(f.read_text() for f in (tmp_path.parent / f"{tmp_path.name}_stdout").glob("stdout.*"))
+    assert "smoke+bad seed 1 failed: rl.py failed" in said
+
+
 def test_demo_report_of_seed_rows(tmp_path):
     """--report: rows of several files grouped by recipe, start and GPU; mean, sample std, min, max; the goal (RL over
     the better baseline: mean >= 10 points, every seed >= 5)."""
