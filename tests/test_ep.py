@@ -342,6 +342,11 @@ def test_layout_errors():
 def _bench_worker(rank, world, out_dir, extra=()):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
     import bench_ep
+    # tiny_moe at a 512-token vocabulary (this forked worker's own harness): the layouts, rows and profiles are
+    # the same, without GPT-2's 50257-row embedding, lm_head and AdamW state on every rank
+    make_cfg = bench_ep.H.make_cfg
+    bench_ep.H.make_cfg = lambda preset, overrides=None: make_cfg(preset, {"model.vocab_size": 512,
+                                                                          **(overrides or {})})
     sys.argv = ["bench_ep.py", "--device=cpu", "--preset=tiny_moe", "--kernels=torch", "--micro_batch=1",
                 "--seq_len=32", "--steps=1", "--warmup=1", f"--out={out_dir}/ep.jsonl", *extra]
     bench_ep.main()
