@@ -380,20 +380,12 @@ def ptxas_report(quick=False, log=sys.stdout):
     for name, block_scaled, b_rows, fast, a_ty, c_ty in modes:
         tiles = [t for t in fm._TILES if (not block_scaled or t[2] == fq.BLOCK) and fm.tile_fits(
             *t, block_scaled or not fast, block_scaled and b_rows == 1, 4 if c_ty == "*fp32" else 2)]
-        # PROMOTE_LAG (precise and block modes): two K steps an iteration, one left in flight (stages: pairs)
-        lags = [t for t in fm._LAG_TILES if fm.lag_fits(t[0], t[1], block_scaled, fast, b_rows, True) and
-                fm.tile_fits(t[0], t[1], t[2], 2 * t[3], t[4], True, block_scaled and b_rows == 1,
-                             4 if c_ty == "*fp32" else 2)]
-        cands = [(0, t) for t in tiles] + [(1, t) for t in lags]
-        for lag, (m, n, k, stages, warps) in [c for c in cands if c[0] == 0][:1] + [c for c in cands if c[0]][:1] \
-                if quick else cands:  # quick: the first candidate of each mode, and its first lagged one
-            for tma in (True,) if quick or (lag and block_scaled) else (True, False):
+        for m, n, k, stages, warps in tiles[:1] if quick else tiles:  # quick: the first candidate of each mode
+            for tma in (True,) if quick else (True, False):
                 consts = dict(BLOCK_SCALED=block_scaled, B_SCALE_ROWS=b_rows, HAS_BIAS=True, TMA=tma,
-                              FAST_ACCUM=fast, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, PERSISTENT=True,
-                              PROMOTE_LAG=lag)
+                              FAST_ACCUM=fast, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, PERSISTENT=True)
                 r = build(mm, dict(sig, A=a_ty, C=c_ty), consts, warps, stages, div)
-                rows.append(dict(kernel=f"gemm {name} {m}x{n}x{k} s{stages} w{warps}{' tma' if tma else ''}"
-                                        f"{' lag' if lag else ''}", **r))
+                rows.append(dict(kernel=f"gemm {name} {m}x{n}x{k} s{stages} w{warps}{' tma' if tma else ''}", **r))
                 waits = " ".join(f"{w}:{c}" for w, c in r["waits"].items())  # N: count of wait_group N
                 print(f"{rows[-1]['kernel']:>52}: {r['regs']:3d} regs, spills {r['spill_bytes']:4d} B, "
                       f"smem {r['smem']:6d} B, wgmma {r['wgmma']}, TMA ops {r['tma_ops']}, wait_group {waits}"

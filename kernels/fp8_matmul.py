@@ -16,8 +16,8 @@ accumulate with tl.dot(a, b, acc); `fast_accum=False` promotes every BLOCK_K (cu
 Kernel: persistent tiles (a few programs per SM walking a GROUP_M-swizzled order, or one program per tile),
 autotuned per (M bucket, N, K, scaling, dtypes). On Hopper A, B and out move through device-side TMA descriptors
 when strides allow (K and N 16-byte multiples), pipelined into async wgmma; elsewhere the kernel loads through
-pointers. A promoted K step's dot must finish before its fp32 add (a wgmma wait 0 a step); PROMOTE_LAG candidates
-(precise, block) take two steps an iteration and leave one dot in flight over the other's add (notes/fp8.md).
+pointers. A promoted K step's dot (block scales, precise accumulation) must finish before its fp32 add, a wgmma
+wait a step: their cost against fast accumulation (notes/fp8.md; a two-step lag to hide it lost every tuning).
 
 Callers: nanopara/fp8.py (forward X W^T, dgrad dY W, wgrad dY^T X). `fp8_matmul`: Triton on GPUs with fp8 tensor
 cores (sm_89+), the reference elsewhere; `fp8_matmul_triton` forces the kernel (tests/test_fp8.py, interpreter).
@@ -64,12 +64,6 @@ _TILES = [
     (128, 256, 128, 3, 8), (128, 256, 64, 4, 8), (128, 128, 128, 4, 8), (128, 128, 128, 3, 4),
     (128, 128, 64, 5, 4), (64, 256, 128, 4, 8), (64, 128, 128, 5, 4), (128, 64, 128, 5, 4),
 ]
-# PROMOTE_LAG candidates (precise and block-scaled GEMMs only): stages count pairs of 128-wide K steps, three fp32
-# tiles a thread (acc and two partials). Kept out (lag_fits, from `--ptxas`): block 128x128 scaling at 128 x 128
-# and 64 x 128 (ptxas serialised every wgmma, C7514: LLVM moved the lagged scaled add past the next dot), 1x128
-# B scales (spills), block scaling through pointer loads (spills at 64 x 256).
-_LAG_TILES = [(128, 128, 128, 2, 8), (64, 256, 128, 2, 8), (128, 64, 128, 3, 4), (64, 128, 128, 3, 4)]
-_LAG_SERIALISED = {(128, 128), (64, 128)}  # (BLOCK_M, BLOCK_N) that serialise with one B scale a tile
 _CPU_TILE = (32, 32, BLOCK, 1, 4)  # the interpreter: small tiles, several per test shape, 128-wide K steps
 SMEM_BUDGET = 220 * 1024
 _KEY = ["M_BUCKET", "N", "K", "BLOCK_SCALED", "B_SCALE_ROWS", "FAST_ACCUM", "TMA"]
@@ -80,9 +74,9 @@ def _configs():
         m, n, k, s, w = _CPU_TILE
         return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 2, "PERSISTENT": True},
                               num_stages=s, num_warps=w)]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "PERSISTENT": p,
-                           "PROMOTE_LAG": lag}, num_stages=s, num_warps=w)
-            for lag, tiles in ((0, _TILES), (1, _LAG_TILES)) for m, n, k, s, w in tiles for p in (True, False)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "PERSISTENT": p},
+                          num_stages=s, num_warps=w)
+            for m, n, k, s, w in _TILES for p in (True, False)]
 
 
 def tile_fits(m, n, k, stages, warps, two_accumulators, b_row_scales=False, out_bytes=2):
@@ -97,14 +91,6 @@ def tile_fits(m, n, k, stages, warps, two_accumulators, b_row_scales=False, out_
     return acc_regs <= (64 if two_accumulators else 128) and smem <= SMEM_BUDGET
 
 
-def lag_fits(m, n, block_scaled, fast_accum, b_rows, tma):
-    """Whether a PROMOTE_LAG tile is a candidate: promote-every-128 GEMMs only (fast accumulation keeps its one
-    dot a step), minus what serialised or spilled on sm_90a (above)."""
-    if not block_scaled:
-        return not fast_accum
-    return tma and b_rows == BLOCK and (m, n) not in _LAG_SERIALISED
-
-
 def _prune(configs, named_args, **kwargs):
     if _INTERPRET:
         return configs
@@ -114,14 +100,11 @@ def _prune(configs, named_args, **kwargs):
 
     def keep(c):
         m, n, k = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
-        lag = c.kwargs.get("PROMOTE_LAG", 0)
         if block_scaled and k != BLOCK:
             return False
         if (n == 256 and N <= 128) or (m == 128 and M <= 64):
             return False
-        if lag and not lag_fits(m, n, block_scaled, fast_accum, kwargs["B_SCALE_ROWS"], kwargs["TMA"]):
-            return False
-        return tile_fits(m, n, k, c.num_stages * (2 if lag else 1), c.num_warps, block_scaled or not fast_accum,
+        return tile_fits(m, n, k, c.num_stages, c.num_warps, block_scaled or not fast_accum,
                          block_scaled and kwargs["B_SCALE_ROWS"] == 1, out_bytes)
     return [c for c in configs if keep(c)] or configs[:1]
 
@@ -145,50 +128,6 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return first_m + (tile % in_group) % size_m, (tile % in_group) // size_m
 
 
-@triton.jit
-def _load_k(A, B, a_desc, b_desc, rows_a, rows_b, pid_m, pid_n, k0, K, stride_am, stride_bn,
-            TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The A and B tiles of the K step at k0 (columns past K read as zeros)."""
-    if TMA:
-        a = a_desc.load([pid_m * BLOCK_M, k0])
-        b = b_desc.load([pid_n * BLOCK_N, k0])
-    else:
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(A + rows_a[:, None].to(tl.int64) * stride_am + offs_k[None, :], mask=(offs_k < K)[None, :],
-                    other=0.0)
-        b = tl.load(B + rows_b[:, None].to(tl.int64) * stride_bn + offs_k[None, :], mask=(offs_k < K)[None, :],
-                    other=0.0)
-    return a, b
-
-
-@triton.jit
-def _k_scales(SA, SB, rows_a, rows_b, pid_n, ki, k_tiles, stride_sam, stride_sak, stride_sbn, stride_sbk,
-              BLOCK_SCALED: tl.constexpr, B_SCALE_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """K block ki's scales: sa per row of A, sb one scalar (a 128x128 block of B spans the tile) or per row of B;
-    zeros for ki >= k_tiles (no load). 1.0 placeholders unless block-scaled."""
-    if BLOCK_SCALED:
-        ok = ki < k_tiles
-        sa = tl.load(SA + rows_a * stride_sam + ki * stride_sak, mask=ok, other=0.0)
-        if B_SCALE_ROWS % BLOCK_N == 0:
-            sb = tl.load(SB + (pid_n * BLOCK_N // B_SCALE_ROWS) * stride_sbn + ki * stride_sbk, mask=ok, other=0.0)
-        else:
-            sb = tl.load(SB + (rows_b // B_SCALE_ROWS) * stride_sbn + ki * stride_sbk, mask=ok, other=0.0)
-        return sa, sb
-    else:
-        return 1.0, 1.0
-
-
-@triton.jit
-def _promote(acc, part, sa, sb, BLOCK_SCALED: tl.constexpr, B_SCALE_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """acc + one 128-wide K block's product in fp32 (times its scales where block-scaled)."""
-    if not BLOCK_SCALED:
-        return acc + part
-    elif B_SCALE_ROWS % BLOCK_N == 0:
-        return acc + part * (sa * sb)[:, None]
-    else:
-        return acc + (part * sa[:, None]) * sb[None, :]
-
-
 @triton.autotune(configs=_configs(), key=_KEY, prune_configs_by={"early_config_prune": _prune}, do_bench=_tune_bench)
 @triton.jit
 def _fp8_matmul_kernel(A, B, C, BIAS, SA, SB, M, N, K, M_BUCKET,
@@ -196,8 +135,7 @@ def _fp8_matmul_kernel(A, B, C, BIAS, SA, SB, M, N, K, M_BUCKET,
                        BLOCK_SCALED: tl.constexpr, B_SCALE_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
                        TMA: tl.constexpr, FAST_ACCUM: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                       PERSISTENT: tl.constexpr, PROMOTE_LAG: tl.constexpr = 0):
-    # PERSISTENT only sizes the grid (launcher); M_BUCKET: tuning key
+                       PERSISTENT: tl.constexpr):  # PERSISTENT only sizes the grid (launcher); M_BUCKET: tuning key
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
@@ -208,15 +146,11 @@ def _fp8_matmul_kernel(A, B, C, BIAS, SA, SB, M, N, K, M_BUCKET,
         b_desc = tl.make_tensor_descriptor(B, shape=[N, K], strides=[stride_bn, 1], block_shape=[BLOCK_N, BLOCK_K])
         c_desc = tl.make_tensor_descriptor(C, shape=[M, N], strides=[stride_cm, 1],
                                            block_shape=[BLOCK_M, BLOCK_N // 2])
-    else:
-        a_desc, b_desc = A, B  # unused
     offs_k = tl.arange(0, BLOCK_K)
     # the epilogue recomputes its tile's coordinates from its own counter, so that the flattened loop nest
-    # (prologue of the next tile's loads overlapping this tile's epilogue) carries no value across the boundary.
-    # PROMOTE_LAG's nest is not flattened: its epilogue would read the dot still in flight (Triton puts no wait
-    # there) and ptxas then serialises every wgmma
+    # (prologue of the next tile's loads overlapping this tile's epilogue) carries no value across the boundary
     tile_c = start - step
-    for tile in tl.range(start, num_tiles, step, flatten=not PROMOTE_LAG):
+    for tile in tl.range(start, num_tiles, step, flatten=True):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         # rows past M / N are clamped to row 0 (loaded, never stored): no row masks in the K loop
         rows_a = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -224,50 +158,30 @@ def _fp8_matmul_kernel(A, B, C, BIAS, SA, SB, M, N, K, M_BUCKET,
         rows_b = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rows_b = tl.where(rows_b < N, rows_b, 0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if PROMOTE_LAG:  # two K steps an iteration: Triton waits for `even` (and the last `odd`), leaves `odd` in
-            # flight while `even` is added, and adds `odd` after the next `even`; same sums as below, in order
-            odd = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            sa_odd, sb_odd = _k_scales(SA, SB, rows_a, rows_b, pid_n, k_tiles, k_tiles, stride_sam, stride_sak,
-                                       stride_sbn, stride_sbk, BLOCK_SCALED, B_SCALE_ROWS, BLOCK_N)
-            for kj in range(0, k_tiles, 2):
-                a, b = _load_k(A, B, a_desc, b_desc, rows_a, rows_b, pid_m, pid_n, kj * BLOCK_K, K, stride_am,
-                               stride_bn, TMA, BLOCK_M, BLOCK_N, BLOCK_K)
-                even = tl.dot(a, b.T)
-                acc = _promote(acc, odd, sa_odd, sb_odd, BLOCK_SCALED, B_SCALE_ROWS, BLOCK_N)
-                sa_even, sb_even = _k_scales(SA, SB, rows_a, rows_b, pid_n, kj, k_tiles, stride_sam, stride_sak,
-                                             stride_sbn, stride_sbk, BLOCK_SCALED, B_SCALE_ROWS, BLOCK_N)
-                a, b = _load_k(A, B, a_desc, b_desc, rows_a, rows_b, pid_m, pid_n, (kj + 1) * BLOCK_K, K,
-                               stride_am, stride_bn, TMA, BLOCK_M, BLOCK_N, BLOCK_K)
-                odd = tl.dot(a, b.T)
-                sa_odd, sb_odd = _k_scales(SA, SB, rows_a, rows_b, pid_n, kj + 1, k_tiles, stride_sam, stride_sak,
-                                           stride_sbn, stride_sbk, BLOCK_SCALED, B_SCALE_ROWS, BLOCK_N)
-                acc = _promote(acc, even, sa_even, sb_even, BLOCK_SCALED, B_SCALE_ROWS, BLOCK_N)
-            acc = _promote(acc, odd, sa_odd, sb_odd, BLOCK_SCALED, B_SCALE_ROWS, BLOCK_N)
-        else:
-            for ki in range(k_tiles):
-                k0 = ki * BLOCK_K
-                if TMA:
-                    a = a_desc.load([pid_m * BLOCK_M, k0])
-                    b = b_desc.load([pid_n * BLOCK_N, k0])
-                else:
-                    k_ok = (k0 + offs_k) < K
-                    a = tl.load(A + rows_a[:, None].to(tl.int64) * stride_am + (k0 + offs_k)[None, :],
-                                mask=k_ok[None, :], other=0.0)
-                    b = tl.load(B + rows_b[:, None].to(tl.int64) * stride_bn + (k0 + offs_k)[None, :],
-                                mask=k_ok[None, :], other=0.0)
-                if BLOCK_SCALED:  # BLOCK_K == 128: one scale per row of A and per row (block) of B for this K step
-                    tl.static_assert(BLOCK_K == 128, "block scales index K steps by ki: BLOCK_K must be the 128 block")
-                    sa = tl.load(SA + rows_a * stride_sam + ki * stride_sak)
-                    if B_SCALE_ROWS % BLOCK_N == 0:  # one 128x128 block of B spans the tile: one scalar, one FMA
-                        sb = tl.load(SB + (pid_n * BLOCK_N // B_SCALE_ROWS) * stride_sbn + ki * stride_sbk)
-                        acc += tl.dot(a, b.T) * (sa * sb)[:, None]
-                    else:  # never a (BLOCK_M, BLOCK_N) tile of scales: two broadcast multiplies
-                        sb = tl.load(SB + (rows_b // B_SCALE_ROWS) * stride_sbn + ki * stride_sbk)
-                        acc += (tl.dot(a, b.T) * sa[:, None]) * sb[None, :]
-                elif FAST_ACCUM:
-                    acc = tl.dot(a, b.T, acc)
-                else:
-                    acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=BLOCK_K)
+        for ki in range(k_tiles):
+            k0 = ki * BLOCK_K
+            if TMA:
+                a = a_desc.load([pid_m * BLOCK_M, k0])
+                b = b_desc.load([pid_n * BLOCK_N, k0])
+            else:
+                k_ok = (k0 + offs_k) < K
+                a = tl.load(A + rows_a[:, None].to(tl.int64) * stride_am + (k0 + offs_k)[None, :],
+                            mask=k_ok[None, :], other=0.0)
+                b = tl.load(B + rows_b[:, None].to(tl.int64) * stride_bn + (k0 + offs_k)[None, :],
+                            mask=k_ok[None, :], other=0.0)
+            if BLOCK_SCALED:  # BLOCK_K == 128: one scale per row of A and per row (block) of B for this K step
+                tl.static_assert(BLOCK_K == 128, "block scales index K steps by ki: BLOCK_K must be the 128 block")
+                sa = tl.load(SA + rows_a * stride_sam + ki * stride_sak)
+                if B_SCALE_ROWS % BLOCK_N == 0:  # one 128x128 block of B spans the tile: one scalar, one FMA
+                    sb = tl.load(SB + (pid_n * BLOCK_N // B_SCALE_ROWS) * stride_sbn + ki * stride_sbk)
+                    acc += tl.dot(a, b.T) * (sa * sb)[:, None]
+                else:  # never a (BLOCK_M, BLOCK_N) tile of scales: two broadcast multiplies
+                    sb = tl.load(SB + (rows_b // B_SCALE_ROWS) * stride_sbn + ki * stride_sbk)
+                    acc += (tl.dot(a, b.T) * sa[:, None]) * sb[None, :]
+            elif FAST_ACCUM:
+                acc = tl.dot(a, b.T, acc)
+            else:
+                acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=BLOCK_K)
 
         tile_c += step
         pid_m, pid_n = _tile_coords(tile_c, num_pid_m, num_pid_n, GROUP_M)

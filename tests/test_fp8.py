@@ -355,38 +355,6 @@ def test_block_dgrad_gemm_every_hopper_tile(tile, tma, monkeypatch):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("mode", ["tensor", "row", "block", "block_1x128"])
-@pytest.mark.parametrize("M,N,K,tma", [
-    (37, 45, 300, False),   # 3 K steps (the lag's last pair has a step past K), nothing a tile multiple
-    (37, 48, 304, True),
-    (70, 40, 500, False),   # 4 K steps, 3 row tiles over 2 persistent programs (the lag's state per tile)
-    (33, 40, 512, True),
-])
-def test_gemm_promote_lag_matches_promote_every_128(mode, M, N, K, tma, monkeypatch):
-    """PROMOTE_LAG (two 128-wide K steps an iteration, the odd step added after the next even dot) against the
-    reference, and bit for bit against the unlagged kernel: the same fp32 adds in the same order."""
-    a, b, sa, sb = _operands(M, N, K, mode)
-    bias = torch.randn(N)
-    want = fp8_matmul_ref(a, b, sa, sb, bias, torch.float32)
-    got = {}
-    for lag in (0, 1):
-        monkeypatch.setattr(fm._fp8_matmul_kernel, "configs", [fm.triton.Config(
-            {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": fq.BLOCK, "GROUP_M": 2, "PERSISTENT": True,
-             "PROMOTE_LAG": lag}, num_stages=1, num_warps=4)])
-        monkeypatch.setattr(fm._fp8_matmul_kernel, "cache", {})
-        got[lag] = fp8_matmul_triton(a, b, sa, sb, bias, torch.float32, fast_accum=False, tma=tma)
-    torch.testing.assert_close(got[1], want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
-    assert torch.equal(got[1], got[0])
-
-
-def test_promote_lag_candidates():
-    """The lagged tiles are tuning candidates for precise and block GEMMs only, never for fast accumulation, 1x128 B
-    scales or block scaling through pointer loads (those spilled or serialised on sm_90a: bench_fp8.py --ptxas)."""
-    assert fm.lag_fits(128, 128, False, False, 1, False) and not fm.lag_fits(128, 128, False, True, 1, True)
-    assert fm.lag_fits(64, 256, True, True, fq.BLOCK, True) and not fm.lag_fits(64, 256, True, True, fq.BLOCK, False)
-    assert not fm.lag_fits(128, 128, True, False, fq.BLOCK, True) and not fm.lag_fits(64, 128, True, True, 1, True)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # FP8 linear
 
@@ -669,9 +637,7 @@ def test_kernels_compile_for_hopper_with_wgmma_and_tma():
     rows = json.loads(proc.stdout)
     gemms = [r for r in rows if r["kernel"].startswith("gemm")]
     tuned = [r for r in rows if r["kernel"].startswith("quant cast tensor +T +record")]  # every GPU candidate tile
-    # each mode's first tile, and its first PROMOTE_LAG tile for the three promote-every-128 modes
-    assert len(gemms) == 4 + 2 and len(tuned) == len(fq._configs(interpret=False))
-    assert len(rows) == len(gemms) + len(tuned) + 5
+    assert len(gemms) == 4 and len(tuned) == len(fq._configs(interpret=False)) and len(rows) == 4 + len(tuned) + 5
     for r in rows:
         assert r["spill_bytes"] == 0 and r["smem"] <= 232448, r
     for r in gemms:
