@@ -147,7 +147,12 @@ SETS = {
                    Job("post_train_os4", 1, ["bench/post_train_demo.py", "--recipe=small", "--seeds=1,2,3",
                                              "--jobs=3", "--rl_steps=600", "--rl_args=--oversample=4",
                                              "--sample_batch=4096", "--tag=small_os4", "--out={out}/post_train_os4"],
-                       600)],
+                       600),
+                   # the same on 15,000 labelled examples (the scarce-label regime: a lower SFT plateau that the
+                   # continued-SFT control cannot leave, while RL's unlabelled prompts can): ~10 min (--only)
+                   Job("post_train_ex15k", 1, ["bench/post_train_demo.py", "--recipe=small", "--seeds=1,2,3",
+                                               "--jobs=3", "--examples=15000", "--tag=small_os4_ex15k",
+                                               "--out={out}/post_train_ex15k"], 600)],
     # one GPU, ~10 min: the rows the open goals wait for since the last GPU run (notes/fp8.md): every cast tile at
     # gpt_1b's shapes (why the three-op FP8 MLP's loss rose), gpt_1b and gpt_3b under the auto rule of 2026-12-07
     # (c_attn in tensor mode) against torchao + compile, row mode's MLP, the gradient GEMMs' precise accumulation
