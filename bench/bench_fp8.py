@@ -149,8 +149,8 @@ def parity(out):
     H.append_jsonl(out, dict(section="parity", quant_mismatches=bad))
 
 
-def gemm(out, quick, accum, modes=("tensor", "row", "block"), only=""):
-    from kernels.fp8_matmul import fp8_matmul_triton
+def gemm(out, quick, accum, modes=("tensor", "row", "block"), only="", ws=False):
+    from kernels.fp8_matmul import _scaling, fp8_matmul_ref, fp8_matmul_triton
     print(f"\n{'GEMM (M, N, K)':>34} {'bf16':>6} | {'tensor':>6} {'cuBLAS':>6} {'x':>5} | {'row':>6} {'cuBLAS':>6} "
           f"{'x':>5} | {'block':>6} {'x row':>5} {'cuBLAS':>6} {'x':>5}   (TFLOP/s)")
     fasts = {"fast": [True], "precise": [False], "both": [True, False]}[accum]
@@ -169,6 +169,19 @@ def gemm(out, quick, accum, modes=("tensor", "row", "block"), only=""):
                 a, b, sa, sb = _operands(M, N, K, mode, wgrad)
                 row[f"{mode}_tflops"] = tf(_bench(lambda: fp8_matmul_triton(a, b, sa, sb, None, torch.bfloat16,
                                                                               fast_accum=fast)))
+                if ws and (not fast or mode == "block"):  # the Gluon kernel: each config, its error, the best
+                    from kernels import fp8_matmul_ws
+                    scaling = _scaling(a, b, sa, sb)
+                    y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+                    cfgs = fp8_matmul_ws.CONFIGS["block" if scaling[0] else "precise"]
+                    ts = [tf(_bench(lambda c=c: fp8_matmul_ws.launch(a, b, y, None, sa, sb, *scaling, config=c)))
+                          for c in cfgs]
+                    y32 = fp8_matmul_ws.launch(a, b, torch.empty(M, N, device="cuda"), None, sa, sb, *scaling)
+                    r = fp8_matmul_ref(a, b, sa, sb, None, torch.float32)
+                    row.update({f"{mode}_ws_tflops": max(ts), f"{mode}_ws_config": list(cfgs[ts.index(max(ts))]),
+                                f"{mode}_ws_all": {str(c): t for c, t in zip(cfgs, ts)},
+                                f"{mode}_ws_rel_err": ((y32 - r).abs().max() / r.abs().max()).item()})
+                    del y, y32, r
                 cu = _scaled_mm_fn(a, b, sa, sb, mode, fast) if not (mode == "block" and wgrad) else "1x128 B"
                 if callable(cu):
                     row[f"cublas_{mode}_tflops"] = tf(_bench(cu))
@@ -178,6 +191,13 @@ def gemm(out, quick, accum, modes=("tensor", "row", "block"), only=""):
             for mode, base in (("tensor", "tensor"), ("row", "row"), ("block", "row"), ("block", "block")):
                 if f"cublas_{base}_tflops" in row:
                     row[f"{mode}_vs_cublas_{base}"] = row[f"{mode}_tflops"] / row[f"cublas_{base}_tflops"]
+                if f"{mode}_ws_tflops" in row and f"cublas_{base}_tflops" in row:
+                    row[f"{mode}_ws_vs_cublas_{base}"] = row[f"{mode}_ws_tflops"] / row[f"cublas_{base}_tflops"]
+            for m in (m for m in modes if f"{m}_ws_tflops" in row):
+                vs = row.get(f"{m}_ws_vs_cublas_{'row' if m == 'block' else m}", float("nan"))
+                print(f"{'Gluon WS ' + m:>34} {row[m + '_ws_tflops']:6.0f} TFLOP/s = {vs:4.2f}x cuBLAS, "
+                      f"{row[m + '_ws_tflops'] / row[m + '_tflops']:4.2f}x Triton, max err {row[m + '_ws_rel_err']:.1e}"
+                      f" {row[m + '_ws_config']}")
             g = lambda k: row.get(k, float("nan"))  # noqa: E731
             print(f"{label + (' precise' if not fast else ''):>34} {t_bf16:6.0f} | {g('tensor_tflops'):6.0f} "
                   f"{g('cublas_tensor_tflops'):6.0f} {g('tensor_vs_cublas_tensor'):4.2f}x | {g('row_tflops'):6.0f} "
@@ -450,6 +470,8 @@ def main():
     p.add_argument("--out", help="append JSON lines here")
     p.add_argument("--linear_models", default="", help="linear section: e.g. gpt_1b,gpt_3b,gpt2_124m,gpt_1b_m4096")
     p.add_argument("--profile", default="", help="linear section: Linear names to profile, e.g. attn.c_proj")
+    p.add_argument("--ws", action="store_true", help="gemm section: also kernels/fp8_matmul_ws.py (Gluon, "
+                   "warp-specialised) on the precise and block rows, each config")
     p.add_argument("--ptxas", action="store_true", help="compile the kernels for sm_90a (no GPU) and report")
     p.add_argument("--json", action="store_true", help="--ptxas: one JSON list on stdout (the table on stderr)")
     args = p.parse_args()
@@ -470,7 +492,7 @@ def main():
     if "parity" in sections:
         parity(out)
     if "gemm" in sections:
-        gemm(out, args.quick, args.accum, tuple(args.gemm_modes.split(",")), args.gemm_shapes)
+        gemm(out, args.quick, args.accum, tuple(args.gemm_modes.split(",")), args.gemm_shapes, args.ws)
     if "quant" in sections:
         quant(out, args.quick)
     if "linear" in sections:

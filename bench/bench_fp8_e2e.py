@@ -49,7 +49,9 @@ COMPILED = ("bf16+compile", "ao_tensorwise+compile", "ao_rowwise+compile")
 DELAYED = ("tensor+delayed", "tensor+delayed+graph")
 # tensor mode with the MLP as three ops (FP8Linear, PyTorch's GELU, FP8Linear): what the fused FP8MLPFunction replaced
 UNFUSED = ("tensor+unfused", "tensor+delayed+unfused")
-MODES = ("bf16", *NANOPARA_FP8, *TORCHAO, "nanogpt", *GRAPHED, *COMPILED, *DELAYED, *UNFUSED)
+# the promoted GEMMs (dgrad, wgrad; block scaling's all three) through kernels/fp8_matmul_ws.py (Gluon, Hopper)
+WS = ("tensor+ws", "tensor+delayed+graph+ws", "row+ws", "block+ws")
+MODES = ("bf16", *NANOPARA_FP8, *TORCHAO, "nanogpt", *GRAPHED, *COMPILED, *DELAYED, *UNFUSED, *WS)
 DEFAULT_BATCH = {"gpt_1b": 8, "gpt_3b": 8, "gpt2_124m": 32, "tiny": 2}
 # named row sets: --set NAME = these presets and modes (gpt_3b: issue #43's goal, tensor >= 1.30x its best bf16)
 SETS = {"gpt_3b": ("gpt_3b", "bf16,bf16+graph,tensor+graph,tensor+delayed+graph")}
@@ -66,6 +68,9 @@ def torchao_convert(model, recipe: str):
 
 def build(preset: str, mode: str, args, mesh):
     """(cfg, trainer, n_params) of a mode through train.py's path (parallelize applies train.fp8)."""
+    from kernels import fp8_matmul
+    fp8_matmul.WS = mode.endswith("+ws")  # the process-wide switch (NANOPARA_FP8_WS=1); timed() turns it off
+    mode = mode.removesuffix("+ws")
     base = mode.split("+")[0]  # "tensor+graph": tensor, replayed; "ao_rowwise+compile": torchao, compiled
     compiled = mode.endswith("+compile")  # PyTorch ops (the path torch.compile fuses), the whole model compiled
     cfg = H.make_cfg(preset, {"model.kernels": "torch" if compiled else "auto", "train.compile": compiled,
@@ -103,6 +108,8 @@ def timed(preset, mode, args, mesh) -> dict:
                     peak_from_start=cfg.train.cuda_graph == "true")
         casts = trainer.fp8.casts if trainer.fp8 is not None else None
     finally:
+        from kernels import fp8_matmul
+        fp8_matmul.WS = False
         teardown(trainer)
         del trainer
         if mode.endswith("+compile"):
@@ -149,6 +156,8 @@ def profile(preset, mode, args, mesh) -> dict:
         H.timed(step, 0, max(args.warmup, 1), mesh=mesh)
         s = H.kernel_summary(H.profile(step, mesh.device), top=20)
     finally:
+        from kernels import fp8_matmul
+        fp8_matmul.WS = False
         teardown(trainer)
         del trainer
     gemm = sum(v for k, v in s["kernel_ms_by_kind"].items() if k.endswith("gemm"))

@@ -163,6 +163,35 @@ def gluon_attention_usage(kind: str, head_dim: int, cfg: tuple, causal: bool = T
     return _ptxas(compiled)
 
 
+def gluon_fp8_usage(cfg: tuple, block_scaled: bool, b_rows: int = 1, out_dtype=None) -> dict:
+    """{'regs', 'spill_bytes', 'smem_bytes', 'ptxas_notes'} of kernels/fp8_matmul_ws.py's kernel for one CONFIGS
+    entry, compiled for sm_90a with host TMA descriptors (e4m3 A, e5m2 B, bf16 out unless given). 'ptxas_notes':
+    the C75xx codes ptxas printed (C7515: every wgmma serialised; C7517: a wait it injected)."""
+    import torch
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+    from kernels import fp8_matmul_ws as ws
+    a = torch.empty(4096, 2048, dtype=torch.float8_e4m3fn)
+    b = torch.empty(2048, 2048, dtype=torch.float8_e5m2)
+    descs = ws.descriptors(a, b, torch.empty(4096, 2048, dtype=out_dtype or torch.bfloat16), cfg[0])
+    fn = ws._fp8_matmul_ws_kernel
+    consts = dict(BLOCK_N=cfg[0], NUM_BUF=cfg[1], LAG=cfg[2], BLOCK_SCALED=block_scaled, B_SCALE_ROWS=b_rows,
+                  HAS_BIAS=False)
+    sig = {n: "i32" for n in fn.arg_names}
+    sig.update(zip(("a_desc", "b_desc", "c_desc"), map(mangle_type, descs)), SA="*fp32", SB="*fp32", BIAS="*fp32")
+    sig.update({k: "constexpr" for k in consts})
+    names = list(fn.arg_names)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("SA", "SB", "BIAS")}
+    compiled = triton.compile(GluonASTSource(fn, sig, constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(compiled.asm["ptx"])
+        f.flush()
+        log = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                             text=True, check=True).stderr
+    return {**_ptxas(compiled), "ptxas_notes": sorted(set(re.findall(r"\((C75\d\d)\)", log)))}
+
+
 def report() -> list[dict]:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise SystemExit("ptxas_report compiles real kernels: run it without TRITON_INTERPRET=1")

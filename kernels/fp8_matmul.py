@@ -35,6 +35,9 @@ from kernels.launch import fast, tma_scratch
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 FORCE_TMA = None  # tests: True / False overrides fp8_matmul_triton's tma=None choice (the interpreter runs TMA too)
+# promoted GEMMs (precise accumulation, block scales) on Hopper through kernels/fp8_matmul_ws.py (Gluon,
+# warp-specialised): opt-in until a GPU has measured it
+WS = os.environ.get("NANOPARA_FP8_WS", "0") == "1"
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -274,6 +277,10 @@ def fp8_matmul_triton(a, b, a_scale, b_scale, bias=None, out_dtype=torch.bfloat1
     if tma is None:
         tma = FORCE_TMA if FORCE_TMA is not None else (
             not _INTERPRET and _capability(a.device)[0] >= 9 and _tma_ok(a, b, out))
+    if WS and tma and a.is_cuda and (block_scaled or not fast_accum):
+        from kernels import fp8_matmul_ws
+        if fp8_matmul_ws.supported(a, b, out):
+            return fp8_matmul_ws.launch(a, b, out, bias, a_scale, b_scale, block_scaled, b_rows, (sam, sak, sbn, sbk))
     if tma and a.is_cuda:
         triton.set_allocator(tma_scratch)
     tiles = lambda meta: _cdiv(M, meta["BLOCK_M"]) * _cdiv(N, meta["BLOCK_N"])  # noqa: E731  (host ints: fp8_quant)
