@@ -49,8 +49,9 @@ COMPILED = ("bf16+compile", "ao_tensorwise+compile", "ao_rowwise+compile")
 DELAYED = ("tensor+delayed", "tensor+delayed+graph")
 # tensor mode with the MLP as three ops (FP8Linear, PyTorch's GELU, FP8Linear): what the fused FP8MLPFunction replaced
 UNFUSED = ("tensor+unfused", "tensor+delayed+unfused")
-# the promoted GEMMs (dgrad, wgrad; block scaling's all three) through kernels/fp8_matmul_ws.py (Gluon, Hopper)
-WS = ("tensor+ws", "tensor+delayed+graph+ws", "row+ws", "block+ws")
+# the promoted GEMMs (dgrad, wgrad; block scaling's all three) through kernels/fp8_matmul_ws.py (Gluon, Hopper):
+# graphed steps take it by default (nanopara/parallel.py); +ws forces it on, +nows off (the Triton kernel)
+WS = ("tensor+ws", "tensor+delayed+graph+nows", "tensor+graph+nows", "row+ws", "block+ws")
 MODES = ("bf16", *NANOPARA_FP8, *TORCHAO, "nanogpt", *GRAPHED, *COMPILED, *DELAYED, *UNFUSED, *WS)
 DEFAULT_BATCH = {"gpt_1b": 8, "gpt_3b": 8, "gpt2_124m": 32, "tiny": 2}
 # named row sets: --set NAME = these presets and modes (gpt_3b: issue #43's goal, tensor >= 1.30x its best bf16)
@@ -69,8 +70,8 @@ def torchao_convert(model, recipe: str):
 def build(preset: str, mode: str, args, mesh):
     """(cfg, trainer, n_params) of a mode through train.py's path (parallelize applies train.fp8)."""
     from kernels import fp8_matmul
-    fp8_matmul.WS = mode.endswith("+ws")  # the process-wide switch (NANOPARA_FP8_WS=1); timed() turns it off
-    mode = mode.removesuffix("+ws")
+    fp8_matmul.WS = {"+ws": True, "+nows": False}.get(mode[mode.rfind("+"):])  # NANOPARA_FP8_WS; reset after
+    mode = mode.removesuffix("+ws").removesuffix("+nows")
     base = mode.split("+")[0]  # "tensor+graph": tensor, replayed; "ao_rowwise+compile": torchao, compiled
     compiled = mode.endswith("+compile")  # PyTorch ops (the path torch.compile fuses), the whole model compiled
     cfg = H.make_cfg(preset, {"model.kernels": "torch" if compiled else "auto", "train.compile": compiled,
@@ -109,7 +110,7 @@ def timed(preset, mode, args, mesh) -> dict:
         casts = trainer.fp8.casts if trainer.fp8 is not None else None
     finally:
         from kernels import fp8_matmul
-        fp8_matmul.WS = False
+        fp8_matmul.WS = None
         teardown(trainer)
         del trainer
         if mode.endswith("+compile"):
@@ -157,7 +158,7 @@ def profile(preset, mode, args, mesh) -> dict:
         s = H.kernel_summary(H.profile(step, mesh.device), top=20)
     finally:
         from kernels import fp8_matmul
-        fp8_matmul.WS = False
+        fp8_matmul.WS = None
         teardown(trainer)
         del trainer
     gemm = sum(v for k, v in s["kernel_ms_by_kind"].items() if k.endswith("gemm"))
@@ -256,7 +257,7 @@ def throughput(args, mesh, emit) -> list[dict]:
         base = None
         for mode in args.modes.split(","):
             if (mode == "nanogpt" and preset != "gpt2_124m"
-                    or mode.endswith(("+graph", "+compile")) and mesh.device.type != "cuda"):
+                    or ("+graph" in mode or mode.endswith("+compile")) and mesh.device.type != "cuda"):
                 continue  # the nanoGPT baseline is GPT-2 124M's; CUDA graphs and the compiled peers need CUDA
             H.free()
             row, tuned0 = {"section": "throughput", "preset": preset, "mode": mode}, dict(TUNING)

@@ -171,16 +171,17 @@ SETS = {
                     300),
                 Job("fp8_3b", 1, ["bench/bench_fp8_e2e.py", "--set", "gpt_3b", "--steps", "8", "--warmup", "3",
                                   "--out", "{out}/fp8_e2e.jsonl"], 360),
-                # kernels/fp8_matmul_ws.py's first GPU run (~9 min, --only fp8_ws_*): its parity tests, its promoted
-                # GEMMs against the Triton kernel and cuBLAS at gpt_1b's shapes, and gpt_1b's step with it
+                # kernels/fp8_matmul_ws.py (~12 min on a fresh machine, --only fp8_ws_*): its GPU tests, its promoted
+                # GEMMs against the Triton kernel and cuBLAS at gpt_1b's shapes, gpt_1b's graphed step with and
+                # without it beside both bf16 paths
                 Job("fp8_ws_tests", 1, ["-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                                        "tests/test_fp8_ws.py"], 150),
+                                        "tests/test_fp8_ws.py"], 300),
                 Job("fp8_ws_gemm", 1, ["bench/bench_fp8.py", "--only", "gemm", "--accum", "precise", "--ws",
                                        "--gemm_modes", "tensor,row,block", "--gemm_shapes", "gpt_1b",
                                        "--out", "{out}/fp8.jsonl"], 180),
                 Job("fp8_ws_e2e", 1, ["bench/bench_fp8_e2e.py", "--presets", "gpt_1b", "--modes",
-                                      "bf16,tensor+delayed+graph,tensor+delayed+graph+ws,block,block+ws", "--steps",
-                                      "12", "--warmup", "4", "--out", "{out}/fp8_e2e.jsonl"], 220)],
+                                      "bf16,bf16+graph,tensor+delayed+graph+nows,tensor+delayed+graph,tensor+graph",
+                                      "--steps", "12", "--warmup", "4", "--out", "{out}/fp8_e2e.jsonl"], 360)],
     # the planner's GPU table (nanopara/gpus.py): GEMMs, attention, bandwidth, host cost, collectives; < 240 s
     "calibrate": [Job("calibrate", 1, torchrun("{ngpu}", "bench/bench_calibrate.py", "--out", "{out}/plan_gpus.json"),
                       300)],

@@ -36,8 +36,9 @@ from kernels.launch import fast, tma_scratch
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 FORCE_TMA = None  # tests: True / False overrides fp8_matmul_triton's tma=None choice (the interpreter runs TMA too)
 # promoted GEMMs (precise accumulation, block scales) on Hopper through kernels/fp8_matmul_ws.py (Gluon,
-# warp-specialised): opt-in until a GPU has measured it
-WS = os.environ.get("NANOPARA_FP8_WS", "0") == "1"
+# warp-specialised): fp8_matmul_triton's `ws` (nanopara/fp8.py's recipe.ws: on in a graphed step), unless
+# NANOPARA_FP8_WS=1 / 0 forces it on / off everywhere
+WS = {"1": True, "0": False}.get(os.environ.get("NANOPARA_FP8_WS", ""))
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -252,10 +253,11 @@ def _tma_ok(*ts):
 
 
 def fp8_matmul_triton(a, b, a_scale, b_scale, bias=None, out_dtype=torch.bfloat16, fast_accum=True, out=None,
-                      tma=None):
+                      tma=None, ws=False):
     """The Triton kernel on any device (CPU tensors need TRITON_INTERPRET=1). out: an (M, N) tensor to write into
     (unit column stride), else a new one of out_dtype. tma: None = where the GPU and the strides allow (or
-    FORCE_TMA where a test set it)."""
+    FORCE_TMA where a test set it). ws: a promoted GEMM (fast_accum off, or block scales) on Hopper goes to
+    kernels/fp8_matmul_ws.py where its strides allow (WS, when set, overrides)."""
     block_scaled, b_rows, (sam, sak, sbn, sbk) = _scaling(a, b, a_scale, b_scale)
     M, K = a.shape
     N = b.shape[0]
@@ -277,7 +279,7 @@ def fp8_matmul_triton(a, b, a_scale, b_scale, bias=None, out_dtype=torch.bfloat1
     if tma is None:
         tma = FORCE_TMA if FORCE_TMA is not None else (
             not _INTERPRET and _capability(a.device)[0] >= 9 and _tma_ok(a, b, out))
-    if WS and tma and a.is_cuda and (block_scaled or not fast_accum):
+    if (ws if WS is None else WS) and tma and a.is_cuda and (block_scaled or not fast_accum):
         from kernels import fp8_matmul_ws
         if fp8_matmul_ws.supported(a, b, out):
             return fp8_matmul_ws.launch(a, b, out, bias, a_scale, b_scale, block_scaled, b_rows, (sam, sak, sbn, sbk))

@@ -50,6 +50,7 @@ class FP8Recipe:
     history: int = 16             # amax history length (delayed scaling)
     fast_accum_fwd: bool = True   # forward GEMM: no fp32 promotion inside the tensor core's accumulation
     fast_accum_bwd: bool = False  # dgrad / wgrad: promote every 128 K
+    ws: bool = False              # Hopper: promoted GEMMs through kernels/fp8_matmul_ws.py (parallelize: graphed steps)
 
     def __post_init__(self):
         if self.mode not in MODES[1:]:
@@ -136,9 +137,9 @@ def _quantize_weight(w, recipe, triton):
     return fp8_quantize(w, E4M3, "128x128", recipe.pow2, transpose=True, triton_path=triton)
 
 
-def _gemm(a, b, sa, sb, bias, out_dtype, fast_accum, triton, out=None):
+def _gemm(a, b, sa, sb, bias, out_dtype, fast_accum, triton, out=None, ws=False):
     if triton:
-        return fp8_matmul_triton(a, b, sa, sb, bias, out_dtype, fast_accum, out=out)
+        return fp8_matmul_triton(a, b, sa, sb, bias, out_dtype, fast_accum, out=out, ws=ws)
     y = fp8_matmul_ref(a, b, sa, sb, bias, out_dtype)
     return y if out is None else out.copy_(y)
 
@@ -174,7 +175,7 @@ def _linear_fwd(x2, weight, bias, layer, triton, out_dtype, want_qt, prologue=No
     w8 = layer.weight_fp8(weight, triton)
     x8 = _quantize_act(x2, E4M3, recipe, triton, want_qt=want_qt, history=layer.hist_x if recipe.delayed else None,
                        prologue=prologue)
-    return _gemm(x8.q, w8.q, x8.s, w8.s, bias, out_dtype, recipe.fast_accum_fwd, triton), x8, w8
+    return _gemm(x8.q, w8.q, x8.s, w8.s, bias, out_dtype, recipe.fast_accum_fwd, triton, ws=recipe.ws), x8, w8
 
 
 def _linear_bwd(dy2, saved, layer, triton, need, dest, dtypes, prologue=None, h=None):
@@ -190,12 +191,12 @@ def _linear_bwd(dy2, saved, layer, triton, need, dest, dtypes, prologue=None, h=
                        history=layer.hist_dy if recipe.delayed else None, colsum=need_db, prologue=prologue, h=h)
     dx = dw = db = None
     if need_dx:  # (M, N) x (K, N)^T -> (M, K)
-        dx = _gemm(g8.q, wqt, g8.s, wst, None, dtypes[0], recipe.fast_accum_bwd, triton)
+        dx = _gemm(g8.q, wqt, g8.s, wst, None, dtypes[0], recipe.fast_accum_bwd, triton, ws=recipe.ws)
     if need_dw:  # (N, M) x (K, M)^T -> (N, K), straight into the engine's buffer view where it gave one
         out = dest.grad_into(dest) if dest is not None else None
         direct = out is not None and out.dtype in (torch.float32, torch.bfloat16) and out.stride(-1) == 1
         dw = _gemm(g8.qt, xqt, g8.st, xst, None, dtypes[1], recipe.fast_accum_bwd, triton,
-                   out=out if direct else None)
+                   out=out if direct else None, ws=recipe.ws)
         if out is not None and not direct:
             dw = out.copy_(dw)
     if need_db:  # summed by a cast of dY as it reads dY (row mode without dW: one more pass)

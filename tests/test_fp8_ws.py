@@ -108,3 +108,36 @@ def test_gpu_ws_dispatch_flag(monkeypatch):
     a, b, sa, sb = _operands(256, 256, 512, "block")
     fm.fp8_matmul(a, b, sa, sb, out_dtype=torch.float32)
     assert calls == [1, 1]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout_s(300)
+@pytest.mark.parametrize("fp8", ["tensor", "row"])
+def test_gpu_graphed_training_with_ws_matches_the_triton_path(fp8):
+    """The trainer's graphed FP8 step (parallelize sets recipe.ws under a graph) against the eager Triton step: the
+    same losses and weights (the two kernels sum the same 128-wide steps in the same order)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("warp-specialised wgmma kernel: Hopper only")
+    from tests.test_graph import _train
+    eager_losses, eager_w = _train(False, 4, 2, fp8)
+    ws_losses, ws_w = _train(True, 4, 2, fp8, ws=True)
+    assert ws_losses == pytest.approx(eager_losses, rel=1e-5, abs=1e-5)
+    assert ws_losses[-1] < ws_losses[0] - 0.1
+    for k in eager_w:
+        torch.testing.assert_close(ws_w[k], eager_w[k], atol=1e-5, rtol=1e-5, msg=lambda m: f"{k}: {m}")
+
+
+def test_parallelize_turns_ws_on_with_the_graph(monkeypatch):
+    """parallelize: recipe.ws follows the step's CUDA graph (host cost paid once, at capture), off in eager."""
+    from nanopara import parallel
+    from nanopara.mesh import Mesh
+    from nanopara.model import GPT
+    from nanopara.presets import PRESETS
+    cfg = PRESETS["tiny"]()
+    cfg.model.n_layer = 1
+    cfg.train.fp8, cfg.train.fp8_filter = "tensor", "all"
+    trainer = parallel.parallelize(GPT(cfg.model), Mesh.build(device="cpu"), cfg)
+    assert trainer.fp8 is not None and trainer.fp8.recipe.ws is False  # CPU: no graph
+    monkeypatch.setattr(parallel, "use_cuda_graph", lambda *a, **k: (True, ""))
+    monkeypatch.setattr(parallel, "Trainer", lambda *a, **k: k)  # the graph itself needs CUDA: stop before it
+    assert parallel.parallelize(GPT(cfg.model), Mesh.build(device="cpu"), cfg)["fp8"].recipe.ws is True

@@ -50,13 +50,14 @@ def test_unsupported_runs_fail_before_any_work(tmp_path):
                     "--train.cuda_graph=true"])
 
 
-def _train(graphed: bool, steps: int, accum: int, fp8: str = "none", delayed: bool = False):
-    """A 2-layer GPT-2-shaped model on the Triton kernels: losses per micro-step and the final weights."""
+def _train(graphed: bool, steps: int, accum: int, fp8: str = "none", delayed: bool = False, ws: bool = False):
+    """A 2-layer GPT-2-shaped model on the Triton kernels: losses per micro-step and the final weights. ws: the
+    FP8 recipe's promoted GEMMs through kernels/fp8_matmul_ws.py (tests/test_fp8_ws.py)."""
     cfg = PRESETS["gpt2_124m"]()
     cfg.model.n_layer, cfg.train.micro_batch, cfg.train.seq_len = 2, 4, 256
     mesh = Mesh.build(device="cuda")
     torch.manual_seed(0)
-    model = apply_fp8(GPT(cfg.model), fp8, recipe=FP8Recipe(delayed=delayed) if delayed else None).cuda()
+    model = apply_fp8(GPT(cfg.model), fp8, recipe=FP8Recipe(delayed=delayed, ws=ws) if delayed or ws else None).cuda()
     engine = build_engine(model, mesh, cfg)
     amp = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
     micro = GraphedMicroStep(engine.model, amp, 1 / accum, engine, overwrite=accum == 1) if graphed else None
