@@ -195,7 +195,8 @@ APPENDED = [("scaleout_pp_graph_h200.jsonl", "git 557d434 + the pipeline CUDA gr
             ("moe_step_overwrite_h100.jsonl",
              "tree of 6fcffe2 (graph writes its gradients), moe_step_overwrite_h100.txt"),
             ("fp8_e2e_fused_h100.jsonl", "tree of 6fcffe2 (graph writes its gradients), fp8_e2e_fused_h100.txt"),
-            ("fp8_e2e_3b_124m_h100.jsonl", "tree of 6fcffe2, fp8_e2e_3b_124m_h100.txt")]
+            ("fp8_e2e_3b_124m_h100.jsonl", "tree of 6fcffe2, fp8_e2e_3b_124m_h100.txt"),
+            ("fp8_ws_h200.jsonl", "tree of d8d6aa3, fp8_ws_h200.txt")]
 
 
 def bf16_rows(name: str, rev: str) -> list:
@@ -235,7 +236,7 @@ def append(path: str) -> list:
     new = []
     for name, rev in APPENDED:
         rows = moe_step_rows(name, rev) if name.startswith("moe_step") else \
-            bf16_rows(name, rev) if name.startswith("fp8_e2e") else layout_rows(name)
+            bf16_rows(name, rev) if name.startswith(("fp8_e2e", "fp8_ws")) else layout_rows(name)
         for r in rows:
             r["revision"] = rev
             if r["id"] not in have:
