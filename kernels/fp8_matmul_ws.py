@@ -21,6 +21,8 @@ Measured (one H200, results/fp8_ws_h200.txt): 0.96-1.08x cuBLAS's precise `_scal
 (nanopara/parallel.py sets recipe.ws) unless NANOPARA_FP8_WS=1 / 0 (fp8_matmul.WS) forces it on / off.
 Tests: tests/test_fp8_ws.py (sm_90a compile budgets on CPU; GPU parity). Bench: `bench/bench_fp8.py --ws`.
 """
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -236,12 +238,17 @@ _mm = fast(_fp8_matmul_ws_kernel)
 _SMS = {}
 
 
+@functools.lru_cache(maxsize=None)
+def _smem_layout(block: tuple, dtype: torch.dtype):
+    """The shared-memory layout of a TMA block (6 us a call to make on a 2-core CPU: made once per block and dtype)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
+
+
 def descriptors(a, b, out, block_n):
     """Host TMA descriptors: A in 64-row halves of 128-wide K steps, B in block_n rows, out in 64 x block_n."""
     def desc(x, block):
-        layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[x.dtype])
-        return TensorDescriptor(x, list(x.shape), [x.stride(0), 1], block, layout)
-    return desc(a, [ROWS, BLOCK]), desc(b, [block_n, BLOCK]), desc(out, [ROWS, block_n])
+        return TensorDescriptor(x, list(x.shape), [x.stride(0), 1], list(block), _smem_layout(block, x.dtype))
+    return desc(a, (ROWS, BLOCK)), desc(b, (block_n, BLOCK)), desc(out, (ROWS, block_n))
 
 
 def supported(a, b, out) -> bool:
