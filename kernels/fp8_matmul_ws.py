@@ -251,9 +251,14 @@ def descriptors(a, b, out, block_n):
     return desc(a, (ROWS, BLOCK)), desc(b, (block_n, BLOCK)), desc(out, (ROWS, block_n))
 
 
+@functools.lru_cache(maxsize=None)
+def _hopper(device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
 def supported(a, b, out) -> bool:
     """Hopper (sm_90) tensors whose rows TMA can read: 16-byte aligned bases and row strides, unit inner stride."""
-    if not (a.is_cuda and torch.cuda.get_device_capability(a.device)[0] == 9):
+    if not (a.is_cuda and _hopper(a.device)):
         return False
     return all(t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
                for t in (a, b, out))
@@ -274,10 +279,4 @@ def launch(a, b, out, bias, a_scale, b_scale, block_scaled, b_rows, strides, con
               BLOCK_N=block_n, NUM_BUF=num_buf, LAG=lag, BLOCK_SCALED=bool(block_scaled), B_SCALE_ROWS=b_rows,
               HAS_BIAS=bias is not None, num_warps=4)
     return out
-
-
-def smem_bytes(block_n: int, num_buf: int, out_bytes: int = 2) -> int:
-    """Shared memory of one CTA: the ring (A's two halves and B per stage) and the two staging tiles."""
-    return num_buf * (2 * ROWS + block_n) * BLOCK + 2 * ROWS * block_n * out_bytes + 16 * num_buf
-
 
