@@ -279,4 +279,3 @@ def launch(a, b, out, bias, a_scale, b_scale, block_scaled, b_rows, strides, con
               BLOCK_N=block_n, NUM_BUF=num_buf, LAG=lag, BLOCK_SCALED=bool(block_scaled), B_SCALE_ROWS=b_rows,
               HAS_BIAS=bias is not None, num_warps=4)
     return out
-
