@@ -45,9 +45,11 @@ def test_the_pending_set_runs_on_one_gpu_and_stays_out_of_all(tmp_path):
     (every area's set) does not repeat them."""
     plan = run_set.plan("pending", 1, str(tmp_path))
     assert [s["name"] for s in plan if s["skip"] is None] == ["fp8_tiles", "fp8_e2e_auto", "fp8_e2e_row",
-                                                              "fp8_gemm_grads", "fp8_3b", "tuned"]
+                                                              "fp8_gemm_grads", "fp8_3b", "fp8_ws_tests",
+                                                              "fp8_ws_gemm", "fp8_ws_e2e", "tuned"]
     for s in plan[:-1]:  # each short enough that two or three fit one device call
-        script = s["argv"][s["argv"].index("tests/test_fp8.py") if s["argv"][:2] == ["-m", "pytest"] else 0]
+        pytest = s["argv"][:2] == ["-m", "pytest"]
+        script = next(a for a in s["argv"] if a.startswith("tests/")) if pytest else s["argv"][0]
         assert os.path.isfile(os.path.join(run_set.ROOT, script)) and s["timeout_s"] <= 360, s
     assert not {s["name"] for s in plan[:-1]} & {s["name"] for s in run_set.plan("all", 8, str(tmp_path))}
 
