@@ -14,7 +14,7 @@ update; bf16 autocast, clip, fused AdamW). Modes:
     ao_tensorwise         torchao.float8.convert_to_float8_training (recipe tensorwise / rowwise) on the same GPT
     ao_rowwise            but lm_head, the same Trainer (a benchmark-only peer; not importable: the row says why)
     nanogpt               gpt2_124m only: bench_gpt.py's torch+compile mode (PyTorch ops under torch.compile)
-    bf16+graph, tensor+graph, row+graph   forward + backward replayed from a CUDA graph (train.cuda_graph=true)
+    bf16+graph, tensor+graph, row+graph, block+graph   forward + backward from a CUDA graph (train.cuda_graph=true)
     bf16+compile, ao_*+compile            the fair peer: PyTorch ops (SDPA), torchao or not, under torch.compile
 Per mode: median step ms, tok/s, TFLOP/s, MFU, peak memory, last loss, the ratio to bf16, the share of the Linears
 in FP8 (count and FLOPs, lm_head included: fp8_filter.fp8_share), the kernel tunings its warm-up ran (a fresh machine tunes
@@ -42,7 +42,8 @@ from nanopara.report import flops_per_token, read_metrics
 
 NANOPARA_FP8 = ("tensor", "row", "block")
 TORCHAO = {"ao_tensorwise": "tensorwise", "ao_rowwise": "rowwise"}
-GRAPHED = ("bf16+graph", "tensor+graph", "row+graph")  # the same, forward + backward replayed from a CUDA graph
+# the same, forward + backward replayed from a CUDA graph
+GRAPHED = ("bf16+graph", "tensor+graph", "row+graph", "block+graph")
 # the fair peer (issue #43 item 6): the same GPT with PyTorch ops (SDPA) under torch.compile, bf16 and torchao float8
 COMPILED = ("bf16+compile", "ao_tensorwise+compile", "ao_rowwise+compile")
 # tensor mode with delayed scaling (train.fp8_delayed): X and dY scaled from an amax history, one pass per cast
