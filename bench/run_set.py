@@ -142,17 +142,19 @@ SETS = {
                    Job("sft", 1, ["bench/bench_sft.py", "--out", "{out}/sft"]),
                    Job("post_train", 1, ["bench/post_train_demo.py", "--recipe=small", "--seeds=1,2,3", "--jobs=3",
                                                   "--out", "{out}/post_train"], 7200),
-                   # issue #46's next run: the small recipe with dynamic sampling (+8.3 over SFT without a control,
-                   # 2026-12-07), 4,096 sampled rows a step in one batch, and its control; ~9-10 min (--only)
+                   # the small recipe at 20,000 labelled examples (+7.8 points, post_train_small_os4_600_h100.txt);
+                   # the default (15,000) is the post_train job above (+17.4, post_train_small_os4_ex15k_h100.txt)
                    Job("post_train_os4", 1, ["bench/post_train_demo.py", "--recipe=small", "--seeds=1,2,3",
-                                             "--jobs=3", "--rl_steps=600", "--rl_args=--oversample=4",
-                                             "--sample_batch=4096", "--tag=small_os4", "--out={out}/post_train_os4"],
-                       600),
-                   # the same on 15,000 labelled examples (the scarce-label regime: a lower SFT plateau that the
-                   # continued-SFT control cannot leave, while RL's unlabelled prompts can): ~10 min (--only)
-                   Job("post_train_ex15k", 1, ["bench/post_train_demo.py", "--recipe=small", "--seeds=1,2,3",
-                                               "--jobs=3", "--examples=15000", "--tag=small_os4_ex15k",
-                                               "--out={out}/post_train_ex15k"], 600)],
+                                             "--jobs=3", "--examples=20000", "--tag=small_os4",
+                                             "--out={out}/post_train_os4"], 600),
+                   # issue #46's next rows (--only, one call each on one warm machine, ~10 min): a books-pretrained
+                   # base of the small model (the mirror's text/ through NANOPARA_MIRROR), then the demo from it
+                   Job("pretrain_small", 1, ["bench/post_train_demo.py", "--recipe=small", "--seeds=",
+                                             "--base={out}/base_small", "--pretrain_steps=2000",
+                                             "--out={out}/post_train_base"], 600),
+                   Job("post_train_base", 1, ["bench/post_train_demo.py", "--recipe=small", "--seeds=1,2,3",
+                                              "--jobs=3", "--base={out}/base_small", "--pretrain_steps=2000",
+                                              "--tag=small_base", "--out={out}/post_train_base"], 600)],
     # one GPU, ~10 min: the rows the open goals wait for since the last GPU run (notes/fp8.md): every cast tile at
     # gpt_1b's shapes (why the three-op FP8 MLP's loss rose), gpt_1b and gpt_3b under the auto rule of 2026-12-07
     # (c_attn in tensor mode) against torchao + compile, row mode's MLP, the gradient GEMMs' precise accumulation
