@@ -196,7 +196,8 @@ APPENDED = [("scaleout_pp_graph_h200.jsonl", "git 557d434 + the pipeline CUDA gr
              "tree of 6fcffe2 (graph writes its gradients), moe_step_overwrite_h100.txt"),
             ("fp8_e2e_fused_h100.jsonl", "tree of 6fcffe2 (graph writes its gradients), fp8_e2e_fused_h100.txt"),
             ("fp8_e2e_3b_124m_h100.jsonl", "tree of 6fcffe2, fp8_e2e_3b_124m_h100.txt"),
-            ("fp8_ws_h200.jsonl", "tree of 7191812, fp8_ws_h200.txt")]
+            ("fp8_ws_h200.jsonl", "tree of 7191812, fp8_ws_h200.txt"),
+            ("fp8_ws_e2e_h100.jsonl", "tree of 7902a86, fp8_ws_e2e_h100.txt")]
 
 
 def bf16_rows(name: str, rev: str) -> list:
