@@ -1,7 +1,7 @@
 """FP8 on one GPU: GEMMs, quantization kernels and the FP8 linear against cuBLAS and bf16, in one run.
 
     python bench/bench_fp8.py [--quick] [--only gemm,quant,linear,mlp] [--accum fast|precise|both] [--out F.jsonl]
-        [--linear_models gpt_1b,gpt_3b,gpt2_124m,gpt_1b_m4096]      # the linear section's models
+        [--linear_models gpt_1b,gpt_3b,gpt2_124m,gpt_1b_m4096] [--linear_graph]   # the linear section's models
         [--profile attn.c_proj] [--gemm_modes tensor] [--gemm_shapes c_fc,mlp.c_proj]
     python bench/bench_fp8.py --ptxas [--quick] [--json]   # no GPU: every GEMM tile and quantization kernel,
                                                            # compiled for sm_90a: registers, spills, wgmma, TMA
@@ -18,7 +18,8 @@ Sections (each prints a table; every row also goes to --out as one JSON line, st
           % of the measured device-to-device copy bandwidth; the tiles the tuner picked (per-tensor, per-column)
   linear  FP8Linear forward + backward against the model's bf16 Linear under autocast (fp32 master weight), per
           mode, at each Linear of both models; the weight's cast is amortised over micro-batches (reused), and
-          also shown paid every call ("+cast": one micro-batch per optimizer step); and what fp8.py's auto rule picks
+          also shown paid every call ("+cast": one micro-batch per optimizer step); and what fp8.py's auto rule picks;
+          --linear_graph: each fwd+bwd replayed from a CUDA graph (FP8: the Gluon promoted GEMMs, as in graphed steps)
   mlp     a GPT-2 MLP fwd+bwd at gpt_1b's shape (8192 x 2048 -> 8192 -> 2048, bf16 autocast): bf16, FP8 tensor as
           three ops, FP8 fused (GELU in the casts: fp8.FP8MLPFunction), fused delayed; ms, x bf16 (weight casts reused)
 Timing: do_bench medians; the first use of each (shape, mode) tunes the GEMM, kept per GPU by kernels/tuning.py.
@@ -264,9 +265,31 @@ def quant(out, quick):
           "scales not counted; tuned tiles: BLOCK_M x BLOCK_K, warps (kernels/fp8_quant.py)")
 
 
-def linear(out, quick, names="", profile=""):
+def _graph_replay(fn, params, fresh=None):
+    """fn (a fwd+bwd) captured in a CUDA graph after three eager runs on a side stream; returns the replay. The
+    .grads then live in the graph and each replay adds into them (the same add for bf16 and FP8). fresh: called just
+    before the capture (FP8State.step: the capture records the weight's cast, so every replay pays it)."""
+    for p in params:
+        p.grad = None
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    if fresh is not None:
+        fresh()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def linear(out, quick, names="", profile="", graph=False):
     """names: comma-separated models of MODELS + MORE_LINEARS (default: gpt_1b with --quick, else MODELS).
-    profile: comma-separated Linear names (e.g. attn.c_proj): one tensor-mode fwd+bwd of each, profiled."""
+    profile: comma-separated Linear names (e.g. attn.c_proj): one tensor-mode fwd+bwd of each, profiled.
+    graph: every fwd+bwd replayed from a CUDA graph, FP8 with recipe.ws (as train.py's graphed FP8 steps run):
+    the GPU's time without the host's launches, what the auto rule must be measured by for graphed steps."""
     from nanopara.fp8 import FP8Linear, FP8Recipe, FP8State
     from nanopara.fp8_filter import auto_gains
     from nanopara.model import Linear
@@ -287,15 +310,20 @@ def linear(out, quick, names="", profile=""):
                     y = lin(x)
                 y.backward(dy)
             params = [x, base.weight, base.bias]  # grads set to None before each call: no accumulation adds
-            t16 = _bench(lambda: step(base), params)
-            row = dict(section="linear", model=model, linear=name, M=M, N=N, K=K, bf16_ms=t16)
+            t16 = _bench(_graph_replay(lambda: step(base), params)) if graph else _bench(lambda: step(base), params)
+            row = dict(section="linear", model=model, linear=name, M=M, N=N, K=K, bf16_ms=t16, graph=graph)
             cells = []
             for mode in ("tensor", "row", "block"):
-                state = FP8State(FP8Recipe(mode=mode))
+                state = FP8State(FP8Recipe(mode=mode, ws=graph))
                 lin = FP8Linear.from_linear(base, state)
                 step(lin)  # tune
-                t = _bench(lambda: step(lin), params)
-                tc = _bench(lambda: step(lin, state), params)
+                if graph:
+                    t = _bench(_graph_replay(lambda: step(lin), params))
+                    tc = _bench(_graph_replay(lambda: step(lin), params, fresh=state.step))
+                    state.step()  # the cast that capture cached lived in that graph's pool: cast again when next used
+                else:
+                    t = _bench(lambda: step(lin), params)
+                    tc = _bench(lambda: step(lin, state), params)
                 row.update({f"{mode}_ms": t, f"{mode}_speedup": t16 / t, f"{mode}_cast_speedup": t16 / tc})
                 if name in profile.split(",") and mode == "tensor":  # where the time of a slow row goes
                     for label, fn in (("bf16", lambda: step(base)), ("tensor", lambda: step(lin))):
@@ -470,6 +498,8 @@ def main():
     p.add_argument("--out", help="append JSON lines here")
     p.add_argument("--linear_models", default="", help="linear section: e.g. gpt_1b,gpt_3b,gpt2_124m,gpt_1b_m4096")
     p.add_argument("--profile", default="", help="linear section: Linear names to profile, e.g. attn.c_proj")
+    p.add_argument("--linear_graph", action="store_true", help="linear section: fwd+bwd replayed from CUDA graphs, "
+                   "FP8 through the Gluon promoted GEMMs (graphed training steps' path)")
     p.add_argument("--ws", action="store_true", help="gemm section: also kernels/fp8_matmul_ws.py (Gluon, "
                    "warp-specialised) on the precise and block rows, each config")
     p.add_argument("--ptxas", action="store_true", help="compile the kernels for sm_90a (no GPU) and report")
@@ -496,7 +526,7 @@ def main():
     if "quant" in sections:
         quant(out, args.quick)
     if "linear" in sections:
-        linear(out, args.quick, args.linear_models, args.profile)
+        linear(out, args.quick, args.linear_models, args.profile, args.linear_graph)
     if "mlp" in sections:
         mlp(out)
     print(f"\n{time.time() - t0:.0f} s")

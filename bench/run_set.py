@@ -155,35 +155,18 @@ SETS = {
                    Job("post_train_base", 1, ["bench/post_train_demo.py", "--recipe=small", "--seeds=1,2,3",
                                               "--jobs=3", "--base={out}/base_small", "--pretrain_steps=2000",
                                               "--tag=small_base", "--out={out}/post_train_base"], 600)],
-    # one GPU, ~10 min: the rows the open goals wait for since the last GPU run (notes/fp8.md): every cast tile at
-    # gpt_1b's shapes (why the three-op FP8 MLP's loss rose), gpt_1b and gpt_3b under the auto rule of 2026-12-07
-    # (c_attn in tensor mode) against torchao + compile, row mode's MLP, the gradient GEMMs' precise accumulation
-    "pending": [Job("fp8_tiles", 1, ["-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/test_fp8.py",
-                                     "-k", "every_tile or training_shapes or parity or bit_exact_large"], 300),
-                Job("fp8_e2e_auto", 1, ["bench/bench_fp8_e2e.py", "--presets", "gpt_1b", "--modes",
-                                        "bf16,tensor,tensor+unfused,tensor+graph,tensor+delayed+graph,"
-                                        "ao_tensorwise+compile,ao_rowwise+compile", "--steps", "12", "--warmup", "4",
-                                        "--out", "{out}/fp8_e2e.jsonl"], 360),
-                # row mode's MLP (1.16-1.18x alone): what fp8_filter.py's rule waits for before it takes it
-                Job("fp8_e2e_row", 1, ["bench/bench_fp8_e2e.py", "--presets", "gpt_1b", "--modes", "bf16,row,row+graph",
-                                       "--fp8_filter", "*mlp.c_fc,*mlp.c_proj", "--steps", "12", "--warmup", "4",
-                                       "--out", "{out}/fp8_e2e.jsonl"], 240),
-                Job("fp8_gemm_grads", 1, ["bench/bench_fp8.py", "--only", "gemm", "--accum", "both", "--gemm_modes",
-                                          "tensor,row,block", "--gemm_shapes", "gpt_1b", "--out", "{out}/fp8.jsonl"],
-                    300),
-                Job("fp8_3b", 1, ["bench/bench_fp8_e2e.py", "--set", "gpt_3b", "--steps", "8", "--warmup", "3",
-                                  "--out", "{out}/fp8_e2e.jsonl"], 360),
-                # kernels/fp8_matmul_ws.py (~12 min on a fresh machine, --only fp8_ws_*): its GPU tests, its promoted
-                # GEMMs against the Triton kernel and cuBLAS at gpt_1b's shapes, gpt_1b's graphed step with and
-                # without it beside both bf16 paths
-                Job("fp8_ws_tests", 1, ["-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                                        "tests/test_fp8_ws.py"], 300),
+    # one GPU, ~10 min: the rows issue #43's open goals wait for since fp8_ws_e2e_h100.txt (notes/fp8.md): the FP8
+    # Linear table as graphed steps run it (the Gluon promoted GEMMs, no host: what the auto rule must be measured by
+    # for row and block), row and block end to end under a graph beside both bf16 paths, the Gluon GEMMs on this GPU
+    "pending": [Job("fp8_linear_graph", 1, ["bench/bench_fp8.py", "--only", "linear", "--linear_graph",
+                                            "--linear_models", "gpt_1b,gpt_3b", "--out", "{out}/fp8.jsonl"], 300),
+                Job("fp8_e2e_rowblock", 1, ["bench/bench_fp8_e2e.py", "--presets", "gpt_1b", "--modes",
+                                            "bf16,bf16+graph,row+graph,block+graph", "--fp8_filter",
+                                            "*attn.c_attn,*mlp.c_fc,*mlp.c_proj", "--steps", "12", "--warmup", "4",
+                                            "--out", "{out}/fp8_e2e.jsonl"], 360),
                 Job("fp8_ws_gemm", 1, ["bench/bench_fp8.py", "--only", "gemm", "--accum", "precise", "--ws",
                                        "--gemm_modes", "tensor,row,block", "--gemm_shapes", "gpt_1b",
-                                       "--out", "{out}/fp8.jsonl"], 180),
-                Job("fp8_ws_e2e", 1, ["bench/bench_fp8_e2e.py", "--presets", "gpt_1b", "--modes",
-                                      "bf16,bf16+graph,tensor+delayed+graph+nows,tensor+delayed+graph,tensor+graph",
-                                      "--steps", "12", "--warmup", "4", "--out", "{out}/fp8_e2e.jsonl"], 360)],
+                                       "--out", "{out}/fp8.jsonl"], 180)],
     # the planner's GPU table (nanopara/gpus.py): GEMMs, attention, bandwidth, host cost, collectives; < 240 s
     "calibrate": [Job("calibrate", 1, torchrun("{ngpu}", "bench/bench_calibrate.py", "--out", "{out}/plan_gpus.json"),
                       300)],
@@ -195,10 +178,11 @@ SETS = {
                                               *(["--train.fp8_filter=all"] if m != "none" else []),
                                               "--train.micro_batch=8", "--train.steps=1000", "--train.val_every=250",
                                               f"--out_dir={{out}}/curve_1b_fp8_{m}", "--overwrite=true"], 3600)
-                 for m in ("none", "tensor")],
-               Job("curve_1b_fp8_compare", 0, ["bench/bench_fp8_e2e.py", "--compare", "{out}/curve_1b_fp8_none",
-                                               "{out}/curve_1b_fp8_tensor", "--plot", "{out}/curve_1b_fp8.png",
-                                               "--out", "{out}/fp8_e2e.jsonl"], 300)],
+                 for m in ("none", "tensor", "row", "block")],
+               *[Job(f"curve_1b_fp8_compare_{m}", 0, ["bench/bench_fp8_e2e.py", "--compare", "{out}/curve_1b_fp8_none",
+                                                       f"{{out}}/curve_1b_fp8_{m}", "--plot",
+                                                       f"{{out}}/curve_1b_fp8_{m}.png", "--out", "{out}/fp8_e2e.jsonl"],
+                     300) for m in ("tensor", "row", "block")]],
 }
 ORDER = ("kernels", "e2e", "layouts", "scaleout", "fp8", "moe", "post_train", "curves")
 TUNED = Job("tuned", 0, ["-m", "kernels.tuning", "--export", "--out", "{out}/tuned"], 120)
