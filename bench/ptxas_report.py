@@ -166,7 +166,8 @@ def gluon_attention_usage(kind: str, head_dim: int, cfg: tuple, causal: bool = T
 def gluon_fp8_usage(cfg: tuple, block_scaled: bool, b_rows: int = 1, out_dtype=None) -> dict:
     """{'regs', 'spill_bytes', 'smem_bytes', 'ptxas_notes'} of kernels/fp8_matmul_ws.py's kernel for one CONFIGS
     entry, compiled for sm_90a with host TMA descriptors (e4m3 A, e5m2 B, bf16 out unless given). 'ptxas_notes':
-    the C75xx codes ptxas printed (C7515: every wgmma serialised; C7517: a wait it injected)."""
+    the C75xx codes ptxas printed (C7515: every wgmma serialised; C7517: a wait it injected). B's 1x128 scales
+    (b_rows 1) come with unit column stride, as launch() passes them (Triton specialises a stride of 1)."""
     import torch
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -176,7 +177,7 @@ def gluon_fp8_usage(cfg: tuple, block_scaled: bool, b_rows: int = 1, out_dtype=N
     descs = ws.descriptors(a, b, torch.empty(4096, 2048, dtype=out_dtype or torch.bfloat16), cfg[0])
     fn = ws._fp8_matmul_ws_kernel
     consts = dict(BLOCK_N=cfg[0], NUM_BUF=cfg[1], LAG=cfg[2], BLOCK_SCALED=block_scaled, B_SCALE_ROWS=b_rows,
-                  HAS_BIAS=False)
+                  HAS_BIAS=False, **({"stride_sbn": 1} if block_scaled and b_rows == 1 else {}))
     sig = {n: "i32" for n in fn.arg_names}
     sig.update(zip(("a_desc", "b_desc", "c_desc"), map(mangle_type, descs)), SA="*fp32", SB="*fp32", BIAS="*fp32")
     sig.update({k: "constexpr" for k in consts})

@@ -269,6 +269,11 @@ def launch(a, b, out, bias, a_scale, b_scale, block_scaled, b_rows, strides, con
     has validated the operands and worked out the scaling (kernels/fp8_matmul._scaling)."""
     M, K = a.shape
     N = b.shape[0]
+    if block_scaled and b_rows == 1 and strides[2] != 1:
+        # B's 1x128 scales (the wgrad): a K step reads one per column of the tile. Stored (N, K/128) those are 128
+        # strided loads; column-contiguous (a small copy, N x K/128 fp32) they are 512 bytes in a row
+        b_scale = b_scale.t().contiguous().t()
+        strides = (*strides[:2], 1, b_scale.stride(1))
     block_n, num_buf, lag = config or CONFIGS["block" if block_scaled else "precise"][0]
     a_desc, b_desc, c_desc = descriptors(a, b, out, block_n)
     dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
