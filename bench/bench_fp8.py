@@ -17,9 +17,8 @@ Sections (each prints a table; every row also goes to --out as one JSON line, st
   quant   GB/s of each quantization kernel (bytes in + out) at the models' activation and weight shapes, and as
           % of the measured device-to-device copy bandwidth; the tiles the tuner picked (per-tensor, per-column)
   linear  FP8Linear forward + backward against the model's bf16 Linear under autocast (fp32 master weight), per
-          mode, at each Linear of both models; the weight's cast is amortised over micro-batches (reused), and
-          also shown paid every call ("+cast": one micro-batch per optimizer step); and what fp8.py's auto rule picks;
-          --linear_graph: each fwd+bwd replayed from a CUDA graph (FP8: the Gluon promoted GEMMs, as in graphed steps)
+          mode, at each Linear; the weight's cast reused (micro-batches 2..) and paid every call ("+cast"); what the
+          auto rule picks. --linear_graph: each replayed from a CUDA graph (FP8 with the Gluon promoted GEMMs)
   mlp     a GPT-2 MLP fwd+bwd at gpt_1b's shape (8192 x 2048 -> 8192 -> 2048, bf16 autocast): bf16, FP8 tensor as
           three ops, FP8 fused (GELU in the casts: fp8.FP8MLPFunction), fused delayed; ms, x bf16 (weight casts reused)
 Timing: do_bench medians; the first use of each (shape, mode) tunes the GEMM, kept per GPU by kernels/tuning.py.
