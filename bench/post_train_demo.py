@@ -500,6 +500,10 @@ def main(argv=None):
         rows = [r for f in a.report for r in H.read_jsonl(f) if r.get("kind") == "seed"]
     else:
         print(H.banner(f"post_train_demo {a.tag} {a.task} {a.preset} {a.model} seeds {a.seeds}"), flush=True)
+        try:  # before any work: a machine offline without tiktoken's cache stops here in one line
+            get_tokenizer()
+        except RuntimeError as e:
+            raise SystemExit(f"post_train_demo: {e}") from None
         os.makedirs(a.work, exist_ok=True)
         prepare(a)
         rows = []

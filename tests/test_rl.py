@@ -609,6 +609,20 @@ def test_demo_runs_of_other_example_counts_share_a_work_directory(tmp_path):
         demo.prepare(a)
 
 
+def test_demo_without_its_tokenizer_stops_in_one_line_before_any_work(tmp_path, monkeypatch):
+    """Offline without tiktoken's cache (a GPU machine without the mirror: it happened, 2026-12-07) the demo stopped
+    with a traceback from inside the data step; now one line, before the work directory is made."""
+    demo = demo_module()
+
+    def offline():
+        raise RuntimeError("cannot load tiktoken's GPT-2 encoding (ConnectionError: ...); offline, set "
+                           "TIKTOKEN_CACHE_DIR")
+    monkeypatch.setattr(demo, "get_tokenizer", offline)
+    with pytest.raises(SystemExit, match="^post_train_demo: cannot load tiktoken's GPT-2 encoding"):
+        demo.main([f"--out={tmp_path / 'out'}", "--smoke=1", "--device=cpu"])
+    assert not os.path.exists(tmp_path / "out" / "work")
+
+
 def test_demo_generation_speed_runs_on_cpu():
     """bench/post_train_demo.py's generation speed (--gen_speed=1), in this process."""
     rows = demo_module().generation_speed(toy(vocab=64, block=16), torch.device("cpu"), batches=(1, 3), prompt=4,
