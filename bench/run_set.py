@@ -132,7 +132,15 @@ SETS = {
         scaleout("pp2_zb_mb8_m4_graph", 2, "--train.micro_batch=8 --parallel.pp=2 --parallel.pp_layers=10,8 "
                  "--parallel.pp_schedule=zb --train.cuda_graph=true")],
     "fp8": [Job("fp8", 1, ["bench/bench_fp8.py", "--quick", "--out", "{out}/fp8.jsonl"]),
-            Job("fp8_e2e", 1, ["bench/bench_fp8_e2e.py", "--profile", "--out", "{out}/fp8_e2e.jsonl"])],
+            Job("fp8_e2e", 1, ["bench/bench_fp8_e2e.py", "--profile", "--out", "{out}/fp8_e2e.jsonl"]),
+            # issue #43's last goal: FP8's gain with dp2 (ZeRO-1) and tp2 + sp within 5 points of one GPU's; every
+            # row under a CUDA graph (FP8's eager step is host-bound), bf16 and FP8 tensor (delayed) at each layout
+            *[layout(f"fp8_{name}_{dt}", gpus, f"--train.micro_batch=8 --train.cuda_graph=true{flags}"
+                     + (" --train.fp8=tensor --train.fp8_delayed=true" if dt == "fp8" else ""),
+                     base="" if gpus == 1 else f"fp8_1gpu_{dt}", out="fp8_scale", steps=6)
+              for name, gpus, flags in (("1gpu", 1, ""), ("dp2", 2, " --parallel.dp=2 --parallel.zero=1"),
+                                        ("tp2_sp", 2, " --parallel.tp=2 --parallel.sp=true"))
+              for dt in ("bf16", "fp8")]],
     "moe": [Job("moe", 1, ["bench/bench_moe.py", "--quick", "--out", "{out}/moe.jsonl"]),
             Job("ep2", 2, torchrun(2, "bench/bench_ep.py", "--profile", "--out", "{out}/ep.jsonl")),
             Job("ep4", 4, torchrun(4, "bench/bench_ep.py", "--layouts", "single,dp4,ep4,ep2", "--out",
