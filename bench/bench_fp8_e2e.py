@@ -109,6 +109,8 @@ def timed(preset, mode, args, mesh) -> dict:
         t = H.timed(lambda: H.train_step(trainer, batches, LR), args.steps, args.warmup, mesh=mesh, each=True,
                     peak_from_start=cfg.train.cuda_graph == "true")
         casts = trainer.fp8.casts if trainer.fp8 is not None else None
+        from kernels import fp8_matmul
+        ws = None if trainer.fp8 is None else bool(trainer.fp8.recipe.ws if fp8_matmul.WS is None else fp8_matmul.WS)
     finally:
         from kernels import fp8_matmul
         fp8_matmul.WS = None
@@ -123,7 +125,8 @@ def timed(preset, mode, args, mesh) -> dict:
             "fp8_linears": fp8_linears, "weight_casts": casts, "peak_mem_gb": t["peak_gb"] or None,
             "fp8_filter": cfg.train.fp8_filter if cfg.train.fp8 != "none" else None,
             "linears": share.get("linears"), "fp8_flop_share": share.get("fp8_flop_share"),
-            "fp8_share": f"{share['fp8_linears']}/{share['linears']} {share['fp8_flop_share']:.0%}" if share else None}
+            "fp8_share": f"{share['fp8_linears']}/{share['linears']} {share['fp8_flop_share']:.0%}" if share else None,
+            "fp8_ws": ws}  # the promoted GEMMs through kernels/fp8_matmul_ws.py (graphed steps' default on Hopper)
 
 
 def nanogpt(preset, args, mesh) -> dict:

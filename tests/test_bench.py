@@ -374,6 +374,7 @@ def test_bench_fp8_e2e_runs_on_cpu(tmp_path):
     assert tp[0]["fp8_linears"] == 0 and tp[1]["fp8_linears"] == 16  # 4 blocks x 4 Linears, lm_head stays
     assert tp[1]["weight_casts"] == 2 * 16 and tp[1]["vs_bf16"] > 0  # 2 steps, one cast per Linear per step
     assert "error" not in tp[1], tp[1]  # its loss within LOSS_GAP of bf16's
+    assert tp[0]["fp8_ws"] is None and tp[1]["fp8_ws"] is False  # eager: the Triton GEMMs (graphs take the Gluon)
     assert bench_fp8_e2e.loss_flag(5.391, 5.021) == "loss 5.391 is +7.4% off bf16's 5.021"  # 2026-12-07's three ops
     assert bench_fp8_e2e.loss_flag(5.070, 5.021) is None and bench_fp8_e2e.loss_flag(float("nan"), 5.0)
     prof = [r for r in rows if r["section"] == "profile"]
