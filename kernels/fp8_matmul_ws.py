@@ -49,7 +49,8 @@ _GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5
 
 @gluon.jit
 def _tile(t, num_pid_m, num_pid_n, GROUP: gl.constexpr):
-    """Tile index -> (pid_m, pid_n), GROUP row tiles at a time down each column (B tiles stay in L2 for them)."""
+    """Tile index -> (pid_m, pid_n), GROUP row tiles at a time down each column (B tiles stay in L2 for them).
+    fp8_matmul._tile_coords's order, restated: a Gluon kernel can call only @gluon.jit functions."""
     in_group = GROUP * num_pid_n
     first_m = (t // in_group) * GROUP
     size_m = gl.minimum(num_pid_m - first_m, GROUP)
