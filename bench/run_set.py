@@ -155,14 +155,15 @@ SETS = {
                    Job("post_train_os4", 1, ["bench/post_train_demo.py", "--recipe=small", "--seeds=1,2,3",
                                              "--jobs=3", "--examples=20000", "--tag=small_os4",
                                              "--out={out}/post_train_os4"], 600),
-                   # issue #46's next rows (--only, one call each on one warm machine, ~10 min): a books-pretrained
-                   # base of the small model (the mirror's text/ through NANOPARA_MIRROR), then the demo from it
+                   # issue #46's pre-trained path (--only, one call each on one warm machine; 118 s, then 506 s on an
+                   # H100, post_train_base_h100.txt): a books base of the small model (the mirror's text/ through
+                   # NANOPARA_MIRROR), then the small_base recipe from it. On H200, with post_train: the repeat
                    Job("pretrain_small", 1, ["bench/post_train_demo.py", "--recipe=small", "--seeds=",
                                              "--base={out}/base_small", "--pretrain_steps=2000",
                                              "--out={out}/post_train_base"], 600),
-                   Job("post_train_base", 1, ["bench/post_train_demo.py", "--recipe=small", "--seeds=1,2,3",
+                   Job("post_train_base", 1, ["bench/post_train_demo.py", "--recipe=small_base", "--seeds=1,2,3",
                                               "--jobs=3", "--base={out}/base_small", "--pretrain_steps=2000",
-                                              "--tag=small_base", "--out={out}/post_train_base"], 600)],
+                                              "--out={out}/post_train_base"], 600)],
     # one GPU, ~10 min: the rows issue #43's open goals wait for since fp8_ws_e2e_h100.txt (notes/fp8.md): the FP8
     # Linear table as graphed steps run it (the Gluon promoted GEMMs, no host: what the auto rule must be measured by
     # for row and block), row and block end to end under a graph beside both bf16 paths, the Gluon GEMMs on this GPU

@@ -609,6 +609,19 @@ def test_demo_runs_of_other_example_counts_share_a_work_directory(tmp_path):
         demo.prepare(a)
 
 
+def test_demo_recipes_as_measured(tmp_path):
+    """The recipes' labelled-example counts are the measured ones (results/post_train_small_os4_ex15k_h100.txt,
+    post_train_base_h100.txt): small from scratch on 15,000, small_base from a pre-trained base on 5,000 (at 15,000
+    the base's SFT leaves RL +5.7 points); small_base differs from small in nothing else, and an explicit
+    --examples still wins."""
+    demo = demo_module()
+    small, base = (demo.parse([f"--out={tmp_path}", f"--recipe={r}"]) for r in ("small", "small_base"))
+    assert (small.examples, base.examples, small.tag, base.tag) == (15_000, 5_000, "small", "small_base")
+    same = {k for k in demo.RECIPES["small"] if k != "examples"}
+    assert same and all(getattr(small, k) == getattr(base, k) for k in same)
+    assert demo.parse([f"--out={tmp_path}", "--recipe=small_base", "--examples=700"]).examples == 700
+
+
 def test_demo_without_its_tokenizer_stops_in_one_line_before_any_work(tmp_path, monkeypatch):
     """Offline without tiktoken's cache (a GPU machine without the mirror: it happened, 2026-12-07) the demo stopped
     with a traceback from inside the data step; now one line, before the work directory is made."""
