@@ -167,7 +167,7 @@ SETS = {
     # one GPU, ~10 min: the rows issue #43's open goals wait for since fp8_ws_e2e_h100.txt (notes/fp8.md): the FP8
     # Linear table as graphed steps run it (the Gluon promoted GEMMs, no host: what the auto rule must be measured by
     # for row and block), row and block end to end under a graph beside both bf16 paths, the Gluon GEMMs on this GPU
-    # (their GPU tests first: B's 1x128 scales are read column-contiguous since fp8_ws_e2e_h100, not yet on a GPU)
+    # (their GPU tests first: B's 1x128 scales read column-contiguous passed them on H200, tests_gpu_fp8_ws_h200)
     "pending": [Job("fp8_ws_tests", 1, ["-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                                         "tests/test_fp8_ws.py"], 300),
                 Job("fp8_linear_graph", 1, ["bench/bench_fp8.py", "--only", "linear", "--linear_graph",
