@@ -1,6 +1,6 @@
 """Run a named set of benchmarks on this machine's GPUs; every file they write lands in one folder.
 
-    python bench/run_set.py [SET] [--out DIR] [--only JOB,...] [--list]     (make bench-all SET=... OUT=...)
+    python bench/run_set.py [SET] [--out DIR] [--only JOB,...] [--list] [--detach]   (make bench-all SET=...)
 
   kernels     each kernel's parity and GB/s or TFLOP/s against PyTorch's best path (attention and its Hopper
               kernels, LayerNorm, cross-entropy, AdamW); host cost of a launch; GPT-2 124M's training step with
@@ -21,12 +21,14 @@ Each job runs in its own process from the repo root with this Python (PY=python3
 output printed and kept in DIR/<job>.log. A job that needs more GPUs than are visible is skipped with a line that
 says so; one that fails or passes its time limit is reported and the set goes on. Every run ends with this
 machine's kernel tuning table in DIR/tuned (kernels/tuning.py --export: copy it over kernels/tuned/ so that fresh
-machines skip those tunings), then a table of the jobs and the files written. --list prints the plan only.
+machines skip those tunings), then the jobs' table and files. --list: the plan only. --detach: the set in its own
+session, outliving the shell (log and exit code: DIR/run_set.log, .done); `--wait S --out DIR`: up to S s for it.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -264,7 +266,15 @@ def main(argv=None):
     ap.add_argument("--out", default="runs/bench", help="the folder for every file (default runs/bench)")
     ap.add_argument("--only", default="", help="these jobs of the set (comma-separated names; --list shows them)")
     ap.add_argument("--list", action="store_true", help="print the plan and exit")
+    ap.add_argument("--detach", action="store_true", help="start the set in its own session and return at once")
+    ap.add_argument("--wait", type=float, default=None, metavar="S",
+                    help="wait up to S seconds for a set detached into --out, then print its log's tail")
     args = ap.parse_args(argv)
+    if args.wait is not None:
+        return wait(os.path.abspath(args.out), args.wait)
+    if args.detach:
+        return detach(os.path.abspath(args.out), [a for a in (sys.argv[1:] if argv is None else argv)
+                                                  if a != "--detach"])
     out, ngpu = os.path.abspath(args.out), visible_gpus()
     steps = plan(args.set, ngpu, out, args.only)
     print(f"set {args.set}: {len(steps)} jobs on {ngpu} GPUs, files to {out}", flush=True)
@@ -289,6 +299,45 @@ def main(argv=None):
     for f in written:
         print(f"  {os.path.relpath(f, out)}  ({os.path.getsize(f):,} bytes)")
     return steps
+
+
+def detach(out: str, argv: list) -> list:
+    """This script with `argv` in a new process session, its output in OUT/run_set.log and its exit code, once it
+    ends, in OUT/run_set.done; refuses a folder where a detached set still runs."""
+    os.makedirs(out, exist_ok=True)
+    log, done = os.path.join(out, "run_set.log"), os.path.join(out, "run_set.done")
+    if os.path.exists(log) and not os.path.exists(done):
+        raise SystemExit(f"run_set: a detached set already runs into {out} (its log: {log}); wait for it with "
+                         f"--wait S --out {out}, or choose another --out")
+    if os.path.exists(done):
+        os.remove(done)
+    cmd = (f"{shlex.join([sys.executable, os.path.abspath(__file__), *argv])}; "
+           f"echo $? > {shlex.quote(done)}.tmp && mv {shlex.quote(done)}.tmp {shlex.quote(done)}")  # whole or absent
+    with open(log, "w") as f:
+        proc = subprocess.Popen(["bash", "-c", cmd], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    print(f"run_set: detached (pid {proc.pid}), output to {log}; then: python {sys.argv[0]} --wait S --out {out}",
+          flush=True)
+    return []
+
+
+def wait(out: str, seconds: float) -> list:
+    """Up to `seconds` for the set detached into `out` to end; then its log's last lines. SystemExit(3) while it still
+    runs, its exit code once it has ended."""
+    log, done = os.path.join(out, "run_set.log"), os.path.join(out, "run_set.done")
+    if not os.path.exists(log):
+        raise SystemExit(f"run_set: no detached set in {out} (no {log})")
+    end = time.time() + seconds
+    while not os.path.exists(done) and time.time() < end:
+        time.sleep(1)
+    with open(log, errors="replace") as f:
+        print("".join(f.readlines()[-40:]), end="", flush=True)
+    if not os.path.exists(done):
+        print(f"run_set: still running after {seconds:.0f} s (log {log})", flush=True)
+        raise SystemExit(3)
+    rc = open(done).read().strip()
+    print(f"run_set: the detached set ended, exit {rc}", flush=True)
+    raise SystemExit(int(rc) if rc.isdigit() else 1)
 
 
 def _files(folder: str) -> list[str]:

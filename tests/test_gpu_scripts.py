@@ -114,6 +114,29 @@ def test_a_run_goes_on_past_skipped_failed_and_hung_jobs(tmp_path, monkeypatch, 
     assert scaleout["layout_tp2_graph"]["env"] == {} and "NCCL_PROTO" not in os.environ
 
 
+@pytest.mark.timeout_s(120)
+def test_a_detached_set_outlives_its_caller_and_wait_reports_it(tmp_path):
+    """--detach returns at once with the set running in its own session; a second --detach into the same folder is
+    refused while it runs; --wait exits 3 while it runs and then with the set's own exit code (here 1: on a machine
+    without a GPU every job skips and the tuning table's export fails), the set's table in its log."""
+    def cli(*args):
+        return subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run_set.py"), *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=100,
+                              env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    out = str(tmp_path / "set")
+    started = cli("pending", "--out", out, "--detach")
+    assert started.returncode == 0 and "detached (pid" in started.stdout, started.stderr
+    running = cli("--wait", "0", "--out", out)  # the set's own Python is still importing torch
+    assert running.returncode == 3 and "still running after 0 s" in running.stdout, running.stdout + running.stderr
+    again = cli("pending", "--out", out, "--detach")
+    assert again.returncode == 1 and "a detached set already runs into" in again.stderr, again.stderr
+    ended = cli("--wait", "90", "--out", out)
+    assert ended.returncode == 1 and "the detached set ended, exit 1" in ended.stdout, ended.stdout + ended.stderr
+    assert "fp8_ws_gemm                  0 s  skipped: needs 1 GPUs, 0 visible" in ended.stdout
+    assert open(os.path.join(out, "run_set.done")).read().strip() == "1"
+    assert cli("--wait", "1", "--out", str(tmp_path / "none")).stderr.startswith("run_set: no detached set in")
+
+
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_make_targets_call_the_set_runner():
     def dry(*args):
