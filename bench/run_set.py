@@ -14,15 +14,14 @@
   fp8         FP8 GEMMs, casts and linear against cuBLAS (bench_fp8); FP8 training against bf16 and torchao
   moe         grouped GEMM, routing and the MoE layer against PyTorch (bench_moe); expert parallel (bench_ep)
   post_train  generation against Hugging Face (bench_generate); SFT (bench_sft); SFT then RL (post_train_demo)
-  curves      loss curves on the offline book corpus (found through NANOPARA_MIRROR or data/shards): GPT-2 124M,
-              and gpt_1b in bf16 against FP8 (bench_fp8_e2e --compare)
+  curves      loss curves on the offline books (NANOPARA_MIRROR or data/shards): GPT-2 124M, gpt_1b bf16 vs FP8
   pending     one GPU, ~10 min: the rows the open goals wait for (the notes say which); all: the sets above but it
-Each job runs in its own process from the repo root with this Python (PY=python3 make bench-all uses python3), its
-output printed and kept in DIR/<job>.log. A job that needs more GPUs than are visible is skipped with a line that
-says so; one that fails or passes its time limit is reported and the set goes on. Every run ends with this
-machine's kernel tuning table in DIR/tuned (kernels/tuning.py --export: copy it over kernels/tuned/ so that fresh
-machines skip those tunings), then the jobs' table and files. --list: the plan only. --detach: the set in its own
-session, outliving the shell (log and exit code: DIR/run_set.log, .done); `--wait S --out DIR`: up to S s for it.
+Each job runs in its own process from the repo root with this Python (PY=python3 make bench-all), its output kept
+in DIR/<job>.log. A job needing more GPUs than are visible is skipped with a line that says so; one that fails or
+passes its time limit is reported and the set goes on. Every run ends with this machine's kernel tuning table in
+DIR/tuned (kernels/tuning.py --export: copy it over kernels/tuned/ so that fresh machines skip those tunings), then
+the jobs' table and files. --list: the plan only. --detach: the set in its own session, outliving the shell (log
+and exit code: DIR/run_set.log, .done); `--wait S --out DIR`: up to S s for it, exit 3 while it still runs.
 """
 from __future__ import annotations
 
