@@ -133,6 +133,12 @@ SETS = {
         scaleout("pp2_zb_mb8_m4_graph", 2, "--train.micro_batch=8 --parallel.pp=2 --parallel.pp_layers=10,8 "
                  "--parallel.pp_schedule=zb --train.cuda_graph=true")],
     "fp8": [Job("fp8", 1, ["bench/bench_fp8.py", "--quick", "--out", "{out}/fp8.jsonl"]),
+            # the FP8 Linear table as graphed steps run it (the auto rule's row / block evidence), the Gluon GEMMs
+            Job("fp8_linear_graph", 1, ["bench/bench_fp8.py", "--only", "linear", "--linear_graph",
+                                        "--linear_models", "gpt_1b,gpt_3b", "--out", "{out}/fp8.jsonl"], 300),
+            Job("fp8_ws_gemm", 1, ["bench/bench_fp8.py", "--only", "gemm", "--accum", "precise", "--ws",
+                                   "--gemm_modes", "tensor,row,block", "--gemm_shapes", "gpt_1b",
+                                   "--out", "{out}/fp8.jsonl"], 180),
             Job("fp8_e2e", 1, ["bench/bench_fp8_e2e.py", "--profile", "--out", "{out}/fp8_e2e.jsonl"]),
             # issue #43's last goal: FP8's gain with dp2 (ZeRO-1) and tp2 + sp within 5 points of one GPU's; every
             # row under a CUDA graph (FP8's eager step is host-bound), bf16 and FP8 tensor (delayed) at each layout
@@ -165,21 +171,16 @@ SETS = {
                    Job("post_train_base", 1, ["bench/post_train_demo.py", "--recipe=small_base", "--seeds=1,2,3",
                                               "--jobs=3", "--base={out}/base_small", "--pretrain_steps=2000",
                                               "--out={out}/post_train_base"], 600)],
-    # one GPU, ~10 min: the rows issue #43's open goals wait for since fp8_ws_e2e_h100.txt (notes/fp8.md): the FP8
-    # Linear table as graphed steps run it (the Gluon promoted GEMMs, no host: what the auto rule must be measured by
-    # for row and block), row and block end to end under a graph beside both bf16 paths, the Gluon GEMMs on this GPU
-    # (their GPU tests first: B's 1x128 scales read column-contiguous passed them on H200, tests_gpu_fp8_ws_h200)
+    # one GPU, ~10 min: the rows issue #43's open goals wait for (notes/fp8.md): row and block end to end under a
+    # graph beside both bf16 paths, the loss check row mode's auto threshold waits for (fp8_filter.py); the Gluon
+    # GEMMs' GPU tests first (passed on H200, tests_gpu_fp8_ws_h200; the graphed Linear table and the GEMM table of
+    # this GPU: fp8 set's fp8_linear_graph and fp8_ws_gemm, fp8_linear_graph_h100.txt, fp8_ws_gemm_h100.txt)
     "pending": [Job("fp8_ws_tests", 1, ["-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                                         "tests/test_fp8_ws.py"], 300),
-                Job("fp8_linear_graph", 1, ["bench/bench_fp8.py", "--only", "linear", "--linear_graph",
-                                            "--linear_models", "gpt_1b,gpt_3b", "--out", "{out}/fp8.jsonl"], 300),
                 Job("fp8_e2e_rowblock", 1, ["bench/bench_fp8_e2e.py", "--presets", "gpt_1b", "--modes",
                                             "bf16,bf16+graph,row+graph,block+graph", "--fp8_filter",
                                             "*attn.c_attn,*mlp.c_fc,*mlp.c_proj", "--steps", "12", "--warmup", "4",
-                                            "--out", "{out}/fp8_e2e.jsonl"], 360),
-                Job("fp8_ws_gemm", 1, ["bench/bench_fp8.py", "--only", "gemm", "--accum", "precise", "--ws",
-                                       "--gemm_modes", "tensor,row,block", "--gemm_shapes", "gpt_1b",
-                                       "--out", "{out}/fp8.jsonl"], 180)],
+                                            "--out", "{out}/fp8_e2e.jsonl"], 360)],
     # the planner's GPU table (nanopara/gpus.py): GEMMs, attention, bandwidth, host cost, collectives; < 240 s
     "calibrate": [Job("calibrate", 1, torchrun("{ngpu}", "bench/bench_calibrate.py", "--out", "{out}/plan_gpus.json"),
                       300)],

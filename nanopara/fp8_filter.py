@@ -25,14 +25,15 @@ if TYPE_CHECKING:  # torch is imported where a module is looked at: the rule its
 #     c_fc           2048 -> 8192       1638    1.21x / 1.15   1.16x / 1.07   0.76x / 0.73
 #     mlp.c_proj     8192 -> 2048       1638    1.23x / 1.17   1.18x / 1.08   0.74x / 0.72
 # Hence: tensor from c_attn's size up (1536; end to end, gpt_1b delayed + graph with c_attn in FP8 too ran
-# 1.121-1.128x bf16, with the MLP alone 1.088-1.098x, in runs minutes apart on one H100: results/fp8_e2e_peer_h100.txt,
-# fp8_e2e_fused_h100.txt); row none yet: its MLP gains 1.16-1.18x here (c_attn's gain is gone once the weight's cast
-# is paid), but no row-mode step has run end to end since the casts' tiles were autotuned, and the three-op FP8 MLP
-# (row mode's path) trained to a 7 % higher loss in one such run (notes/fp8.md): 1638 once a loss-checked run agrees;
-# block none. The 124M shapes (K*N/(K+N) 384-614) lie below every row. No row has
-# M < 8192: smaller micro-steps stay bf16 until measured. (2026-11-26, fixed cast tiles: tensor 0.28 / 0.99 / 1.15 /
-# 1.19x, row <= 1.01x, results/fp8_h100.txt.) Re-measure and edit after kernel changes.
-AUTO_MIN_KN = {"tensor": 2048 * 6144 / (2048 + 6144), "row": None, "block": None}  # None: no shape gains yet
+# 1.121-1.128x bf16: results/fp8_e2e_peer_h100.txt, fp8_e2e_fused_h100.txt). Under CUDA graphs with the Gluon
+# promoted GEMMs (results/fp8_linear_graph_h100.txt, one H100, 2026-12-07, weight cast reused / paid) every shape
+# above gains in tensor (1.19 / 1.13x at 1024, 1.36-1.54 / 1.28-1.41x at 1536-2458: gpt_3b included) and row (1.11 /
+# 1.04x at 1024, 1.27-1.45 / 1.18-1.33x from 1536), and block loses at every one (0.78-0.97x: its 1x128 x 1x128 wgrad
+# runs at 0.42-0.45x cuBLAS, fp8_ws_gemm_h100.txt). Row stays None until a loss-checked row step agrees (the pending
+# set's fp8_e2e_rowblock: row mode's three-op MLP once trained 7 % high, notes/fp8.md); then 1638, where eager gains
+# too. Tensor keeps 1536: below it the eager table loses (0.56x). No row has M < 8192: smaller micro-steps stay bf16.
+# The 124M shapes (K*N/(K+N) 384-614) lie below every row. Re-measure and edit after kernel changes.
+AUTO_MIN_KN = {"tensor": 2048 * 6144 / (2048 + 6144), "row": None, "block": None}  # None: no threshold yet
 AUTO_MIN_TOKENS = 8192
 
 
@@ -95,6 +96,6 @@ def share_line(share: dict, mode: str, filter: str, tokens: int, device_type: st
         why = (f"{tokens} tokens a micro-step < {AUTO_MIN_TOKENS}, the smallest measured" if
                tokens < AUTO_MIN_TOKENS and AUTO_MIN_KN[mode] is not None else
                f"no Linear of K*N/(K+N) >= {AUTO_MIN_KN[mode]:.0f}" if AUTO_MIN_KN[mode] is not None else
-               f"no shape measured to gain in {mode} mode")
+               f"no threshold for {mode} mode yet")
         line += f" ({why}: nanopara/fp8_filter.py AUTO_MIN_KN; --train.fp8_filter=all forces them)"
     return line

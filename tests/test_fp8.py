@@ -615,7 +615,7 @@ def test_startup_line_says_the_fp8_share(capsys):
     for name, fp8, filt, line in (
             ("gpt_1b", "tensor", "auto", "train.fp8=tensor fp8_filter=auto: 54 of 73 Linears in FP8, 82% of their"),
             ("gpt2_124m", "tensor", "auto", "0 of 49 Linears in FP8, 0% of their FLOPs (no Linear of K*N/(K+N) >="),
-            ("gpt_1b", "block", "auto", "(no shape measured to gain in block mode"),
+            ("gpt_1b", "block", "auto", "(no threshold for block mode yet"),
             ("gpt2_124m", "block", "all", "train.fp8=block fp8_filter=all: 48 of 49 Linears in FP8, 69% of their")):
         cfg, model = _preset_model(name)
         cfg.train.fp8, cfg.train.fp8_filter = fp8, filt
