@@ -274,8 +274,8 @@ def main(argv=None):
     if args.wait is not None:
         return wait(os.path.abspath(args.out), args.wait)
     if args.detach:
-        return detach(os.path.abspath(args.out), [a for a in (sys.argv[1:] if argv is None else argv)
-                                                  if a != "--detach"])
+        out = os.path.abspath(args.out)  # the child runs from the repo root: its --out made absolute (the last wins)
+        return detach(out, [a for a in (sys.argv[1:] if argv is None else argv) if a != "--detach"] + ["--out", out])
     out, ngpu = os.path.abspath(args.out), visible_gpus()
     steps = plan(args.set, ngpu, out, args.only)
     print(f"set {args.set}: {len(steps)} jobs on {ngpu} GPUs, files to {out}", flush=True)
