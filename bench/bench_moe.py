@@ -8,7 +8,8 @@ GPT-2 124M width (C = 768, experts C -> 4C -> C), E = 8 experts, top-2, bf16; ev
 timed in the same run on the same GPU. Sections:
 1. parity  the Triton MoE layer (bf16 autocast) against the fp32 per-expert loop: max error / max |ref| of y, dx
            and each parameter grad, beside the PyTorch sorted path's bf16 error (tests/test_moe.py's gpu test)
-2. gemm    grouped GEMM fwd / dgrad / wgrad TFLOP/s at R = 2 x 32768 rows, c_fc (N=3072, K=768) and c_proj
+2. gemm    grouped GEMM fwd / dgrad / wgrad TFLOP/s at R = 16384 (gpt2_moe's step: 8 x 1024 tokens, top-2) and
+           65536 rows (--gemm-rows), c_fc (N=3072, K=768) and c_proj
            (N=768, K=3072), balanced and skewed groups (expert e's share ~ 1/(e+1)^1.5: 48% to one expert),
            against one dense cuBLAS GEMM of the same FLOPs and torch._grouped_mm; goals (issue #27): >= 0.85x
            dense balanced, ahead of _grouped_mm. Where TMA runs (sm_90+, the interpreter under --smoke; --no-tma
@@ -26,6 +27,7 @@ JSON lines (one per row, stamped by bench/harness.py) go to --out; tables to std
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 
 import torch
@@ -102,30 +104,31 @@ def tma_rows(args):
 def gemm(args, timer):
     rows = []
     tma = args.tma
-    print(f"\n2. grouped GEMM, R = {args.R} rows over E = {args.E} groups ({args.dtype_name}); TFLOP/s, x dense = "
-          "time of the dense cuBLAS GEMM of equal FLOPs / this time, x gmm = time of torch._grouped_mm / this time")
+    print(f"\n2. grouped GEMM, R = {args.gemm_rows} rows over E = {args.E} groups ({args.dtype_name}); TFLOP/s, x "
+          "dense = time of the dense cuBLAS GEMM of equal FLOPs / this time, x gmm = time of torch._grouped_mm / "
+          "this time")
     impls = ["triton"] + (["triton_tma"] if tma else [])
-    print(f"{'shape':>10} {'skew':>9} {'op':>6} " + " ".join(f"{n:>20}" for n in impls) +
+    print(f"{'R':>6} {'shape':>10} {'skew':>9} {'op':>6} " + " ".join(f"{n:>20}" for n in impls) +
           f" {'_grouped_mm':>14} {'dense cuBLAS':>12}")
-    for N, K, shape in ((4 * args.C, args.C, "c_fc"), (args.C, 4 * args.C, "c_proj")):
-        for skew in args.skews:
-            res = gg.bench_gemm(args.R, args.E, N, K, skew, args.dtype, args.device, timer, tma=tma)
-            rows += [dict(r, section="gemm", shape=shape) for r in res]
-            by = {(r["op"], r["impl"]): r for r in res}
-            for op in ("fwd", "dgrad", "wgrad"):
-                def cell(impl, width=14):
-                    r = by.get((op, impl))
-                    if r is None or "ms" not in r:
-                        return f"{'n/a' if r is None else 'error':>{width}}"
-                    if impl == "dense_cublas":
-                        return f"{r['tflops']:{width}.0f}"
-                    text = f"{r['tflops']:5.0f} {r['vs_dense']:5.2f}x"
-                    if impl.startswith("triton"):  # x _grouped_mm too ('-' where torch lacks it)
-                        gm = r.get("vs_grouped_mm")
-                        text += f" {gm:5.2f}x" if gm is not None else f" {'-':>6}"
-                    return f"{text:>{width}}"
-                print(f"{shape:>10} {skew:>9} {op:>6} " + " ".join(cell(n, 20) for n in impls) +
-                      f" {cell('torch_grouped_mm')} {cell('dense_cublas', 12)}")
+    for R, (N, K, shape), skew in itertools.product(args.gemm_rows, ((4 * args.C, args.C, "c_fc"),
+                                                                      (args.C, 4 * args.C, "c_proj")), args.skews):
+        res = gg.bench_gemm(R, args.E, N, K, skew, args.dtype, args.device, timer, tma=tma)
+        rows += [dict(r, section="gemm", shape=shape) for r in res]
+        by = {(r["op"], r["impl"]): r for r in res}
+        for op in ("fwd", "dgrad", "wgrad"):
+            def cell(impl, width=14):
+                r = by.get((op, impl))
+                if r is None or "ms" not in r:
+                    return f"{'n/a' if r is None else 'error':>{width}}"
+                if impl == "dense_cublas":
+                    return f"{r['tflops']:{width}.0f}"
+                text = f"{r['tflops']:5.0f} {r['vs_dense']:5.2f}x"
+                if impl.startswith("triton"):  # x _grouped_mm too ('-' where torch lacks it)
+                    gm = r.get("vs_grouped_mm")
+                    text += f" {gm:5.2f}x" if gm is not None else f" {'-':>6}"
+                return f"{text:>{width}}"
+            print(f"{R:>6} {shape:>10} {skew:>9} {op:>6} " + " ".join(cell(n, 20) for n in impls) +
+                  f" {cell('torch_grouped_mm')} {cell('dense_cublas', 12)}")
     errors = [r for r in rows if "error" in r]
     for r in errors[:3]:
         print(f"  {r['impl']} {r['op']}: {r['error']}")
@@ -272,6 +275,8 @@ def parse(argv=None):
     p.add_argument("--step-warmup", type=int, default=10, help="step: untimed steps (autotuning, the capture)")
     p.add_argument("--step-profile", action="store_true",
                    help="step: a profiled step per row (kernel kinds, top 25; 80 in --out)")
+    p.add_argument("--gemm-rows", default="16384,65536",
+                   help="gemm: rows R (tokens x top-k; 16384 is gpt2_moe's step at 8 x 1024)")
     p.add_argument("--no-tma", action="store_true", help="no rows for the grouped GEMM's TMA kernel")
     p.add_argument("--out", help="append JSON lines here")
     args = p.parse_args(argv)
@@ -291,7 +296,8 @@ def parse(argv=None):
         args.skews = ["balanced", "skewed"]
         args.step_batch, args.step_seq = 8, 1024
     args.step_capacities = [float(c) for c in args.step_capacities.split(",")]
-    args.R = max(args.tokens) * args.k
+    args.gemm_rows = ([max(args.tokens) * args.k] if args.smoke else
+                      [int(r) for r in args.gemm_rows.split(",")])
     args.dtype_name = str(args.dtype).split(".")[-1]
     return args
 
