@@ -106,7 +106,7 @@ def gemm(args, timer):
     print(f"\n2. grouped GEMM, R = {args.gemm_rows} rows over E = {args.E} groups ({args.dtype_name}); TFLOP/s, x "
           "dense = time of the dense cuBLAS GEMM of equal FLOPs / this time, x gmm = time of torch._grouped_mm / "
           "this time")
-    impls = ["triton"] + (["triton_tma"] if tma else [])
+    impls = ["triton"] + (["triton_tma", "triton_tma_db", "triton_tma_db_mma"] if tma else [])
     print(f"{'R':>6} {'shape':>10} {'skew':>9} {'op':>6} " + " ".join(f"{n:>20}" for n in impls) +
           f" {'_grouped_mm':>14} {'dense cuBLAS':>12}")
     for R, (N, K, shape), skew in itertools.product(args.gemm_rows, ((4 * args.C, args.C, "c_fc"),

@@ -47,6 +47,9 @@ MAX_E = 1024  # experts held in registers by every program (the tile -> group se
 # None: the TMA kernel on CUDA tensors (where it can run), the pointer kernel in the interpreter (CPU tests pick);
 # NANOPARA_GROUPED_TMA=0: the pointer kernel everywhere (A/B comparisons); =1: TMA everywhere, the interpreter too
 TMA = {"0": False, "1": True}.get(os.environ.get("NANOPARA_GROUPED_TMA", ""))
+# The TMA wgrad's bias gradient (16-bit operands): summed on the tensor cores (a narrow second MMA per dy tile,
+# _wgrad_tma_reduce's DB_MODE 2) if set, else on the CUDA cores (DB_MODE 1). NANOPARA_WGRAD_DB_MMA=0/1
+WGRAD_DB_MMA = os.environ.get("NANOPARA_WGRAD_DB_MMA", "0") == "1"
 
 
 def grouped_linear_ref(x, w, bias, offsets):
@@ -342,18 +345,27 @@ def _grouped_wgrad_kernel(DY, X, OFFSETS, DW, DB, N, K, R_BUCKET,
 
 
 @triton.jit
-def _wgrad_tma_reduce(dy_desc, x_desc, rows, n0, k0, WITH_DB: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+def _wgrad_tma_reduce(dy_desc, x_desc, rows, n0, k0, DB_MODE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                       BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(dy[:rows, n0:n0+BN]^T @ x[:rows, k0:k0+BK], column sums of that dy block if WITH_DB), fp32, through the
-    group's descriptors: the rows past `rows` (the group's last, partial BLOCK_R tile) load as zeros."""
+    """(dy[:rows, n0:n0+BN]^T @ x[:rows, k0:k0+BK], column sums of that dy block), fp32, through the group's
+    descriptors: the rows past `rows` (the group's last, partial BLOCK_R tile) load as zeros. DB_MODE: 0 no sums;
+    1 summed on the CUDA cores (each dy tile read out of shared memory into registers); 2 on the tensor cores as
+    one more, narrow product dy^T @ E0, E0 (BR, 16) ones in its first column and zeros elsewhere (16-bit operands
+    only: products by 1 and 0 are exact, the sums fp32 as in mode 1, in the MMA's order)."""
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    first_col = (tl.zeros([BLOCK_R, 16], dtype=tl.int32) + tl.arange(0, 16)[None, :]) == 0
     for r0 in range(0, rows, BLOCK_R):
         dy = dy_desc.load([r0, n0])  # (BR, BN): dy^T is a transposed view of this tile
         x = x_desc.load([r0, k0])  # (BR, BK)
         acc = tl.dot(tl.trans(dy), x, acc, input_precision=INPUT_PRECISION)
-        if WITH_DB:
+        if DB_MODE == 1:
             db += tl.sum(dy.to(tl.float32), 0)
+        elif DB_MODE == 2:
+            db_acc = tl.dot(tl.trans(dy), first_col.to(dy.dtype), db_acc)
+    if DB_MODE == 2:
+        db = tl.sum(db_acc, 1)  # one nonzero column: exact
     return acc, db
 
 
@@ -369,7 +381,7 @@ def _store_halves_3d(desc, e, row, col, x, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
 @triton.jit
 def _grouped_wgrad_tma_kernel(DY, X, OFFSETS, DW, DB, N, K, E, R_BUCKET,
                               stride_dym, stride_xm, stride_dwe, stride_dwn, stride_dbe,
-                              HAS_BIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                              HAS_BIAS: tl.constexpr, DB_MODE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                               BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                               PROGRAMS_PER_SM: tl.constexpr):  # PROGRAMS_PER_SM sizes the grid only
     """_grouped_wgrad_kernel through TMA descriptors made on the device: dw[e] (N, K) = dy[group e]^T @ x[group e],
@@ -381,7 +393,7 @@ def _grouped_wgrad_tma_kernel(DY, X, OFFSETS, DW, DB, N, K, E, R_BUCKET,
     by group (n tile major, k tile minor); program p takes tiles p, p + P, ... An empty group's tiles store zeros
     (no descriptors of dy / x are made for it); a program makes a group's descriptors only if it has a tile there.
     db: the k-tile-0 tiles sum their dy tiles (a second copy of the loop, so the other tiles' loop stays a plain
-    TMA -> wgmma pipeline) and store db[e, n tile] through pointers."""
+    TMA -> wgmma pipeline; DB_MODE as in _wgrad_tma_reduce) and store db[e, n tile] through pointers."""
     dw_desc = tl.make_tensor_descriptor(DW, shape=[E, N, K], strides=[stride_dwe, stride_dwn, 1],
                                         block_shape=[1, BLOCK_N, BLOCK_K // 2])
     pid = tl.program_id(0)
@@ -406,15 +418,15 @@ def _grouped_wgrad_tma_kernel(DY, X, OFFSETS, DW, DB, N, K, E, R_BUCKET,
                     k0 = (local % num_k) * BLOCK_K
                     if HAS_BIAS:
                         if k0 == 0:
-                            acc, db = _wgrad_tma_reduce(dy_desc, x_desc, rows, n0, k0, True, INPUT_PRECISION,
+                            acc, db = _wgrad_tma_reduce(dy_desc, x_desc, rows, n0, k0, DB_MODE, INPUT_PRECISION,
                                                         BLOCK_R, BLOCK_N, BLOCK_K)
                             cols = n0 + tl.arange(0, BLOCK_N)
                             tl.store(DB + e * stride_dbe + cols, db.to(DB.dtype.element_ty), mask=cols < N)
                         else:
-                            acc, _ = _wgrad_tma_reduce(dy_desc, x_desc, rows, n0, k0, False, INPUT_PRECISION,
+                            acc, _ = _wgrad_tma_reduce(dy_desc, x_desc, rows, n0, k0, 0, INPUT_PRECISION,
                                                        BLOCK_R, BLOCK_N, BLOCK_K)
                     else:
-                        acc, _ = _wgrad_tma_reduce(dy_desc, x_desc, rows, n0, k0, False, INPUT_PRECISION,
+                        acc, _ = _wgrad_tma_reduce(dy_desc, x_desc, rows, n0, k0, 0, INPUT_PRECISION,
                                                    BLOCK_R, BLOCK_N, BLOCK_K)
                     _store_halves_3d(dw_desc, e, n0, k0, acc.to(DW.dtype.element_ty), BLOCK_N, BLOCK_K)
             else:  # an empty group: zeros
@@ -623,9 +635,10 @@ def _launch_wgrad_tma(dy, x, offsets, dw, db):
     def grid(meta):  # persistent: at most PROGRAMS_PER_SM per SM, never more than the tiles of dw
         tiles = E * cdiv(N, meta["BLOCK_N"]) * cdiv(K, meta["BLOCK_K"])
         return (max(1, min(tiles, meta["PROGRAMS_PER_SM"] * _sm_count(dy.device))),)
+    db_mode = 2 if WGRAD_DB_MMA and dy.element_size() == 2 else 1
     _wgrad_tma[grid](dy, x, offsets, dw, db, N, K, E, _bucket(R), dy.stride(0), x.stride(0), dw.stride(0),
                      dw.stride(1), 0 if db is None else db.stride(0),
-                     HAS_BIAS=db is not None, INPUT_PRECISION=_precision(dy.dtype))
+                     HAS_BIAS=db is not None, DB_MODE=db_mode, INPUT_PRECISION=_precision(dy.dtype))
 
 
 def grouped_wgrad(dy, x, offsets, dtype=None, bias=True, tma=None):
@@ -746,10 +759,21 @@ def _median_ms(fn):
     return triton.testing.do_bench(fn, return_mode="median")
 
 
+def _wgrad_db(dy, x, offs, mma):
+    """grouped_wgrad with the bias gradient, through the TMA kernel, db summed on the tensor cores or not."""
+    global WGRAD_DB_MMA
+    keep, WGRAD_DB_MMA = WGRAD_DB_MMA, mma
+    try:
+        return grouped_wgrad(dy, x, offs, bias=True, tma=True)
+    finally:
+        WGRAD_DB_MMA = keep
+
+
 def bench_gemm(R, E, N, K, skew, dtype=torch.bfloat16, device="cuda", timer=_median_ms, tma=False):
     """TFLOP/s rows of fwd / dgrad / wgrad (ours), torch._grouped_mm (where it exists) and one dense cuBLAS GEMM of
     the same FLOPs, at R rows over E groups, w (E, N, K). `timer(fn)` -> ms. tma: also fwd / dgrad / wgrad through
-    the TMA kernels (impl "triton_tma"; the caller checks tma_supported); "triton" is the pointer kernels. Rows
+    the TMA kernels (impl "triton_tma"; the caller checks tma_supported), and its wgrad with the bias gradient
+    (triton_tma_db, triton_tma_db_mma: db on the CUDA / tensor cores); "triton" is the pointer kernels. Rows
     get vs_dense and vs_grouped_mm (time of that baseline / this time: > 1 is faster)."""
     torch.manual_seed(0)
     offs = offsets_of(group_sizes(R, E, skew), device)
@@ -770,6 +794,8 @@ def bench_gemm(R, E, N, K, skew, dtype=torch.bfloat16, device="cuda", timer=_med
         cases[("fwd", "triton_tma")] = lambda: grouped_fwd(x, w, None, offs, tma=True)
         cases[("dgrad", "triton_tma")] = lambda: grouped_dgrad(dy, w, offs, tma=True)
         cases[("wgrad", "triton_tma")] = lambda: grouped_wgrad(dy, x, offs, bias=False, tma=True)
+        cases[("wgrad", "triton_tma_db")] = lambda: _wgrad_db(dy, x, offs, False)  # + the bias gradient
+        cases[("wgrad", "triton_tma_db_mma")] = lambda: _wgrad_db(dy, x, offs, True)
     gmm = getattr(torch, "_grouped_mm", None)
     if gmm is not None:
         ends = offs[1:]

@@ -314,6 +314,7 @@ WGRAD_TMA_CASES = [  # sizes, dtype (of dy and x), dw's dtype (None: dy's), bias
 @pytest.mark.parametrize("sizes,dtype,out_dtype,bias", WGRAD_TMA_CASES)
 def test_grouped_wgrad_tma_matches_reference(monkeypatch, sizes, dtype, out_dtype, bias):
     calls = []
+    monkeypatch.setattr(gg, "WGRAD_DB_MMA", False)  # db on the CUDA cores (the fp16 cases: the MMA sums below)
     launch = gg._launch_wgrad_tma
     monkeypatch.setattr(gg, "_launch_wgrad_tma", lambda *a, **k: calls.append(1) or launch(*a, **k))
     E, K, N = len(sizes), 40, 24
@@ -760,11 +761,34 @@ def test_grouped_tma_bf16_matches_pointer_kernel():
         assert _max_rel(got[:used].float(), ptr[:used].double()) <= 1e-2, name
 
 
+@pytest.mark.parametrize("sizes,out_dtype", [([5, 0, 20, 1, 11], None), ([16, 1, 0, 32], torch.float32)])
+def test_grouped_wgrad_tma_bias_on_tensor_cores(monkeypatch, sizes, out_dtype):
+    """WGRAD_DB_MMA: db as dy^T @ (ones in the first column) on the tensor cores, fp16 operands: the same dw, and db
+    equal to the CUDA-core sums to fp32 rounding (fp32 out) or fp16's (fp16 out), partial and empty groups included."""
+    E, K, N = len(sizes), 40, 24
+    offsets = gg.offsets_of(sizes, "cpu")
+    used = sum(sizes)
+    x = torch.randn(used + 3, K, generator=_gen(1)).half()
+    dy = torch.randn(used + 3, N, generator=_gen(4)).half()
+    x[used:], dy[used:] = 1e4, 1e4  # unused buffer rows: never read
+    monkeypatch.setattr(gg, "WGRAD_DB_MMA", False)
+    dw_sum, db_sum = gg.grouped_wgrad(dy, x, offsets, dtype=out_dtype, tma=True)
+    monkeypatch.setattr(gg, "WGRAD_DB_MMA", True)
+    dw_mma, db_mma = gg.grouped_wgrad(dy, x, offsets, dtype=out_dtype, tma=True)
+    _, db_ref = _wgrad_ref(dy, x, offsets)
+    assert torch.equal(dw_mma, dw_sum)
+    assert (db_mma[[e for e, n in enumerate(sizes) if n == 0]] == 0).all()
+    tol = 1e-5 if out_dtype == torch.float32 else 5e-3
+    assert _max_rel(db_mma, db_ref) <= tol and _max_rel(db_mma, db_sum.double()) <= tol
+
+
 @pytest.mark.gpu
-def test_grouped_wgrad_tma_bf16_matches_pointer_kernel():
+@pytest.mark.parametrize("db_mma", [False, True])
+def test_grouped_wgrad_tma_bf16_matches_pointer_kernel(monkeypatch, db_mma):
     """The TMA weight gradient against the pointer kernel and an fp32 reference in bf16 at c_fc's shape (dw
     (8, 3072, 768)), with empty groups, a 3-row group, partial row tiles and 3 unused buffer rows (filled with
-    large values): bf16 dw / db, and fp32 dw / db (fp32 master weights)."""
+    large values): bf16 dw / db, and fp32 dw / db (fp32 master weights); db on the CUDA or the tensor cores."""
+    monkeypatch.setattr(gg, "WGRAD_DB_MMA", db_mma)
     if not gg.tma_supported(torch.device("cuda"))[0]:
         pytest.skip(gg.tma_supported(torch.device("cuda"))[1])
     sizes = [1500, 0, 1001, 3, 0, 900, 599, 90]
