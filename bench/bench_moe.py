@@ -217,7 +217,7 @@ def train_step(args):
     from nanopara.mesh import Mesh
     from nanopara.report import flops_per_token
     mesh = Mesh.build(device=args.device)
-    preset = "tiny_moe" if args.smoke else "gpt2_moe"
+    preset = "tiny_moe" if args.smoke else args.step_preset
     B, T = args.step_batch, args.step_seq
     print(f"\n5. training step, {preset}, one device, micro-batch {B} x {T} ({args.dtype_name} autocast), "
           f"{args.step_warmup} warm-up + {args.step_steps} timed steps; MFU on the active parameters")
@@ -270,6 +270,7 @@ def parse(argv=None):
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes (checks the script)")
     p.add_argument("--sections", default="parity,gemm,moves,layer", help="any of parity,gemm,moves,layer,step")
     p.add_argument("--step-capacities", default="1.0,0", help="step: model.moe_capacity values (0: dropless)")
+    p.add_argument("--step-preset", default="gpt2_moe", help="step: the MoE preset (gpt2_moe, gpt2_moe_fine)")
     p.add_argument("--step-steps", type=int, default=20, help="step: timed steps per row")
     p.add_argument("--step-warmup", type=int, default=10, help="step: untimed steps (autotuning, the capture)")
     p.add_argument("--step-profile", action="store_true",
