@@ -314,7 +314,7 @@ WGRAD_TMA_CASES = [  # sizes, dtype (of dy and x), dw's dtype (None: dy's), bias
 @pytest.mark.parametrize("sizes,dtype,out_dtype,bias", WGRAD_TMA_CASES)
 def test_grouped_wgrad_tma_matches_reference(monkeypatch, sizes, dtype, out_dtype, bias):
     calls = []
-    monkeypatch.setattr(gg, "WGRAD_DB_MMA", False)  # db on the CUDA cores (the fp16 cases: the MMA sums below)
+    monkeypatch.setattr(gg, "WGRAD_DB_MMA", False)  # db on the CUDA cores (the tensor cores': the next test)
     launch = gg._launch_wgrad_tma
     monkeypatch.setattr(gg, "_launch_wgrad_tma", lambda *a, **k: calls.append(1) or launch(*a, **k))
     E, K, N = len(sizes), 40, 24
