@@ -29,11 +29,13 @@ if TYPE_CHECKING:  # torch is imported where a module is looked at: the rule its
 # promoted GEMMs (results/fp8_linear_graph_h100.txt, one H100, 2026-12-07, weight cast reused / paid) every shape
 # above gains in tensor (1.19 / 1.13x at 1024, 1.36-1.54 / 1.28-1.41x at 1536-2458: gpt_3b included) and row (1.11 /
 # 1.04x at 1024, 1.27-1.45 / 1.18-1.33x from 1536), and block loses at every one (0.78-0.97x: its 1x128 x 1x128 wgrad
-# runs at 0.42-0.45x cuBLAS, fp8_ws_gemm_h100.txt). Row stays None until a loss-checked row step agrees (the pending
-# set's fp8_e2e_rowblock: row mode's three-op MLP once trained 7 % high, notes/fp8.md); then 1638, where eager gains
-# too. Tensor keeps 1536: below it the eager table loses (0.56x). No row has M < 8192: smaller micro-steps stay bf16.
+# runs at 0.42-0.45x cuBLAS, fp8_ws_gemm_h100.txt). Row takes 1638, where eager gains too: its loss-checked step
+# agreed (gpt_1b row + graph with c_attn and the MLP in FP8: 1.128x the best bf16, loss 0.8 % above bf16's after 16
+# steps, inside bench_fp8_e2e's 3 % check: results/fp8_e2e_rowblock_h100.txt, one H100, 2026-12-08). Tensor keeps
+# 1536: below it the eager table loses (0.56x). No row has M < 8192: smaller micro-steps stay bf16.
 # The 124M shapes (K*N/(K+N) 384-614) lie below every row. Re-measure and edit after kernel changes.
-AUTO_MIN_KN = {"tensor": 2048 * 6144 / (2048 + 6144), "row": None, "block": None}  # None: no threshold yet
+AUTO_MIN_KN = {"tensor": 2048 * 6144 / (2048 + 6144), "row": 2048 * 8192 / (2048 + 8192),
+               "block": None}  # None: no threshold yet
 AUTO_MIN_TOKENS = 8192
 
 

@@ -568,7 +568,7 @@ def _auto(name, mode, device="cuda", **over):
     ("gpt2_124m", "tensor", set(), 0, 0.0),
     # gpt_1b (B 8 x 1024, C 2048): c_attn (1536: 1.14x) and the MLP (1638: 1.21x / 1.23x) gain; attn.c_proj does not
     ("gpt_1b", "tensor", {"attn.c_attn", "mlp.c_fc", "mlp.c_proj"}, 54, 18 * 11 / (18 * 12 + 50304 / 2048)),
-    ("gpt_1b", "row", set(), 0, 0.0),  # row: the MLP gains 1.16-1.18x alone, not yet checked end to end
+    ("gpt_1b", "row", {"mlp.c_fc", "mlp.c_proj"}, 36, 18 * 8 / (18 * 12 + 50304 / 2048)),  # row: the MLP (1638)
     ("gpt_1b", "block", set(), 0, 0.0),    # block: 0.51-0.76x everywhere
     # gpt_3b (C 3072): every Linear but lm_head is at K*N/(K+N) >= 1536 (attn.c_proj 1536, c_attn 2304, MLP 2458)
     ("gpt_3b", "tensor", {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"}, 104,
@@ -585,7 +585,7 @@ def test_auto_rule_thresholds():
     from nanopara.fp8_filter import auto_gains
     assert auto_gains("tensor", 2048, 8192, 8192) and auto_gains("tensor", 8192, 2048, 8192)
     assert auto_gains("tensor", 2048, 6144, 8192) and not auto_gains("tensor", 2048, 2048, 8192)
-    assert not auto_gains("row", 2048, 8192, 8192)
+    assert auto_gains("row", 2048, 8192, 8192) and not auto_gains("row", 2048, 6144, 8192)
     assert not auto_gains("tensor", 2048, 8192, 4096)  # no measured row below 8192 tokens a micro-step
     assert not auto_gains("block", 8192, 8192, 8192)
 
