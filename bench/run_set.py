@@ -172,16 +172,15 @@ SETS = {
                    Job("post_train_base", 1, ["bench/post_train_demo.py", "--recipe=small_base", "--seeds=1,2,3",
                                               "--jobs=3", "--base={out}/base_small", "--pretrain_steps=2000",
                                               "--out={out}/post_train_base"], 1800)],
-    # one GPU, ~10 min: the rows issue #43's open goals wait for (notes/fp8.md): row and block end to end under a
-    # graph beside both bf16 paths, the loss check row mode's auto threshold waits for (fp8_filter.py); the Gluon
-    # GEMMs' GPU tests first (passed on H200, tests_gpu_fp8_ws_h200; the graphed Linear table and the GEMM table of
-    # this GPU: fp8 set's fp8_linear_graph and fp8_ws_gemm, fp8_linear_graph_h100.txt, fp8_ws_gemm_h100.txt)
+    # one GPU, ~5 min: the rows issue #43's open goals wait for (notes/fp8.md): row under auto (the MLP since
+    # fp8_e2e_rowblock_h100.txt: 1.128x with c_attn too) against torchao rowwise + torch.compile, which needs torchao
+    # on PYTHONPATH (a benchmark-only wheel: `pip download torchao==0.18.0 --no-deps`, unzipped, carried); without it
+    # the torchao row says why. The Gluon GEMMs' GPU tests (passed on H200, tests_gpu_fp8_ws_h200.txt)
     "pending": [Job("fp8_ws_tests", 1, ["-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                                         "tests/test_fp8_ws.py"], 300),
-                Job("fp8_e2e_rowblock", 1, ["bench/bench_fp8_e2e.py", "--presets", "gpt_1b", "--modes",
-                                            "bf16,bf16+graph,row+graph,block+graph", "--fp8_filter",
-                                            "*attn.c_attn,*mlp.c_fc,*mlp.c_proj", "--steps", "12", "--warmup", "4",
-                                            "--out", "{out}/fp8_e2e.jsonl"], 360)],
+                Job("fp8_e2e_ao_row", 1, ["bench/bench_fp8_e2e.py", "--presets", "gpt_1b", "--modes",
+                                          "bf16,bf16+graph,row+graph,ao_rowwise+compile", "--steps", "12",
+                                          "--warmup", "4", "--out", "{out}/fp8_e2e.jsonl"], 360)],
     # the planner's GPU table (nanopara/gpus.py): GEMMs, attention, bandwidth, host cost, collectives; < 240 s
     "calibrate": [Job("calibrate", 1, torchrun("{ngpu}", "bench/bench_calibrate.py", "--out", "{out}/plan_gpus.json"),
                       300)],

@@ -45,7 +45,7 @@ def test_the_pending_set_runs_on_one_gpu_and_stays_out_of_all(tmp_path):
     """`pending`: the one-GPU rows the open goals wait for, each a script that exists, all run on one GPU; `all`
     (every area's set) does not repeat them."""
     plan = run_set.plan("pending", 1, str(tmp_path))
-    assert [s["name"] for s in plan if s["skip"] is None] == ["fp8_ws_tests", "fp8_e2e_rowblock", "tuned"]
+    assert [s["name"] for s in plan if s["skip"] is None] == ["fp8_ws_tests", "fp8_e2e_ao_row", "tuned"]
     for s in plan[:-1]:  # each short enough that two or three fit one device call
         pytest = s["argv"][:2] == ["-m", "pytest"]
         script = next(a for a in s["argv"] if a.startswith("tests/")) if pytest else s["argv"][0]
@@ -132,7 +132,7 @@ def test_a_detached_set_outlives_its_caller_and_wait_reports_it(tmp_path):
     assert again.returncode == 1 and "a detached set already runs into" in again.stderr, again.stderr
     ended = cli("--wait", "90", "--out", out)
     assert ended.returncode == 1 and "the detached set ended, exit 1" in ended.stdout, ended.stdout + ended.stderr
-    assert re.search(r"fp8_e2e_rowblock +0 s  skipped: needs 1 GPUs, 0 visible", ended.stdout), ended.stdout
+    assert re.search(r"fp8_e2e_ao_row +0 s  skipped: needs 1 GPUs, 0 visible", ended.stdout), ended.stdout
     assert open(os.path.join(out, "run_set.done")).read().strip() == "1"
     assert cli("--wait", "1", "--out", str(tmp_path / "none")).stderr.startswith("run_set: no detached set in")
 
