@@ -24,15 +24,16 @@ from nanopara.planner import Layout, Model, Run
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MANIFEST = os.path.join(ROOT, "results", "plan_manifest.jsonl")
 PRESETS = {"gpt2_124m": (12, 12, 768), "gpt2_350m": (24, 16, 1024), "gpt2_774m": (36, 20, 1280),
-           "gpt2_1558m": (48, 25, 1600), "gpt_1b": (18, 16, 2048), "gpt_3b": (26, 24, 3072), "gpt2_moe": (12, 12, 768)}
+           "gpt2_1558m": (48, 25, 1600), "gpt_1b": (18, 16, 2048), "gpt_3b": (26, 24, 3072), "gpt2_moe": (12, 12, 768),
+           "gpt2_moe_fine": (12, 12, 768)}
+MOE = {"gpt2_moe": dict(experts=8, top_k=2), "gpt2_moe_fine": dict(experts=32, top_k=3, expert_ffn=768, shared=1)}
 GOAL = {"mem": 0.10, "time": 0.15, "share": 0.90, "worst": 0.30}
 
 
 def model_of(row: dict) -> Model:
     n_layer, n_head, d = PRESETS[row["preset"]]
-    moe = row["preset"] == "gpt2_moe"
     return Model(name=row["preset"], n_layer=n_layer, d=d, n_head=n_head, positions=row.get("block_size", 1024),
-                 experts=8 if moe else 0, top_k=2, moe_every=2)
+                 moe_every=2, **MOE.get(row["preset"], {}))
 
 
 def run_of(row: dict) -> Run:

@@ -197,7 +197,10 @@ APPENDED = [("scaleout_pp_graph_h200.jsonl", "git 557d434 + the pipeline CUDA gr
             ("fp8_e2e_fused_h100.jsonl", "tree of 6fcffe2 (graph writes its gradients), fp8_e2e_fused_h100.txt"),
             ("fp8_e2e_3b_124m_h100.jsonl", "tree of 6fcffe2, fp8_e2e_3b_124m_h100.txt"),
             ("fp8_ws_h200.jsonl", "tree of 7191812, fp8_ws_h200.txt"),
-            ("fp8_ws_e2e_h100.jsonl", "tree of 7902a86, fp8_ws_e2e_h100.txt")]
+            ("fp8_ws_e2e_h100.jsonl", "tree of 7902a86, fp8_ws_e2e_h100.txt"),
+            ("fp8_e2e_rowblock_h100.jsonl", "tree of 418ff5f, fp8_e2e_rowblock_h100.txt"),
+            ("moe_wgrad_db_h100.jsonl", "tree of 418ff5f (wgrad's db on the tensor cores), moe_wgrad_db_h100.txt"),
+            ("moe_fine_step_h100.jsonl", "tree of 418ff5f (wgrad's db on the tensor cores), moe_fine_step_h100.txt")]
 
 
 def bf16_rows(name: str, rev: str) -> list:
@@ -218,9 +221,11 @@ def bf16_rows(name: str, rev: str) -> list:
 
 
 def moe_step_rows(name: str, rev: str) -> list:
+    """bench_moe.py's step rows; where a file holds both grouped-wgrad db paths, the default one (tensor cores), and
+    never a profiled step's row."""
     out = []
     for r in _jsonl(name):
-        if r.get("section") != "step" or "mode" not in r:
+        if r.get("section") != "step" or "mode" not in r or r.get("wgrad_db_mma") is False or r.get("profiled"):
             continue
         graph = r["mode"] == "graph"
         tokens = r["micro_batch"] * r["seq_len"]
@@ -236,7 +241,7 @@ def append(path: str) -> list:
         have = {json.loads(line)["id"] for line in f if line.strip() and not line.startswith("#")}
     new = []
     for name, rev in APPENDED:
-        rows = moe_step_rows(name, rev) if name.startswith("moe_step") else \
+        rows = moe_step_rows(name, rev) if name.startswith(("moe_step", "moe_wgrad", "moe_fine")) else \
             bf16_rows(name, rev) if name.startswith(("fp8_e2e", "fp8_ws")) else layout_rows(name)
         for r in rows:
             r["revision"] = rev
