@@ -23,17 +23,15 @@ from nanopara.planner import Layout, Model, Run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MANIFEST = os.path.join(ROOT, "results", "plan_manifest.jsonl")
-PRESETS = {"gpt2_124m": (12, 12, 768), "gpt2_350m": (24, 16, 1024), "gpt2_774m": (36, 20, 1280),
-           "gpt2_1558m": (48, 25, 1600), "gpt_1b": (18, 16, 2048), "gpt_3b": (26, 24, 3072), "gpt2_moe": (12, 12, 768),
-           "gpt2_moe_fine": (12, 12, 768)}
-MOE = {"gpt2_moe": dict(experts=8, top_k=2), "gpt2_moe_fine": dict(experts=32, top_k=3, expert_ffn=768, shared=1)}
 GOAL = {"mem": 0.10, "time": 0.15, "share": 0.90, "worst": 0.30}
 
 
 def model_of(row: dict) -> Model:
-    n_layer, n_head, d = PRESETS[row["preset"]]
-    return Model(name=row["preset"], n_layer=n_layer, d=d, n_head=n_head, positions=row.get("block_size", 1024),
-                 moe_every=2, **MOE.get(row["preset"], {}))
+    from nanopara.presets import PRESETS
+    m = PRESETS[row["preset"]]().model  # the preset's own shape, MoE width and shared experts included
+    return Model(name=row["preset"], n_layer=m.n_layer, d=m.n_embd, n_head=m.n_head,
+                 positions=row.get("block_size", 1024), experts=m.moe_experts, top_k=m.moe_top_k,
+                 moe_every=m.moe_every, expert_ffn=m.moe_hidden, shared=m.moe_shared)
 
 
 def run_of(row: dict) -> Run:
