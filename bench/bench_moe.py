@@ -221,43 +221,48 @@ def train_step(args):
     B, T = args.step_batch, args.step_seq
     print(f"\n5. training step, {preset}, one device, micro-batch {B} x {T} ({args.dtype_name} autocast), "
           f"{args.step_warmup} warm-up + {args.step_steps} timed steps; MFU on the active parameters")
-    print(f"{'capacity':>9} {'mode':>6} {'ms':>8} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GB':>8} "
+    print(f"{'capacity':>9} {'mode':>11} {'ms':>8} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GB':>8} "
           f"{'loss':>9}")
     rows = []
-    for cap in args.step_capacities:
-        for graph in (False, True) if args.device == "cuda" else (False,):  # a graph needs CUDA
-            cfg = H.make_cfg(preset, {"train.micro_batch": B, "train.seq_len": T, "model.moe_capacity": cap,
-                                      "train.cuda_graph": "true" if graph else "false"})
-            trainer, n_params = H.build_trainer(cfg, mesh)
-            batches = H.synthetic_batches(cfg, trainer.accum, mesh.device)
-            t = H.timed(lambda: H.train_step(trainer, batches), args.step_steps, args.step_warmup, mesh=mesh,
-                        each=True, peak_from_start=graph)
-            tps = B * T * trainer.accum / t["median_s"]
-            row = dict(section="step", preset=preset, capacity=cap, mode="graph" if graph else "eager",
-                       micro_batch=B, seq_len=T, step_ms=t["median_s"] * 1e3, tokens_per_s=tps,
-                       tflops=flops_per_token(cfg.model, n_params, T) * tps / 1e12, active_params=n_params,
-                       mfu=H.mfu(cfg, n_params, tps, 1, mesh.device), peak_gb=t["peak_gb"],
-                       loss_last=t["last"].item())
-            rows.append(row)
-            print(f"{cap:>9} {row['mode']:>6} {row['step_ms']:8.2f} {tps:10,.0f} {row['tflops']:8.1f} "
-                  f"{row['mfu']:6.1%} {row['peak_gb']:8.1f} {row['loss_last']:9.5f}")
-            if args.step_profile:  # one more step under the profiler: where the step's GPU time goes, by kind
-                # the row keeps 80 kernels (the many small ones of "other" too), the printout the top 25
-                row.update(H.kernel_summary(H.profile(lambda: H.train_step(trainer, batches), mesh.device), top=80))
-                print(H.summary_lines({**row, "top_kernels_ms": row["top_kernels_ms"][:25]},
-                                      f"capacity {cap} {row['mode']}"))
-            trainer.close()
-            del trainer, batches
-            H.free()
-    by = {(r["capacity"], r["mode"]): r for r in rows}
-    for cap in args.step_capacities:
-        if (cap, "graph") in by:
-            e, g = by[(cap, "eager")], by[(cap, "graph")]
-            ratio = dict(section="step", capacity=cap, graph_over_eager=e["step_ms"] / g["step_ms"],
+    for cap, opt, graph in [(c, o, g) for c in args.step_capacities for o in args.step_optimizers
+                            for g in ((False, True) if args.device == "cuda" else (False,))]:  # a graph needs CUDA
+        cfg = H.make_cfg(preset, {"train.micro_batch": B, "train.seq_len": T, "model.moe_capacity": cap,
+                                  "train.cuda_graph": "true" if graph else "false", "train.optimizer": opt})
+        trainer, n_params = H.build_trainer(cfg, mesh)
+        batches = H.synthetic_batches(cfg, trainer.accum, mesh.device)
+        t = H.timed(lambda: H.train_step(trainer, batches), args.step_steps, args.step_warmup, mesh=mesh,
+                    each=True, peak_from_start=graph)
+        tps = B * T * trainer.accum / t["median_s"]
+        row = dict(section="step", preset=preset, capacity=cap, mode="graph" if graph else "eager", optimizer=opt,
+                   micro_batch=B, seq_len=T, step_ms=t["median_s"] * 1e3, tokens_per_s=tps,
+                   tflops=flops_per_token(cfg.model, n_params, T) * tps / 1e12, active_params=n_params,
+                   mfu=H.mfu(cfg, n_params, tps, 1, mesh.device), peak_gb=t["peak_gb"],
+                   loss_last=t["last"].item())
+        rows.append(row)
+        mode = row["mode"] + ("" if opt == "torch" else "+" + opt)
+        print(f"{cap:>9} {mode:>11} {row['step_ms']:8.2f} {tps:10,.0f} {row['tflops']:8.1f} "
+              f"{row['mfu']:6.1%} {row['peak_gb']:8.1f} {row['loss_last']:9.5f}")
+        if args.step_profile:  # one more step under the profiler: where the step's GPU time goes, by kind
+            # the row keeps 80 kernels (the many small ones of "other" too), the printout the top 25
+            row.update(H.kernel_summary(H.profile(lambda: H.train_step(trainer, batches), mesh.device), top=80))
+            print(H.summary_lines({**row, "top_kernels_ms": row["top_kernels_ms"][:25]},
+                                  f"capacity {cap} {mode}"))
+        trainer.close()
+        del trainer, batches
+        H.free()
+    by = {(r["capacity"], r["mode"], r["optimizer"]): r for r in rows}
+    for cap, opt in [(c, o) for c in args.step_capacities for o in args.step_optimizers]:
+        if (cap, "graph", opt) in by:
+            e, g = by[(cap, "eager", opt)], by[(cap, "graph", opt)]
+            ratio = dict(section="step", capacity=cap, optimizer=opt, graph_over_eager=e["step_ms"] / g["step_ms"],
                          loss_rel_diff=abs(g["loss_last"] - e["loss_last"]) / abs(e["loss_last"]))
             rows.append(ratio)
-            print(f"capacity {cap}: graph {ratio['graph_over_eager']:.3f}x eager, last loss rel. diff "
+            print(f"capacity {cap} {opt}: graph {ratio['graph_over_eager']:.3f}x eager, last loss rel. diff "
                   f"{ratio['loss_rel_diff']:.1e}")
+        if opt != "torch" and (cap, "graph", "torch") in by and (cap, "graph", opt) in by:
+            a, b = by[(cap, "graph", "torch")], by[(cap, "graph", opt)]
+            rows.append(dict(section="step", capacity=cap, optimizer=opt, over_torch_graph=a["step_ms"] / b["step_ms"]))
+            print(f"capacity {cap}: graphed {opt} {a['step_ms'] / b['step_ms']:.3f}x graphed torch AdamW")
     return rows
 
 
@@ -270,6 +275,8 @@ def parse(argv=None):
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes (checks the script)")
     p.add_argument("--sections", default="parity,gemm,moves,layer", help="any of parity,gemm,moves,layer,step")
     p.add_argument("--step-capacities", default="1.0,0", help="step: model.moe_capacity values (0: dropless)")
+    p.add_argument("--step-optimizers", default="torch", type=lambda s: s.split(","),
+                   help="step: train.optimizer values, each a row (torch,flat: flat.py against torch's fused AdamW)")
     p.add_argument("--step-preset", default="gpt2_moe", help="step: the MoE preset (gpt2_moe, gpt2_moe_fine)")
     p.add_argument("--step-steps", type=int, default=20, help="step: timed steps per row")
     p.add_argument("--step-warmup", type=int, default=10, help="step: untimed steps (autotuning, the capture)")

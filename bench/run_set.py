@@ -15,7 +15,7 @@
   moe         grouped GEMM, routing and the MoE layer against PyTorch (bench_moe); expert parallel (bench_ep)
   post_train  generation against Hugging Face (bench_generate); SFT (bench_sft); SFT then RL (post_train_demo)
   curves      loss curves on the offline books (NANOPARA_MIRROR or data/shards): GPT-2 124M, gpt_1b bf16 vs FP8
-  pending     one GPU, ~10 min: the rows the open goals wait for (the notes say which); all: the sets above but it
+  pending     one GPU, ~20 min: the rows the open goals wait for (the notes say which); all: the sets above but it
 Each job runs in its own process from the repo root with this Python (PY=python3 make bench-all), its output kept
 in DIR/<job>.log. A job needing more GPUs than are visible is skipped with a line that says so; one that fails or
 passes its time limit is reported and the set goes on. Every run ends with this machine's kernel tuning table in
@@ -172,7 +172,7 @@ SETS = {
                    Job("post_train_base", 1, ["bench/post_train_demo.py", "--recipe=small_base", "--seeds=1,2,3",
                                               "--jobs=3", "--base={out}/base_small", "--pretrain_steps=2000",
                                               "--out={out}/post_train_base"], 1800)],
-    # one GPU, ~5 min: the rows issue #43's open goals wait for (notes/fp8.md): row under auto (the MLP since
+    # one GPU, ~20 min: the rows issue #43's open goals wait for (notes/fp8.md): row under auto (the MLP since
     # fp8_e2e_rowblock_h100.txt: 1.128x with c_attn too) against torchao rowwise + torch.compile, which needs torchao
     # on PYTHONPATH (a benchmark-only wheel: `pip download torchao==0.18.0 --no-deps`, unzipped, carried); without it
     # the torchao row says why. The Gluon GEMMs' GPU tests (passed on H200, tests_gpu_fp8_ws_h200.txt)
@@ -180,7 +180,13 @@ SETS = {
                                         "tests/test_fp8_ws.py"], 300),
                 Job("fp8_e2e_ao_row", 1, ["bench/bench_fp8_e2e.py", "--presets", "gpt_1b", "--modes",
                                           "bf16,bf16+graph,row+graph,ao_rowwise+compile", "--steps", "12",
-                                          "--warmup", "4", "--out", "{out}/fp8_e2e.jsonl"], 360)],
+                                          "--warmup", "4", "--out", "{out}/fp8_e2e.jsonl"], 360),
+                # issue #44: train.optimizer=flat (nanopara/flat.py) on a GPU for the first time: its GPU tests, then
+                # gpt2_moe's step with it against torch's fused AdamW, eager and graphed, one run
+                Job("flat_tests", 1, ["-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                                      "tests/test_flat.py", "tests/test_adamw.py"], 300),
+                Job("flat_step_moe", 1, ["bench/bench_moe.py", "--sections=step", "--step-capacities=1.0",
+                                         "--step-optimizers=torch,flat", "--out", "{out}/moe_flat.jsonl"], 360)],
     # the planner's GPU table (nanopara/gpus.py): GEMMs, attention, bandwidth, host cost, collectives; < 240 s
     "calibrate": [Job("calibrate", 1, torchrun("{ngpu}", "bench/bench_calibrate.py", "--out", "{out}/plan_gpus.json"),
                       300)],

@@ -16,8 +16,10 @@ Per element the kernel reads 16-17 bytes and writes 12; it is purely memory boun
 GB/s against the D2D copy bandwidth. Division and sqrt use round-to-nearest (tl.div_rn / tl.sqrt_rn) like
 PyTorch's kernels, not the approximate fast-math versions, so GPU results also track torch to fp32 rounding.
 
-Callers: nanopara/optim.py (a rank's parameters, or its ZeRO shard). `adamw_step_` takes the Triton path on CUDA and
-`adamw_ref` elsewhere; `adamw_step_triton_` forces the kernel (CPU tests under TRITON_INTERPRET=1).
+Options: decay on a leading range instead of the mask (no mask byte), the unscale-and-clip divisor and a skip flag
+as device scalars, the step count on the device, and a bf16 copy of the updated weights written in the same pass.
+Caller: nanopara/flat.py (`train.optimizer=flat`). `adamw_step_` takes the Triton path on CUDA and `adamw_ref`
+elsewhere; `adamw_step_triton_` forces the kernel (CPU tests under TRITON_INTERPRET=1).
 Run: `python -m kernels.adamw [--quick] [--out FILE]`: parity vs torch.optim.AdamW, then ms/step and GB/s for
 GPT-2 124M against torch.optim.AdamW(fused=True) and (foreach=True).
 """
@@ -32,17 +34,27 @@ import triton.language as tl
 from kernels.launch import cdiv
 
 
-def adamw_ref(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, wd_mask=None):
-    """In-place AdamW step in PyTorch, op for op as torch.optim.AdamW's single-tensor path."""
-    if wd_mask is None:
+def adamw_ref(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, wd_mask=None, n_decay=None, p16=None,
+              grad_scale=None, found_inf=None):
+    """In-place AdamW step in PyTorch, op for op as torch.optim.AdamW's single-tensor path; the optional
+    arguments as adamw_step_triton_'s (step may be a 0-dim tensor; found_inf != 0: nothing changes)."""
+    if found_inf is not None and found_inf.item() != 0:
+        return
+    step = step.item() if torch.is_tensor(step) else step
+    g = g.float() if grad_scale is None else g.float() / grad_scale
+    if wd_mask is not None:
+        p.mul_(torch.where(wd_mask.bool(), 1 - lr * weight_decay, 1.0))
+    elif n_decay is None:
         p.mul_(1 - lr * weight_decay)
     else:
-        p.mul_(torch.where(wd_mask.bool(), 1 - lr * weight_decay, 1.0))
-    m.lerp_(g.float(), 1 - beta1)
-    v.mul_(beta2).addcmul_(g.float(), g.float(), value=1 - beta2)
+        p[:n_decay].mul_(1 - lr * weight_decay)
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
     step_size = lr / (1 - beta1 ** step)
     denom = (v.sqrt() / (1 - beta2 ** step) ** 0.5).add_(eps)
     p.addcdiv_(m, denom, value=-step_size)
+    if p16 is not None:
+        p16.copy_(p[:p16.numel()])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -50,18 +62,29 @@ def adamw_ref(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, wd_mask=Non
 
 
 @triton.jit
-def _adamw_kernel(P, G, M, V, MASK, n, decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps,
-                  HAS_MASK: tl.constexpr, BLOCK: tl.constexpr):
+def _adamw_kernel(P, G, M, V, MASK, P16, GS, SKIP, STEP, n, n_decay, n16, decay, one_minus_beta1, beta2,
+                  one_minus_beta2, step_size, bc2_sqrt, eps, lr, log2_beta1, log2_beta2,
+                  HAS_MASK: tl.constexpr, HAS_P16: tl.constexpr, HAS_GS: tl.constexpr, HAS_SKIP: tl.constexpr,
+                  DEVICE_STEP: tl.constexpr, BLOCK: tl.constexpr):
+    if HAS_SKIP:  # a non-finite gradient norm (the engines' found_inf): no element changes
+        if tl.load(SKIP) != 0:
+            return
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # n can exceed 2**31 (big ZeRO shards)
     inb = offs < n
     p = tl.load(P + offs, mask=inb)
     g = tl.load(G + offs, mask=inb).to(tl.float32)
     m = tl.load(M + offs, mask=inb)
     v = tl.load(V + offs, mask=inb)
+    if HAS_GS:  # the unscale-and-clip divisor, a device scalar (as torch's fused AdamW's grad_scale)
+        g = tl.div_rn(g, tl.load(GS))
+    if DEVICE_STEP:  # the step count on the device (a skipped step does not count): bias corrections from it
+        t = tl.load(STEP)
+        step_size = lr / (1.0 - tl.exp2(t * log2_beta1))
+        bc2_sqrt = tl.sqrt_rn(1.0 - tl.exp2(t * log2_beta2))
     if HAS_MASK:
         p = p * tl.where(tl.load(MASK + offs, mask=inb) != 0, decay, 1.0)
-    else:
-        p = p * decay
+    else:  # the decayed parameters first: [0, n_decay)
+        p = p * tl.where(offs < n_decay, decay, 1.0)
     m = m + one_minus_beta1 * (g - m)
     v = v * beta2 + one_minus_beta2 * g * g
     denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
@@ -69,6 +92,10 @@ def _adamw_kernel(P, G, M, V, MASK, n, decay, one_minus_beta1, beta2, one_minus_
     tl.store(P + offs, p, mask=inb)
     tl.store(M + offs, m, mask=inb)
     tl.store(V + offs, v, mask=inb)
+    if HAS_P16:  # the bf16 copy the matmuls read, rounded to nearest even as torch's .to (on the bits: the
+        bits = p.to(tl.uint32, bitcast=True)  # interpreter's own cast truncates; finite values only, as weights are)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        tl.store(P16 + offs, bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=offs < n16)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -90,38 +117,56 @@ def _check(p, g, m, v, wd_mask, step):
                                 or not wd_mask.is_contiguous()):
         raise ValueError(f"adamw: wd_mask must be a flat bool/uint8 buffer of {n} elements, got {wd_mask.dtype} "
                          f"{tuple(wd_mask.shape)}")
-    if step < 1:
+    if not torch.is_tensor(step) and step < 1:
         raise ValueError(f"adamw: step counts from 1 (bias correction divides by 1 - beta^step), got {step}")
 
 
-def adamw_step_triton_(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, wd_mask=None):
-    """One fused launch over the flat buffers, in place; any device (CPU needs TRITON_INTERPRET=1)."""
+def adamw_step_triton_(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, wd_mask=None, n_decay=None,
+                       p16=None, grad_scale=None, found_inf=None):
+    """One fused launch over the flat buffers, in place; any device (CPU needs TRITON_INTERPRET=1).
+
+    Decay: by `wd_mask`, else on [0, n_decay) (default: all). `step`: an int, or a 0-dim fp32 device tensor the
+    caller has already advanced (nanopara/flat.py: a skipped step leaves it). p16: a flat low-precision buffer of
+    at most n elements (bf16), written with the updated p[:len(p16)]. grad_scale / found_inf: 0-dim fp32 device tensors
+    (g is divided by grad_scale; found_inf != 0 leaves everything as it was)."""
     _check(p, g, m, v, wd_mask, step)
     n = p.numel()
     if n == 0:
         return
+    n_decay = n if n_decay is None else n_decay
+    n16 = 0 if p16 is None else p16.numel()
+    if p16 is not None and (n16 > n or p16.dim() != 1 or not p16.is_contiguous() or p16.dtype != torch.bfloat16):
+        raise ValueError(f"adamw: p16 must be a contiguous flat bf16 buffer of at most {n} elements, got "
+                         f"{p16.dtype} {tuple(p16.shape)}")
+    p16 = None if p16 is None else p16.view(torch.int16)  # written as bits
     mask = None if wd_mask is None else wd_mask.view(torch.uint8)  # same bytes; uint8 loads are plain ints
+    on_device = torch.is_tensor(step)
+    t = 1 if on_device else step  # (host scalars unused when the kernel reads the step)
     # scalars in float64 on the host, exactly as torch computes them, then passed to the kernel as fp32
-    scalars = (1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1 ** step),
-               (1 - beta2 ** step) ** 0.5, eps)
+    scalars = (1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1 ** t), (1 - beta2 ** t) ** 0.5,
+               eps, lr, math.log2(beta1) if beta1 > 0 else -1e30, math.log2(beta2) if beta2 > 0 else -1e30)
     # Whole blocks first: their n is a multiple of BLOCK, so Triton's divisibility specialisation lets the
     # bounds mask stay 16-byte uniform and every load/store vectorise; then the odd tail, if any, on its own.
     n_main = n - n % BLOCK
     for lo, hi in ((0, n_main), (n_main, n)):
         if hi > lo:
             sl = slice(lo, hi)
+            has16 = n16 > lo
             _adamw_kernel[(cdiv(hi - lo, BLOCK),)](
-                p[sl], g[sl], m[sl], v[sl], None if mask is None else mask[sl], hi - lo, *scalars,
-                HAS_MASK=mask is not None, BLOCK=BLOCK, num_warps=4)
+                p[sl], g[sl], m[sl], v[sl], None if mask is None else mask[sl], p16[lo:] if has16 else None,
+                grad_scale, found_inf, step if on_device else None, hi - lo, max(n_decay - lo, 0),
+                max(n16 - lo, 0), *scalars, HAS_MASK=mask is not None, HAS_P16=has16, HAS_GS=grad_scale is not None,
+                HAS_SKIP=found_inf is not None, DEVICE_STEP=on_device, BLOCK=BLOCK, num_warps=4)
 
 
-def adamw_step_(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, wd_mask=None):
-    """AdamW step on flat buffers, in place: Triton on CUDA, the PyTorch reference elsewhere."""
+def adamw_step_(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, wd_mask=None, **kw):
+    """AdamW step on flat buffers, in place: Triton on CUDA, the PyTorch reference elsewhere (kw: n_decay, p16,
+    grad_scale, found_inf, as adamw_step_triton_)."""
     if p.is_cuda:
-        adamw_step_triton_(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, wd_mask)
+        adamw_step_triton_(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, wd_mask, **kw)
     else:
         _check(p, g, m, v, wd_mask, step)
-        adamw_ref(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, wd_mask)
+        adamw_ref(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step, wd_mask, **kw)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -672,10 +672,19 @@ def grouped_wgrad(dy, x, offsets, dtype=None, bias=True, tma=None):
 # x's dtype once (kept for the backward), and dw / db come back in each parameter's own dtype.
 
 
+def as_dtype(w, dt):
+    """w in dt: its `shadow` where nanopara/flat.py keeps a current one (written by the optimizer with the weights,
+    w._version unmoved since: no cast pass), else a cast."""
+    s = getattr(w, "shadow", None)
+    if s is not None and s.dtype == dt and getattr(w, "shadow_version", None) == w._version:
+        return s
+    return w.to(dt)
+
+
 class GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, bias, offsets):
-        wc = w.to(x.dtype)
+        wc = as_dtype(w, x.dtype)
         y, _ = grouped_fwd(x, wc, bias, offsets)
         ctx.save_for_backward(x, wc, offsets)
         ctx.dtypes = w.dtype, None if bias is None else bias.dtype
@@ -693,7 +702,7 @@ class GroupedLinearFunction(torch.autograd.Function):
 class GroupedMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_fc, b_fc, w_proj, b_proj, offsets):
-        wf, wp = w_fc.to(x.dtype), w_proj.to(x.dtype)
+        wf, wp = as_dtype(w_fc, x.dtype), as_dtype(w_proj, x.dtype)
         g, h = grouped_fwd(x, wf, b_fc, offsets, gelu=True)  # (R, H): gelu(h), h
         y, _ = grouped_fwd(g, wp, b_proj, offsets)  # (R, C)
         ctx.save_for_backward(x, wf, wp, h, g, offsets)

@@ -69,10 +69,8 @@ class ParallelConfig:
     zero: int = 0                # 0 = DDP, 1/2/3 = ZeRO stage
     sp: bool = False             # sequence parallel (needs tp > 1)
     tp_overlap: int = 0          # TP: row blocks per GEMM, each block's collective under the next one's GEMM
-                                 # (tp_linear.py); 0 = off: one collective per op. Off by default: 4 blocks
-                                 # measured 27-29% slower in eager mode, where the host already limits TP (notes/tp.md)
-    tp_streams: int = 1          # TP: 2 = each micro-batch as two halves on two CUDA streams (nanopara/tp_streams.py):
-                                 # one computes while the other's collectives run; for CUDA graphs, not yet measured
+                                 # (tp_linear.py); 0 = off (4 blocks: 27-29% slower eager, notes/tp.md)
+    tp_streams: int = 1          # TP: 2 = each micro-batch as two halves on two CUDA streams (tp_streams.py)
     sp_keep_gathered: bool = False  # SP: column layers keep their gathered (B, T, C) input for dW: one all-gather a
                                  # layer fewer in backward, 2 x B*T*C bytes a block more held (default: regather)
     pp_schedule: str = "1f1b"    # gpipe | 1f1b | interleaved (needs pp_virtual >= 2) | zb (ZB-H1, zero bubble)
@@ -104,6 +102,7 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0       # max global grad norm (0 = off)
+    optimizer: str = "torch"     # torch (torch.optim.AdamW, fused on CUDA) | flat (flat.py: one replica, one launch)
     dtype: str = "auto"          # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 (dynamic loss scaling) | fp32
     compile: bool = False        # torch.compile the model (the PyTorch baseline uses it)
     cuda_graph: str = "auto"     # auto (on for tp or pp > 1 with dp = cp = 1 on CUDA, where it is safe) | true | false
@@ -171,6 +170,7 @@ class Config:
         for key, value, choices in (("device", self.device, ("auto", "cuda", "cpu")),
                                     ("model.kernels", m.kernels, ("auto", "triton", "torch")),
                                     ("train.dtype", t.dtype, ("auto", "bf16", "fp16", "fp32")),
+                                    ("train.optimizer", t.optimizer, ("torch", "flat")),
                                     ("parallel.reduce_dtype", p.reduce_dtype, ("fp32", "bf16")),
                                     ("parallel.grad_dests", p.grad_dests, ("auto", "on", "off")),
                                     ("parallel.zero_prefetch", p.zero_prefetch, ("auto", "true", "false")),

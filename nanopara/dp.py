@@ -98,20 +98,8 @@ class DDP(BucketHooks, Engine):
         if cfg.parallel.grad_dests == "on":  # off by default for DDP: see the docstring
             self._set_grad_dests(self.params)
 
-    def _grad_dest(self, p):
-        """p's slot, as a new view (so autograd keeps it as p.grad without a copy), for p's first gradient after
-        a step; None later (the next micro-steps accumulate into p.grad, the slot, in place)."""
-        if p.grad is not None or id(p) in self._given:
-            return None
-        self._given.add(id(p))
-        return self._slot[id(p)].view_as(p)
-
     def _on_grad(self, p):
-        slot = self._slot[id(p)]
-        if p.grad.data_ptr() != slot.data_ptr():  # the first gradient since the step, not made in its slot: hand
-            slot.copy_(p.grad)                    # it over to the bucket
-            self.copied += p.numel()
-            p.grad = slot
+        self._into_slot(p)  # the first gradient since the step, not made in its slot: handed over to the bucket
         super()._on_grad(p)
 
     def _launch(self, i):

@@ -334,6 +334,32 @@ class Engine:
     def load_state_dict(self, sd: dict) -> None:
         load_named_optim_state(self.optimizer, self.names, sd)
 
+    def _grad_dest(self, p):
+        """p's slot (`self._slot[id(p)]`, p-shaped, in an engine's flat gradient buffer) as a new view, so autograd
+        keeps it as p.grad without a copy, for p's first gradient after a step; None later (the next micro-steps
+        accumulate into p.grad, the slot, in place). Engines without slots define their own (zero.py)."""
+        if p.grad is not None or id(p) in self._given:
+            return None
+        self._given.add(id(p))
+        return self._slot[id(p)].view_as(p)
+
+    def _into_slot(self, p) -> None:
+        """A post-accumulate-grad hook's part: p's first gradient since the step, made elsewhere than in its slot
+        (no destination: not a Linear weight), is copied into the slot, which becomes p.grad."""
+        slot = self._slot[id(p)]
+        if p.grad.data_ptr() != slot.data_ptr():
+            slot.copy_(p.grad)
+            self.copied += p.numel()
+            p.grad = slot
+
+    def drop_grads(self) -> None:
+        """.grad = None everywhere and every gradient destination free again (graph.py, before an overwrite
+        capture: its backward then writes each gradient whole where the engine's destinations say)."""
+        self.wait_params()
+        for p in self.params:
+            p.grad = None
+        self._given.clear()
+
     # hooks for the subclasses
     def zero_grad_buffers(self) -> None:
         """Zero the gradients in place, keeping their tensors (graph.py: a captured backward writes into them)."""

@@ -63,9 +63,7 @@ class GraphedMicroStep:
         """Between the eager warm-up and the capture (tests/test_capture_safety.py runs the same sequence on CPU:
         warm-up `_fwd_bwd` calls, this, then the `_fwd_bwd` a capture would record)."""
         if self.overwrite:
-            self.engine.wait_params()
-            for p in self.engine.params:
-                p.grad = None
+            self.engine.drop_grads()
             self.engine.grads_overwritten = True  # its step leaves the graph's .grad tensors as they are
         else:
             self.engine.zero_grad_buffers()

@@ -139,31 +139,44 @@ def make_ops(kind: str, device: torch.device | str):
 # modules
 
 class _WeightCast(torch.autograd.Function):
-    """w -> w in the matmul's dtype (the cast autocast would make inside F.linear); backward writes dW, in w's
-    dtype, into the tensor `w.grad_into(w)` returns instead of a new one (None: a new one)."""
+    """w -> w in the matmul's dtype (the cast autocast would make inside F.linear, or `shadow`, that cast made
+    already); backward writes dW, in w's dtype, into the tensor `w.grad_into(w)` returns instead of a new one (None
+    or no grad_into: a new one)."""
 
     @staticmethod
-    def forward(ctx, w, dtype):
+    def forward(ctx, w, dtype, shadow=None):
         ctx.w = w
+        if shadow is not None:
+            return shadow.view_as(shadow)
         return w.to(dtype) if w.dtype != dtype else w.view_as(w)
 
     @staticmethod
     def backward(ctx, grad):
-        dest = ctx.w.grad_into(ctx.w)
-        return (grad.to(ctx.w.dtype) if dest is None else dest.copy_(grad)), None
+        into = getattr(ctx.w, "grad_into", None)
+        dest = into(ctx.w) if into is not None else None
+        return (grad.to(ctx.w.dtype) if dest is None else dest.copy_(grad)), None, None
 
 
 def matmul_weight(w: torch.Tensor) -> torch.Tensor:
     """A Linear's weight as its matmul reads it. Where something set `w.grad_into` (a data-parallel engine,
     engine.Engine._set_grad_dests: a function of w returning a w-shaped view of its gradient bucket, or None), the
     fp32 gradient is written straight into that view, so autograd keeps it as w.grad and the engine's bucket needs
-    no copy of it. Otherwise w itself, and F.linear casts it under autocast as usual: no destination set, a gradient
-    already there (the next micro-steps accumulate into it in place), no_grad, or torch.compile."""
-    if (getattr(w, "grad_into", None) is None or w.grad is not None or not torch.is_grad_enabled()
-            or torch.compiler.is_compiling()):
+    no copy of it. Where w has a current `shadow` in the autocast dtype (flat.py: the optimizer wrote it with the
+    weights, and w._version has not moved since), the matmul reads it instead of casting w. Otherwise w itself, and
+    F.linear casts it under autocast as usual: no destination set, a gradient already there (the next micro-steps
+    accumulate into it in place), no_grad, or torch.compile."""
+    if torch.compiler.is_compiling():
         return w
     on = torch.is_autocast_enabled(w.device.type)
-    return _WeightCast.apply(w, torch.get_autocast_dtype(w.device.type) if on else w.dtype)
+    dtype = torch.get_autocast_dtype(w.device.type) if on else w.dtype
+    shadow = getattr(w, "shadow", None)
+    if shadow is not None and (shadow.dtype != dtype or getattr(w, "shadow_version", None) != w._version):
+        shadow = None
+    if not torch.is_grad_enabled():
+        return w if shadow is None else shadow
+    if shadow is None and (getattr(w, "grad_into", None) is None or w.grad is not None):
+        return w
+    return _WeightCast.apply(w, dtype, shadow)
 
 
 class Linear(nn.Linear):

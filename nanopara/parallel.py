@@ -54,6 +54,9 @@ def check_layout(cfg: Config, world: int, device_type: str) -> int:
     if tokens_per_step % per_micro:
         raise ConfigError(f"train.tokens_per_step={tokens_per_step} is not a multiple of micro_batch*seq_len*dp = "
                           f"{t.micro_batch}*{t.seq_len}*{dp} = {per_micro}")
+    if t.optimizer == "flat" and (dp * p.cp > 1 or p.pp > 1):  # flat.py
+        raise ConfigError(f"train.optimizer=flat runs one replica without a pipeline (dp*cp = 1, pp = 1); this layout "
+                          f"has dp={dp} cp={p.cp} pp={p.pp}: use train.optimizer=torch")
     if t.cuda_graph == "true" and device_type != "cuda":  # graph.py; its config-only limits are in Config.check
         raise ConfigError("train.cuda_graph=true needs a CUDA device")
     if t.cuda_graph == "true" and (p.cp > 1 or p.zero > 1):  # DDP / ZeRO-1's reduction is captured with the step
@@ -106,8 +109,12 @@ def use_cuda_graph(cfg: Config, world: int, device_type: str, fp8_linears: int =
 
 
 def build_engine(model: nn.Module, mesh: Mesh, cfg: Config):
-    """SingleDevice for dp*cp == 1 (any tp), else DDP (parallel.zero=0), ZeRO-1/2 (Zero) or ZeRO-3 (Zero3)."""
+    """SingleDevice (FlatSingle: train.optimizer=flat) for dp*cp == 1 (any tp), else DDP (parallel.zero=0),
+    ZeRO-1/2 (Zero) or ZeRO-3 (Zero3)."""
     if mesh.dp * mesh.cp == 1:
+        if cfg.train.optimizer == "flat":
+            from nanopara.flat import FlatSingle
+            return FlatSingle(model, mesh, cfg)
         return SingleDevice(model, mesh, cfg)
     if cfg.parallel.zero == 0:
         return DDP(model, mesh, cfg)

@@ -685,9 +685,11 @@ def test_bench_moe_step_smoke(tmp_path):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
     import bench_moe
     rows = bench_moe.main(["--smoke", "--sections=step", "--step-steps=1", "--step-warmup=1", "--step-profile",
-                           "--out", str(tmp_path / "step.jsonl")])
-    assert [(r["capacity"], r["mode"]) for r in rows] == [(1.0, "eager"), (0.0, "eager")]
+                           "--step-optimizers=torch,flat", "--out", str(tmp_path / "step.jsonl")])
+    assert [(r["capacity"], r["mode"], r["optimizer"]) for r in rows] == [
+        (1.0, "eager", "torch"), (1.0, "eager", "flat"), (0.0, "eager", "torch"), (0.0, "eager", "flat")]
     assert all(r["tokens_per_s"] > 0 and math.isfinite(r["loss_last"]) for r in rows)
+    assert rows[0]["loss_last"] == pytest.approx(rows[1]["loss_last"], rel=1e-5)  # the same step either way
     assert all(r["kernels"] > 0 and r["kernel_ms_by_kind"] for r in rows)  # --step-profile: the step's kinds
 
 
