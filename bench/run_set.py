@@ -151,7 +151,11 @@ SETS = {
     "moe": [Job("moe", 1, ["bench/bench_moe.py", "--quick", "--out", "{out}/moe.jsonl"]),
             Job("ep2", 2, torchrun(2, "bench/bench_ep.py", "--profile", "--out", "{out}/ep.jsonl")),
             Job("ep4", 4, torchrun(4, "bench/bench_ep.py", "--layouts", "single,dp4,ep4,ep2", "--out",
-                                   "{out}/ep.jsonl"))],
+                                   "{out}/ep.jsonl")),
+            # issue #44 item 5: gpt2_moe_fine against dense gpt2_124m on books, 3 seeds each, six runs sharing one
+            # GPU (the mirror's text/ through NANOPARA_MIRROR); ~10 min on an H100 (estimate)
+            Job("prepare_books_moe", 0, ["data/prepare.py", "books"]),
+            Job("moe_books", 1, ["bench/moe_books.py", "--out={out}/moe_books", "--jobs=6"], 1800)],
     "post_train": [Job("generate", 1, ["bench/bench_generate.py", "--out", "{out}/generate.jsonl"]),
                    Job("generate_mixed", 1, ["bench/bench_generate.py", "--mixed", "--out", "{out}/generate.jsonl"]),
                    Job("sft", 1, ["bench/bench_sft.py", "--out", "{out}/sft"]),
