@@ -1,6 +1,7 @@
 """MoE against dense on the book corpus at equal tokens, several seeds, runs sharing one GPU (issue #44 item 5).
 
     python3 bench/moe_books.py --out=DIR [--arms=dense,fine] [--seeds=1337,2,3] [--jobs=6] [--steps=1500]
+                               [--data=books] [--limit=N] [--extra='more train.py flags']   (the CPU test's)
 
 Each (arm, seed) is `train.py --data.dataset=books` with the same flags (micro-batch 8, 16,384 tokens a step, lr
 1.2e-3, warm-up 200, a CUDA graph) and its seed, then `eval.py --tasks=loss` on the whole validation split;
@@ -27,7 +28,7 @@ from nanopara.report import read_metrics
 
 ROOT = H.ROOT
 ARMS = {"dense": ["--preset=gpt2_124m"], "fine": ["--preset=gpt2_moe_fine"], "moe": ["--preset=gpt2_moe"]}
-COMMON = ["--data.dataset=books", "--train.micro_batch=8", "--train.tokens_per_step=16384", "--train.lr=1.2e-3",
+COMMON = ["--train.micro_batch=8", "--train.tokens_per_step=16384", "--train.lr=1.2e-3",
           "--train.warmup_steps=200", "--train.val_every=250", "--train.log_every=50", "--train.cuda_graph=true",
           "--overwrite=true"]
 
@@ -37,9 +38,9 @@ def run_one(a, arm: str, seed: int, gpu: int) -> dict:
     run = os.path.join(a.out, f"{arm}_{seed}")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)} if a.ngpu else dict(os.environ)
     scores = os.path.join(run, "evals.jsonl")
-    steps = [sys.executable, "train.py", *ARMS[arm], *COMMON, f"--train.steps={a.steps}", f"--seed={seed}",
-             f"--out_dir={run}", *a.extra.split()], [sys.executable, "eval.py", f"--out_dir={run}", "--tasks=loss", "--data=books",
-                                   f"--limit={a.limit}", f"--out={scores}"]
+    steps = [sys.executable, "train.py", *ARMS[arm], f"--data.dataset={a.data}", *COMMON, f"--train.steps={a.steps}",
+             f"--seed={seed}", f"--out_dir={run}", *a.extra.split()], \
+        [sys.executable, "eval.py", f"--out_dir={run}", "--tasks=loss", f"--limit={a.limit}", f"--out={scores}"]
     row = {"arm": arm, "seed": seed, "steps": a.steps}
     with open(os.path.join(a.out, f"{arm}_{seed}.log"), "w") as log:
         for argv in steps:
@@ -93,7 +94,7 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120, bbox_inches="tight")
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--arms", default="dense,fine")
@@ -101,9 +102,10 @@ def main():
     ap.add_argument("--jobs", type=int, default=6)
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--timeout", type=int, default=3000, help="seconds for each train.py / eval.py")
+    ap.add_argument("--data", default="books", help="train.py's --data.dataset (eval.py scores its val shards)")
     ap.add_argument("--limit", type=int, default=0, help="eval.py's --limit (windows scored; 0 = the whole split)")
     ap.add_argument("--extra", default="", help="more train.py flags, after the common ones (a CPU smoke test)")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     arms, seeds = a.arms.split(","), [int(s) for s in a.seeds.split(",")]
     bad = [x for x in arms if x not in ARMS]
     if bad or "dense" not in arms or len(arms) < 2:
@@ -121,6 +123,7 @@ def main():
     for s in rows[-(len(arms) - 1):]:
         print(json.dumps(s))
     plot(rows, os.path.join(a.out, "moe_books.png"))
+    return rows
 
 
 if __name__ == "__main__":

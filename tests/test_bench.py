@@ -448,3 +448,28 @@ def test_compare_runs_lines_up_two_runs(tmp_path):
                                     toks if i >= 3 else 1.0, "peak_mem_gb": 1.0 + i}) + "\n")
     r = compare_runs.compare(compare_runs.rows(str(tmp_path / "old_r")), compare_runs.rows(str(tmp_path / "new_r")))
     assert r["steps"] == 6 and r["max_abs_loss_diff"] == 0.5 and r["ratio"] == 1.1 and r["peak_mem_gb_new"] == 6.0
+
+
+def test_moe_books_runs_arms_and_seeds_and_judges_the_goal(tmp_path):
+    """bench/moe_books.py end to end on CPU (tiny models, two steps, two seeds, two at a time), then its verdict:
+    the MoE mean below dense's by more than the pooled standard deviation, failed runs left out."""
+    import moe_books
+    from tests.shards import tiny_shards
+    data = tiny_shards(tmp_path, "t")
+    tiny = ("--device=cpu --train.cuda_graph=false --model.n_layer=2 --model.n_embd=32 --model.n_head=2 "
+            "--model.moe_hidden=32 --train.seq_len=32 --train.micro_batch=2 --train.tokens_per_step=64 "
+            "--train.val_every=1 --train.warmup_steps=1")
+    rows = moe_books.main(["--out", str(tmp_path / "mb"), "--data", data, "--seeds", "1,2", "--jobs", "2",
+                           "--steps", "2", "--limit", "2", "--timeout", "200", "--extra", tiny])
+    runs = [r for r in rows if "summary" not in r]
+    assert sorted((r["arm"], r["seed"]) for r in runs) == [("dense", 1), ("dense", 2), ("fine", 1), ("fine", 2)]
+    assert all("error" not in r and 0 < r["val_loss"] < 20 and r["tok_s"] > 0 and r["curve"] for r in runs), runs
+    assert rows[-1]["summary"] and rows[-1]["dense_n"] == rows[-1]["fine_n"] == 2
+    assert os.path.isfile(tmp_path / "mb" / "moe_books.jsonl")
+    fake = [{"arm": "dense", "val_loss": v} for v in (3.30, 3.33, 3.36)]
+    better = moe_books.summary(fake + [{"arm": "fine", "val_loss": v} for v in (3.20, 3.22, 3.24)], "fine")
+    assert better["met"] and better["diff"] == pytest.approx(-0.11) and better["pooled_std"] == pytest.approx(
+        ((0.03 ** 2 + 0.02 ** 2) / 2) ** 0.5)
+    level = moe_books.summary(fake + [{"arm": "fine", "val_loss": v} for v in (3.28, 3.31, 3.34)] +
+                              [{"arm": "fine", "error": "train.py exited 1"}], "fine")
+    assert not level["met"] and level["fine_n"] == 3
