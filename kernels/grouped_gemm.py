@@ -643,9 +643,10 @@ def _launch_wgrad_tma(dy, x, offsets, dw, db):
                      HAS_BIAS=db is not None, DB_MODE=db_mode, INPUT_PRECISION=_precision(dy.dtype))
 
 
-def grouped_wgrad(dy, x, offsets, dtype=None, bias=True, tma=None):
+def grouped_wgrad(dy, x, offsets, dtype=None, bias=True, tma=None, out=None):
     """(dw (E, N, K), db (E, N) or None) in `dtype` (default dy's): dw[e] = dy[group e]^T @ x[group e]; an empty
-    group's are zeros, rows past offsets[E] do not count. tma: _use_tma (None: the module flag TMA)."""
+    group's are zeros, rows past offsets[E] do not count. tma: _use_tma (None: the module flag TMA). out: a
+    contiguous (E, N, K) tensor of `dtype` that dw is written into (an engine's gradient slot)."""
     dy, x = dy.contiguous(), x.contiguous()
     R, N = dy.shape
     K = x.shape[1]
@@ -653,7 +654,10 @@ def grouped_wgrad(dy, x, offsets, dtype=None, bias=True, tma=None):
     if x.shape[0] != R or dy.dtype != x.dtype:
         raise ValueError(f"grouped_wgrad: dy {dy.dtype} {tuple(dy.shape)} and x {x.dtype} {tuple(x.shape)} differ")
     dtype = dtype or dy.dtype
-    dw = torch.empty(E, N, K, dtype=dtype, device=dy.device)
+    dw = out if out is not None else torch.empty(E, N, K, dtype=dtype, device=dy.device)
+    if dw.shape != (E, N, K) or dw.dtype != dtype or not dw.is_contiguous():
+        raise ValueError(f"grouped_wgrad: out must be a contiguous ({E}, {N}, {K}) {dtype} tensor, got {dw.dtype} "
+                         f"{tuple(dw.shape)}")
     db = torch.empty(E, N, dtype=dtype, device=dy.device) if bias else None
     if E > 0 and N > 0 and K > 0 and _use_tma(tma, dy, None, None, check=lambda: _wgrad_tma_why_not(dy, x, dtype)):
         _launch_wgrad_tma(dy, x, offsets, dw, db)
@@ -669,7 +673,23 @@ def grouped_wgrad(dy, x, offsets, dtype=None, bias=True, tma=None):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Autograd. Parameters may be fp32 masters while activations are bf16 (autocast): the forward casts the weights to
-# x's dtype once (kept for the backward), and dw / db come back in each parameter's own dtype.
+# x's dtype once (kept for the backward; a current shadow instead, as_dtype), and dw / db come back in each
+# parameter's own dtype, dw written straight into an engine's gradient slot where it gave one (_dest).
+
+
+def _dest(w):
+    """Where w's gradient goes: `w.grad_into(w)` where an engine set one (engine.Engine._set_grad_dests: a view of
+    its flat gradient buffer, for w's first gradient of a step), else None (a new tensor)."""
+    into = getattr(w, "grad_into", None)
+    return into(w) if into is not None else None
+
+
+def _wgrad_into(dy, x, offsets, dtype, bias, dest):
+    """grouped_wgrad written into `dest` where it fits (else computed apart and copied there)."""
+    shape = (offsets.shape[0] - 1, dy.shape[1], x.shape[1])
+    fits = dest is not None and dest.dtype == dtype and dest.is_contiguous() and tuple(dest.shape) == shape
+    dw, db = grouped_wgrad(dy, x, offsets, dtype=dtype, bias=bias, out=dest if fits else None)
+    return (dw if dest is None or fits else dest.copy_(dw)), db
 
 
 def as_dtype(w, dt):
@@ -687,6 +707,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         wc = as_dtype(w, x.dtype)
         y, _ = grouped_fwd(x, wc, bias, offsets)
         ctx.save_for_backward(x, wc, offsets)
+        ctx.w = w
         ctx.dtypes = w.dtype, None if bias is None else bias.dtype
         return y
 
@@ -695,7 +716,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         x, wc, offsets = ctx.saved_tensors
         dy = dy.contiguous()
         dx = grouped_dgrad(dy, wc, offsets) if ctx.needs_input_grad[0] else None
-        dw, db = grouped_wgrad(dy, x, offsets, dtype=ctx.dtypes[0], bias=ctx.dtypes[1] is not None)
+        dw, db = _wgrad_into(dy, x, offsets, ctx.dtypes[0], ctx.dtypes[1] is not None, _dest(ctx.w))
         return dx, dw, None if db is None else db.to(ctx.dtypes[1]), None
 
 
@@ -706,6 +727,7 @@ class GroupedMLPFunction(torch.autograd.Function):
         g, h = grouped_fwd(x, wf, b_fc, offsets, gelu=True)  # (R, H): gelu(h), h
         y, _ = grouped_fwd(g, wp, b_proj, offsets)  # (R, C)
         ctx.save_for_backward(x, wf, wp, h, g, offsets)
+        ctx.ws = w_fc, w_proj
         ctx.dtypes = (w_fc.dtype, None if b_fc is None else b_fc.dtype, w_proj.dtype,
                       None if b_proj is None else b_proj.dtype)
         return y
@@ -716,9 +738,9 @@ class GroupedMLPFunction(torch.autograd.Function):
         dy = dy.contiguous()
         dt_wf, dt_bf, dt_wp, dt_bp = ctx.dtypes
         dh = grouped_dgrad(dy, wp, offsets, pre=h)  # (R, H): gradient at gelu's input, fused
-        dwp, dbp = grouped_wgrad(dy, g, offsets, dtype=dt_wp, bias=dt_bp is not None)
+        dwp, dbp = _wgrad_into(dy, g, offsets, dt_wp, dt_bp is not None, _dest(ctx.ws[1]))
         dx = grouped_dgrad(dh, wf, offsets)
-        dwf, dbf = grouped_wgrad(dh, x, offsets, dtype=dt_wf, bias=dt_bf is not None)
+        dwf, dbf = _wgrad_into(dh, x, offsets, dt_wf, dt_bf is not None, _dest(ctx.ws[0]))
         cast = lambda t, dt: None if t is None else t.to(dt)  # noqa: E731  (bias dtype may differ from weight's)
         return dx, dwf, cast(dbf, dt_bf), dwp, cast(dbp, dt_bp), None
 

@@ -89,6 +89,7 @@ class GPU:
     attention_in_step: dict = field(default_factory=dict)  # {head dim: [[T, TFLOP/s]]}: our attention as the model
     #                                                        calls it (packed-qkv views), from step profiles
     adamw_share: float = 0.83     # torch's fused AdamW (the engines' optimizer) against copy bandwidth
+    adamw_flat_share: float = 0.98  # kernels/adamw.py's one launch (train.optimizer=flat) against copy bandwidth
     sources: dict = field(default_factory=dict)
 
 
@@ -169,7 +170,9 @@ _H100 = GPU(
                              "fp8_e2e_h100.txt, ckpt_async_profile_h100.txt (D128 T1024), cp2_16k_h100_2.jsonl "
                              "(D128 T16384), moe_step_profile_h100.jsonl (D64 T1024)",
         "adamw_share": "results/bench_adamw.txt: torch's fused AdamW at 83 % of copy bandwidth (29 bytes a "
-                       "parameter; kernels/adamw.py's flat kernel 98 %, not what the engines run)"})
+                       "parameter; kernels/adamw.py's flat kernel 98 %, what train.optimizer=flat runs)",
+        "adamw_flat_share": "results/bench_adamw.txt: kernels/adamw.py's one launch at 98 % of copy (H200; the "
+                            "flat engine's own step not yet measured)"})
 
 _H200 = copy.deepcopy(_H100)
 _H200.name, _H200.mem_gb = "H200", 150.75

@@ -33,7 +33,7 @@ def run_of_config(cfg: Config, world: int, gpu: str, fabric: dict | None = None)
                  ac=t.activation_checkpointing, fp8=t.fp8, graph=graph,
                  fp8_filter="auto" if t.fp8_filter.strip() == "auto" else "all",  # globs: timed as all
                  kernels="torch" if m.kernels == "torch" else "triton", cp_impl=p.cp_impl,
-                 sp_keep=p.sp_keep_gathered, reduce_bytes=2 if p.reduce_dtype == "bf16" else 4)
+                 sp_keep=p.sp_keep_gathered, reduce_bytes=2 if p.reduce_dtype == "bf16" else 4, optimizer=t.optimizer)
     tokens = t.tokens_per_step or t.micro_batch * t.seq_len * dp
     return Run(Model.from_config(m, cfg.preset), lay, t.seq_len, tokens, gpu, fabric or dict(G.FABRIC))
 

@@ -145,7 +145,8 @@ def _stage(run: Run, gpu, i: int, blocks: list[int]) -> dict:
     # a graphed tp2 step that the eager one-GPU step does not run), zeroed once a step in step_time; not where
     # the graph writes its gradients whole (graph_adds: one replay a step)
     grad_bytes = 18.0 if graph_adds(run) else 18 - 12 / run.accum
-    per_micro = ((6 if L.pp == 1 else 0) + grad_bytes) * (dense + expert) / (gpu.membw_gbs["elementwise"] * 1e9)
+    cast = 6 if L.pp == 1 and L.optimizer != "flat" else 0  # flat.py: the matmuls read the optimizer's bf16 copy
+    per_micro = (cast + grad_bytes) * (dense + expert) / (gpu.membw_gbs["elementwise"] * 1e9)
     kinds["head"], kinds["params_pass"] = head, per_micro
     fp8_w = 0.0  # each FP8 Linear quantizes its weight (and the transpose) once a step, at the mode's rate an
     if L.fp8 != "none" and gpu.fp8_modes.get(L.fp8, (1.0, None))[1]:  # element (fp8.py weight_fp8's cache)
@@ -189,8 +190,15 @@ def step_time(run: Run) -> dict:
     s = stages[k]
     dp = _dp(run, gpu, s["dense"], s["expert"], s["bwd_gpu"], k == 0)
     opt_params = (s["dense"] + s["expert"]) / (L.dp * L.cp if L.zero >= 1 else 1)
-    # torch's fused AdamW (optim.build_adamw) at its measured share of copy; the norm's read (foreach_norm)
-    opt = (29 * opt_params / gpu.adamw_share + 4 * (s["dense"] + s["expert"])) / (gpu.membw_gbs["copy"] * 1e9)
+    # torch's fused AdamW (optim.build_adamw) at its measured share of copy; the norm's read (foreach_norm). flat.py:
+    # one launch, 28 bytes a parameter + 2 for the bf16 copy, and the gradients made outside their slots copied in
+    # (the tied embedding's, whose two uses leave it no slot: 8 bytes an element; the biases' are small)
+    if L.optimizer == "flat":
+        copied = run.model.vocab * run.model.d / L.tp if run.model.tied else 0
+        opt = (30 * opt_params / gpu.adamw_flat_share + 4 * (s["dense"] + s["expert"]) + 8 * copied) / (
+            gpu.membw_gbs["copy"] * 1e9)
+    else:
+        opt = (29 * opt_params / gpu.adamw_share + 4 * (s["dense"] + s["expert"])) / (gpu.membw_gbs["copy"] * 1e9)
     if graph_adds(run):  # the kept gradients zeroed in place (engine.zero_grad_buffers): 4 bytes written a parameter
         opt += 4 * (s["dense"] + s["expert"]) / (gpu.membw_gbs["copy"] * 1e9)
     if p > 1:

@@ -120,6 +120,7 @@ class Layout:
     cp_impl: str = "ring"
     sp_keep: bool = False
     reduce_bytes: int = 4        # DDP gradient all-reduce dtype
+    optimizer: str = "torch"     # torch (fused AdamW) | flat (flat.py: one launch, the bf16 weights written by it)
 
     @property
     def world(self) -> int:
@@ -132,6 +133,7 @@ class Layout:
             parts.append(self.schedule + (f"(v{self.virtual})" if self.virtual > 1 else ""))
         parts += [f"zero{self.zero}"] * (self.zero > 0) + ["sp"] * self.sp + [f"ac={self.ac}"] * (self.ac != "none")
         parts += [f"fp8={self.fp8}"] * (self.fp8 != "none") + ["graph"] * self.graph
+        parts += ["flat"] * (self.optimizer == "flat")
         return " ".join(parts) + f" b{self.micro_batch}"
 
 

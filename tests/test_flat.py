@@ -226,3 +226,35 @@ def test_expert_weights_read_their_shadow_too():
     assert as_dtype(w, torch.bfloat16) is not w.shadow
     engine.optimizer.refresh_shadow()
     assert as_dtype(w, torch.bfloat16) is w.shadow and torch.equal(w.shadow, w.detach().to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("linear", [False, True], ids=["mlp", "linear"])
+def test_grouped_wgrad_writes_into_the_engines_slot(linear):
+    """The grouped GEMMs' backward (interpreter) writes each expert weight's dW into `w.grad_into(w)` (an engine's
+    slot: autograd keeps it as w.grad, no copy), the same values as without one; a later micro-step (w.grad set)
+    accumulates as before."""
+    import kernels.grouped_gemm as gg
+    E, C, H, sizes = 3, 16, 24, [5, 0, 9]
+    offsets = gg.offsets_of(sizes, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(sum(sizes), C, generator=gen)
+    shapes = [(E, H, C), (E, H), (E, C, H), (E, C)][:2 if linear else 4]
+
+    def run(dests: bool):
+        ps = [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i)) * 0.1)
+              for i, s in enumerate(shapes)]
+        slots = {}
+        if dests:
+            for p in ps[::2]:
+                slots[id(p)] = torch.full(p.shape, float("nan"))
+                p.grad_into = lambda w: None if w.grad is not None else slots[id(w)].view_as(w)
+        for _ in range(2):  # two micro-steps: the second accumulates into the first's
+            y = gg.grouped_linear_triton(x, *ps, offsets) if linear else gg.grouped_mlp_triton(x, *ps, offsets)
+            y.square().sum().backward()
+        return ps, slots
+    ref, _ = run(False)
+    got, slots = run(True)
+    for p in got[::2]:
+        assert p.grad.data_ptr() == slots[id(p)].data_ptr()
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7)

@@ -194,3 +194,21 @@ def test_bench_calibrate_on_cpu():
     # AdamW were 9 of the 10 s its 26 CPU steps took
     r = BC.host_us(H.solo_mesh(torch.device("cpu")), {"model.vocab_size": 512}, layers=(1, 2))
     assert r["layer_us"] >= 0 and r["step_us"] >= 0 and r["syncs"] == 0 and not r["waited"]  # CPU: noise
+
+
+def test_flat_optimizer_prices_one_launch_and_no_weight_cast():
+    """train.optimizer=flat (flat.py): the update at kernels/adamw.py's share of copy bandwidth (30 bytes a
+    parameter with the bf16 copy, plus the tied embedding's gradient copied in) and no per-micro-step weight cast;
+    memory unchanged (the bf16 copy replaces autocast's)."""
+    from nanopara.plan_run import run_of_config
+    from nanopara.presets import PRESETS
+    got = {}
+    for opt in ("torch", "flat"):
+        cfg = PRESETS["gpt_1b"]()
+        cfg.train.micro_batch, cfg.train.optimizer = 8, opt
+        got[opt] = predict(run_of_config(cfg, 1, "H100"))
+    a, b = (got[o]["time"]["items"] for o in ("torch", "flat"))
+    gpu, n = G.lookup("H100"), got["torch"]["memory"]
+    assert b["params_pass"] == pytest.approx(a["params_pass"] * (18 - 12) / (6 + 18 - 12))  # the 6-byte cast gone
+    assert gpu.adamw_flat_share > gpu.adamw_share and b["optimizer"] < 0.95 * a["optimizer"]
+    assert got["flat"]["peak_gb"] == got["torch"]["peak_gb"] and n["fits"]
