@@ -451,7 +451,7 @@ def test_compare_runs_lines_up_two_runs(tmp_path):
 
 
 def test_moe_books_runs_arms_and_seeds_and_judges_the_goal(tmp_path):
-    """bench/moe_books.py end to end on CPU (tiny models, two steps, two seeds, two at a time), then its verdict:
+    """bench/moe_books.py end to end on CPU (tiny models, two steps, one seed of each arm at once), then its verdict:
     the MoE mean below dense's by more than the pooled standard deviation, failed runs left out."""
     import moe_books
     from tests.shards import tiny_shards
@@ -459,12 +459,12 @@ def test_moe_books_runs_arms_and_seeds_and_judges_the_goal(tmp_path):
     tiny = ("--device=cpu --train.cuda_graph=false --model.n_layer=2 --model.n_embd=32 --model.n_head=2 "
             "--model.moe_hidden=32 --train.seq_len=32 --train.micro_batch=2 --train.tokens_per_step=64 "
             "--train.val_every=1 --train.warmup_steps=1")
-    rows = moe_books.main(["--out", str(tmp_path / "mb"), "--data", data, "--seeds", "1,2", "--jobs", "2",
+    rows = moe_books.main(["--out", str(tmp_path / "mb"), "--data", data, "--seeds", "1", "--jobs", "2",
                            "--steps", "2", "--limit", "2", "--timeout", "200", "--extra", tiny])
     runs = [r for r in rows if "summary" not in r]
-    assert sorted((r["arm"], r["seed"]) for r in runs) == [("dense", 1), ("dense", 2), ("fine", 1), ("fine", 2)]
+    assert sorted((r["arm"], r["seed"]) for r in runs) == [("dense", 1), ("fine", 1)]
     assert all("error" not in r and 0 < r["val_loss"] < 20 and r["tok_s"] > 0 and r["curve"] for r in runs), runs
-    assert rows[-1]["summary"] and rows[-1]["dense_n"] == rows[-1]["fine_n"] == 2
+    assert rows[-1]["summary"] and rows[-1]["dense_n"] == rows[-1]["fine_n"] == 1 and "met" not in rows[-1]
     assert os.path.isfile(tmp_path / "mb" / "moe_books.jsonl")
     fake = [{"arm": "dense", "val_loss": v} for v in (3.30, 3.33, 3.36)]
     better = moe_books.summary(fake + [{"arm": "fine", "val_loss": v} for v in (3.20, 3.22, 3.24)], "fine")
