@@ -126,6 +126,14 @@ def test_tp2_streams2_matches_single_process(shards, reference, tmp_path, sp):
     np.testing.assert_allclose(losses, reference, atol=ATOL, rtol=0)
 
 
+def test_tp2_flat_optimizer_matches_single_process(shards, reference, tmp_path):
+    """train.optimizer=flat (flat.py) under tp2 + sp: each rank's shards on its own flat buffers, the same losses as
+    one process with torch's AdamW."""
+    losses = run_parallel(tmp_path, "tp2flat", 2, argv(shards, tmp_path / "run", 8, "--parallel.tp=2",
+                                                         "--parallel.sp=true", "--train.optimizer=flat"))
+    np.testing.assert_allclose(losses, reference, atol=ATOL, rtol=0)
+
+
 def test_tp2_resume_is_bit_exact(shards, tmp_path):
     tp = ["--parallel.tp=2", "--parallel.sp=true"]
     full = run_parallel(tmp_path, "full", 2, argv(shards, tmp_path / "full", 8, *tp))
