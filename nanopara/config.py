@@ -66,6 +66,7 @@ class ParallelConfig:
     cp_keep_kv: str = "auto"     # ring: keep the received K/V for backward (no K/V messages there; cp-1 blocks a
                                  # layer held): auto (on at cp = 2: cp.keep_kv) | true | false
     ep: int = 1                  # expert parallel (ep.py): each of ep ranks of dp x cp holds moe_experts/ep experts
+    ep_chunks: int = 1           # ep with a capacity: the all-to-alls in this many pieces, pipelined with the experts
     zero: int = 0                # 0 = DDP, 1/2/3 = ZeRO stage
     sp: bool = False             # sequence parallel (needs tp > 1)
     tp_overlap: int = 0          # TP: row blocks per GEMM, each block's collective under the next one's GEMM
@@ -435,11 +436,10 @@ _RULES = [
                                                         "eval_every", "eval_limit")],
     ("train.lr", "in (0, 1]", lambda v: 0 < v <= 1),
     ("train.min_lr_frac", "in [0, 1]", lambda v: 0 <= v <= 1),
-    ("train.beta1", "in [0, 1)", lambda v: 0 <= v < 1),
-    ("train.beta2", "in [0, 1)", lambda v: 0 <= v < 1),
+    *[(f"train.{k}", "in [0, 1)", lambda v: 0 <= v < 1) for k in ("beta1", "beta2")],
     ("train.eps", "in (0, 1)", lambda v: 0 < v < 1),
     ("parallel.dp", ">= 1, or -1 (whatever is left of the world size)", lambda v: v >= 1 or v == -1),
-    *[(f"parallel.{k}", ">= 1", _positive) for k in ("tp", "pp", "pp_virtual", "cp", "ep", "timeout_s")],
+    *[(f"parallel.{k}", ">= 1", _positive) for k in ("tp", "pp", "pp_virtual", "cp", "ep", "ep_chunks", "timeout_s")],
     ("parallel.tp_overlap", ">= 0", _non_negative),
     ("parallel.tp_streams", "1 or 2", lambda v: v in (1, 2)),
     ("parallel.zero", "0, 1, 2 or 3", lambda v: v in (0, 1, 2, 3)),

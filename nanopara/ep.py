@@ -1,6 +1,5 @@
 """Expert parallel: each rank of an ep group holds E/ep experts of every MoE layer; tokens travel to their experts
 and back by all-to-all (GShard, Lepikhin et al. 2020; DeepSpeed-MoE; Megatron-Core's all-to-all dispatcher).
-
 Layout (mesh.py): an ep group is a run of ep consecutive ranks of the dp x cp group; its rank i holds experts
 [i*El, (i+1)*El), El = E/ep, as parameters of shape (El, ...) marked `p.ep_dim = 0`. The router and expert_bias
 stay replicated. A local expert's gradient already sums every token of the ep group routed to it, so it reduces
@@ -19,9 +18,10 @@ One MoE layer's forward (MoEMLP.forward -> layer.ep.experts -> `ep_experts`), ro
      per-expert path), the inverse move restores the order (padding rows zero);
   5. all_to_all back, and the usual unpermute-combine with the gates.
 Every rank joins both collectives, in both directions, even when it sends or receives no row (ranks run the same
-number of MoE forwards: train.py's validation and samples run on every rank in lockstep).
-
-Callers: parallel.parallelize (apply_ep), moe.MoEMLP.forward; tests/test_ep.py, bench/bench_ep.py.
+number of MoE forwards: train.py's validation and samples run on every rank in lockstep). parallel.ep_chunks = J
+(capacity only): steps 3-5 in J pieces of the slots, each exchange started asynchronously so that piece i+1's rows
+travel while piece i's experts run, backward too (ep_experts_chunked). Callers: parallel.parallelize (apply_ep),
+moe.MoEMLP.forward; tests/test_ep.py, bench/bench_ep.py.
 """
 from __future__ import annotations
 
@@ -42,12 +42,25 @@ class EPGroup:
     size: int
     rank: int
     n_experts: int  # E, over the whole group
+    chunks: int = 1  # capacity mode: the exchange and the local experts in this many pieces, pipelined
 
     @property
     def local(self) -> int:
         return self.n_experts // self.size
 
+    def padded(self, r, capacity: int):
+        """(dest, rows, capacity') of the fixed-size buffer for route result r: moe_route.padded_dest's E x
+        capacity rows, or with chunks > 1 its chunk-major form at capacity' = chunks x ceil(capacity / chunks)
+        (chunk_major: the same kept rows, more padding when chunks does not divide capacity)."""
+        from kernels import moe_route as mr
+        if self.chunks == 1:
+            return mr.padded_dest(r, capacity), self.n_experts * capacity, capacity
+        cap = -(-capacity // self.chunks) * self.chunks
+        return chunk_major(mr.padded_dest(r, cap), self.n_experts, cap, self.chunks), self.n_experts * cap, cap
+
     def experts(self, xs, offsets, run_local, capacity=None, triton=False):
+        if capacity is not None and self.chunks > 1:
+            return ep_experts_chunked(xs, offsets, self, run_local, capacity, triton)
         return ep_experts(xs, offsets, self, run_local, capacity, triton)
 
 
@@ -73,6 +86,59 @@ class AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         return all_to_all(dy, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+class Pending:
+    """An all_to_all in flight (A2AStart -> A2AWait): its output buffer, valid once `work` is waited for."""
+    work = None
+    out = None
+
+
+def _start(x: torch.Tensor, split: list, group, h: Pending) -> torch.Tensor:
+    h.out = x.new_empty(sum(split), *x.shape[1:])
+    h.work = dist.all_to_all_single(h.out, x.contiguous(), output_split_sizes=split, input_split_sizes=split,
+                                    group=group, async_op=True)
+    return h.out
+
+
+class A2AStart(torch.autograd.Function):
+    """fwd: start all_to_all(x) (equal splits both ways) and return its buffer, not yet valid; bwd: wait for the
+    reverse exchange that A2AWait's backward started and return its buffer."""
+
+    @staticmethod
+    def forward(ctx, x, split, group, h):
+        ctx.h = h
+        return _start(x, split, group, h)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.h.work.wait()
+        return ctx.h.out, None, None, None
+
+
+class A2AWait(torch.autograd.Function):
+    """fwd: wait for the exchange A2AStart began (the current stream waits; the host does not on GPU); bwd: start
+    the reverse exchange of the gradient, so the compute between the two backwards overlaps it."""
+
+    @staticmethod
+    def forward(ctx, y, split, group, h):
+        h.work.wait()
+        ctx.split, ctx.group, ctx.h = split, group, h
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _start(g, ctx.split, ctx.group, ctx.h), None, None, None
+
+
+def exchange_async(x: torch.Tensor, split: list, group) -> tuple[torch.Tensor, Pending]:
+    """(buffer, handle): an all_to_all started; `arrive` it before reading the buffer."""
+    h = Pending()
+    return A2AStart.apply(x, split, group, h), h
+
+
+def arrive(buf: torch.Tensor, split: list, group, h: Pending) -> torch.Tensor:
+    return A2AWait.apply(buf, split, group, h)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -132,6 +198,41 @@ def ep_experts(xs: torch.Tensor, offsets: torch.Tensor, ep: EPGroup, run_local, 
     return AllToAll.apply(yr, recv_rows, send_rows, ep.group)
 
 
+def chunk_major(dest: torch.Tensor, n_experts: int, capacity: int, chunks: int) -> torch.Tensor:
+    """padded_dest's place e x capacity + s -> chunk-major: chunk i holds slots [i cK, (i+1) cK) of every expert
+    (cK = capacity / chunks) as an E x cK buffer of its own, the unchunked layout at capacity cK; -1 stays -1."""
+    ck = capacity // chunks
+    e, s = dest // capacity, dest % capacity
+    return torch.where(dest >= 0, (s // ck) * (n_experts * ck) + e * ck + s % ck, -1).to(torch.int32)
+
+
+def ep_experts_chunked(xs: torch.Tensor, offsets: torch.Tensor, ep: EPGroup, run_local, capacity: int,
+                       triton: bool = False) -> torch.Tensor:
+    """ep_experts in capacity mode, as ep.chunks pieces in a pipeline: xs chunk-major (chunk_major, capacity a
+    multiple of chunks); piece i+1's rows travel while piece i's experts run, and piece i's results travel back
+    while piece i+1's run (async all_to_alls: NCCL's stream beside the compute stream). The backward overlaps the
+    same way (A2AWait starts each reverse exchange, A2AStart waits for it). Every rank issues the exchanges in the
+    same order. Same rows, same sums per row as ep_experts: only the exchange is cut."""
+    from kernels import moe_route as mr
+    permute, unpermute = (mr.permute_triton, mr.unpermute_triton) if triton else (mr.permute_ref, mr.unpermute_ref)
+    _, recv = exchange_counts(offsets[1:] - offsets[:-1], ep)  # (ep, El) kept rows, the whole capacity
+    k, g = ep.chunks, ep.group
+    ck = capacity // k
+    split = [ep.local * ck] * ep.size
+    parts = xs.chunk(k)  # contiguous: chunk-major
+    going = [exchange_async(parts[0], split, g)]
+    back = []
+    for i in range(k):
+        if i + 1 < k:
+            going.append(exchange_async(parts[i + 1], split, g))
+        buf, h = going[i]
+        xr = arrive(buf, split, g, h)
+        dest, local_off = expert_major((recv - i * ck).clamp(0, ck), xr.shape[0], ck)
+        yr = unpermute(run_local(permute(xr, dest, xr.shape[0]), local_off), dest, None)  # padding rows: zero
+        back.append(exchange_async(yr, split, g))
+    return torch.cat([arrive(buf, split, g, h) for buf, h in back])
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # sharding a single-device model's experts
 
@@ -142,10 +243,11 @@ def ep_group_of(mesh) -> EPGroup | None:
     return EPGroup(mesh.groups["ep"], mesh.sizes["ep"], mesh.coords["ep"], 0)
 
 
-def apply_ep(model: nn.Module, mesh) -> dict:
+def apply_ep(model: nn.Module, mesh, chunks: int = 1) -> dict:
     """Keep this rank's experts of every MoE layer (in place; the other ranks' slices are dropped) and attach the
-    ep group to the layers. Returns the shard metadata checkpoints record: {name: {"dim": 0, "full_shape",
-    "slices": [[lo, hi]], "ep", "ep_rank"}} (the same form as tp.shard_metadata's, consolidate.py places it)."""
+    ep group to the layers (chunks: parallel.ep_chunks, the capacity-mode pipeline's pieces). Returns the shard
+    metadata checkpoints record: {name: {"dim": 0, "full_shape", "slices": [[lo, hi]], "ep", "ep_rank"}} (the same
+    form as tp.shard_metadata's, consolidate.py places it)."""
     base = ep_group_of(mesh)
     meta = {}
     if base is None:
@@ -155,7 +257,7 @@ def apply_ep(model: nn.Module, mesh) -> dict:
         E = layer.n_experts
         if E % base.size:
             raise ValueError(f"moe_experts={E} is not divisible by parallel.ep={base.size}")
-        layer.ep = EPGroup(base.group, base.size, base.rank, E)
+        layer.ep = EPGroup(base.group, base.size, base.rank, E, chunks)
         lo, hi = base.rank * layer.ep.local, (base.rank + 1) * layer.ep.local
         for lin_name in ("c_fc", "c_proj"):
             lin = getattr(layer.experts, lin_name)

@@ -305,7 +305,7 @@ class MoEMLP(nn.Module):
             gates = gate_weights(logits, r.idx, self.score, self.renorm)  # (N, k)
             dest, rows = r.dest, r.rows
             if self.ep is not None and cap is not None:  # ep.py's fixed-size exchange: E x cap rows, padded
-                dest, rows = mr.padded_dest(r, cap), self.n_experts * cap
+                dest, rows, cap = self.ep.padded(r, cap)
             if impl == "triton":
                 xs = mr.permute_triton(x2.to(compute_dtype(x2)), dest, rows)  # (R, C) expert-sorted
             else:

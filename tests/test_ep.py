@@ -112,7 +112,7 @@ def reference_runs(ref, xs):
     return outs, grads
 
 
-def check_layer(rank, world, ep, k, capacity, skew, impl="sorted"):
+def check_layer(rank, world, ep, k, capacity, skew, impl="sorted", chunks=1):
     mesh = Mesh.build(dp=world, device="cpu", ep=ep)  # the default group exists: only the ep groups are new
     g = torch.Generator().manual_seed(2)
     xs = [torch.randn(2, 5, 8, generator=g) for _ in range(world)]
@@ -121,7 +121,7 @@ def check_layer(rank, world, ep, k, capacity, skew, impl="sorted"):
     ref = _layer(k, capacity, skew, impl)  # the same path on one device (triton vs sorted: tests/test_moe.py)
     outs, grads = reference_runs(ref, xs)
     layer = _layer(k, capacity, skew, impl)  # triton: the kernels in Triton's interpreter (conftest.py)
-    apply_ep(layer, mesh)
+    apply_ep(layer, mesh, chunks)
     x = xs[rank].clone().requires_grad_(True)
     y = layer(x)
     (y * y).sum().backward()
@@ -153,7 +153,9 @@ def _layer_worker(rank, world, cases):
          (2, 1, 0.0, True),     # all tokens to expert 0: ep rank 1 receives nothing
          (2, 2, 1.0, True),     # capacity: experts 0 and 1 drop, the buffer's tail stays unused
          (2, 2, 1.0, True, "triton"),  # routing, permute, grouped GEMM and combine kernels around the exchange
-         (2, 2, 0.0, False, "triton")]),  # dropless: the received rows moved to expert order by those kernels
+         (2, 2, 0.0, False, "triton"),  # dropless: the received rows moved to expert order by those kernels
+         (2, 2, 1.0, False, "sorted", 2),  # capacity 5 in 2 pipelined pieces of 3 (one more padding slot)
+         (2, 1, 2.0, True, "triton", 3)]),  # skewed, 3 pieces: some carry no row at all
     (4, [(2, 2, 0.0, False),    # two ep groups of 2
          (4, 2, 0.0, True)]),   # one expert per rank, two ranks idle
 ])
@@ -217,14 +219,17 @@ def check_equal(got, one_losses, one_dir, ep_dir, atol=5e-5):
 
 def test_ep2_zero1_capacity_equals_single_process_and_resumes(shards, tmp_path):
     """ep = dp = 2: each expert has one replica (its edp group is one rank: nothing to reduce); capacity drops;
-    a resume from step 6 (ZeRO-1's flat shards, expert ones included) repeats the losses bit for bit."""
+    a resume from step 6 (ZeRO-1's flat shards, expert ones included) repeats the losses bit for bit; the exchange
+    in two pipelined pieces (parallel.ep_chunks=2) gives the same run."""
     tps, cap = "--train.tokens_per_step=128", "--model.moe_capacity=1.0"
     one = train.main(argv(shards, tmp_path / "one", tps, cap))["losses"]
     ep2 = (shards, tmp_path / "ep2", tps, cap, "--parallel.ep=2", "--parallel.zero=1", "--ckpt.every=6",
            "--ckpt.keep=10")
-    got = run_layouts(tmp_path, 2, [("ep2", ep2), ("resumed", (*ep2, "--resume"))])
+    got = run_layouts(tmp_path, 2, [("ep2", ep2), ("resumed", (*ep2, "--resume")),
+                                    ("chunks", (shards, tmp_path / "ch", *ep2[2:5], "--parallel.ep_chunks=2"))])
     check_equal(got["ep2"], one, tmp_path / "one", tmp_path / "ep2")
     assert got["resumed"] == got["ep2"][6:]
+    check_equal(got["chunks"], one, tmp_path / "one", tmp_path / "ch")
 
 
 def test_world4_equals_single_process(shards, tmp_path):
@@ -337,6 +342,9 @@ def test_layout_errors():
     assert check_layout(cfg, 4, "cpu") == 1
     with pytest.raises(MeshError, match="parallel.ep=3 must divide"):
         Mesh.build(dp=1, device="cpu", ep=3)
+    cfg = parse_args(["--preset=tiny_moe", "--parallel.ep=2", "--parallel.ep_chunks=2", "--model.moe_capacity=0"])
+    with pytest.raises(ConfigError, match="parallel.ep_chunks=2 pipelines .* model.moe_capacity > 0"):
+        check_layout(cfg, 2, "cpu")
 
 
 def _bench_worker(rank, world, out_dir, extra=()):
@@ -353,13 +361,15 @@ def _bench_worker(rank, world, out_dir, extra=()):
 
 
 def test_bench_ep_smoke(tmp_path):
-    """bench/bench_ep.py runs its three layouts and writes their rows (CPU: the numbers mean nothing)."""
-    spawn(_bench_worker, 2, str(tmp_path))
+    """bench/bench_ep.py runs its layouts and writes their rows (CPU: the numbers mean nothing); ep2c2: the
+    capacity-mode exchange in two pipelined pieces (parallel.ep_chunks=2)."""
+    spawn(_bench_worker, 2, str(tmp_path), ("--capacity=1.0", "--layouts=single,dp2,ep2,ep2c2"))
     res = _rows(tmp_path / "ep.jsonl")
-    assert [r["layout"] for r in res["rows"]] == ["single", "dp2", "ep2"]
-    assert set(res["ratios"]) == {"ep2_over_single_per_gpu", "ep2_over_dp2_per_gpu"}
+    assert [r["layout"] for r in res["rows"]] == ["single", "dp2", "ep2", "ep2c2"]
+    assert {"ep2_over_single_per_gpu", "ep2_over_dp2_per_gpu", "ep2c2_over_dp2_per_gpu"} <= set(res["ratios"])
     ep2 = res["rows"][2]
     assert ep2["params_per_gpu"] < res["rows"][1]["params_per_gpu"]  # half the experts on each GPU
+    assert res["rows"][3]["params_per_gpu"] == ep2["params_per_gpu"] and res["rows"][3]["tokens_per_s"] > 0
 
 
 def test_bench_ep_four_gpus_smoke(tmp_path):
