@@ -152,6 +152,9 @@ SETS = {
             Job("ep2", 2, torchrun(2, "bench/bench_ep.py", "--profile", "--out", "{out}/ep.jsonl")),
             Job("ep4", 4, torchrun(4, "bench/bench_ep.py", "--layouts", "single,dp4,ep4,ep2", "--out",
                                    "{out}/ep.jsonl")),
+            # issue #44 item 4: capacity-mode ep2 with the exchanges in 2 and 4 pipelined pieces (parallel.ep_chunks)
+            Job("ep2_chunks", 2, torchrun(2, "bench/bench_ep.py", "--capacity=1.0", "--layouts",
+                                          "single,ep2,ep2c2,ep2c4", "--profile", "--out", "{out}/ep_chunks.jsonl")),
             # issue #44 item 5: gpt2_moe_fine against dense gpt2_124m on books, 3 seeds each, six runs sharing one
             # GPU (the mirror's text/ through NANOPARA_MIRROR); ~10 min on an H100 (estimate)
             Job("prepare_books_moe", 0, ["data/prepare.py", "books"]),
