@@ -3,7 +3,7 @@
     torchrun --nproc_per_node=2 bench/bench_ep.py --out=F.jsonl                     (~2 minutes on 2 x H100)
     torchrun --nproc_per_node=4 bench/bench_ep.py --layouts=single,dp4,ep4,ep2 --out=F.jsonl
     torchrun --nproc_per_node=2 bench/bench_ep.py --capacity=1.0 --out=F.jsonl     (ep's fixed-size exchange)
-    torchrun --nproc_per_node=2 bench/bench_ep.py --capacity=1.0 --layouts=single,ep2,ep2c2,ep2c4   (pipelined)
+    torchrun --nproc_per_node=2 bench/bench_ep.py --capacity=1.0 --layouts=single,dp2,ep2,ep2c2 [--graph]
     torchrun --nproc_per_node=2 bench/bench_ep.py --device=cpu --preset=tiny_moe \\
         --micro_batch=2 --seq_len=64 --steps=2 --warmup=1                             (CPU smoke: the script runs)
 
@@ -51,6 +51,9 @@ def parse():
     ap.add_argument("--layouts", default="single,dp2,ep2")
     ap.add_argument("--out", default="", help="append JSON lines here")
     ap.add_argument("--profile", action="store_true", help="one profiled step per layout: GPU ms per kernel kind")
+    ap.add_argument("--graph", action="store_true", help="single and dpN under a CUDA graph (train.cuda_graph=true: "
+                    "needs --capacity > 0; ep layouts stay eager, expert parallel refuses graphs)")
+    ap.add_argument("--reduce_dtype", default="fp32", help="parallel.reduce_dtype of dpN: fp32 | bf16")
     return ap.parse_args()
 
 
@@ -131,7 +134,8 @@ def main():
         m = re.fullmatch(r"ep(\d+)(?:c(\d+))?", layout)
         ep, chunks = (int(m[1]), int(m[2] or 1)) if m else (1, 1)
         over = {"model.kernels": args.kernels, "train.micro_batch": args.micro_batch, "train.seq_len": args.seq_len,
-                "parallel.ep": ep, "parallel.ep_chunks": chunks}
+                "parallel.ep": ep, "parallel.ep_chunks": chunks, "parallel.reduce_dtype": args.reduce_dtype,
+                "train.cuda_graph": "true" if args.graph and ep == 1 else "false"}
         if args.capacity is not None:
             over["model.moe_capacity"] = args.capacity
         cfg = H.make_cfg(args.preset, over)
@@ -144,10 +148,12 @@ def main():
     if base.rank == 0:
         by = {r["layout"]: r for r in rows}
         ratios = {f"{name}_over_{ref}_per_gpu": by[name]["tokens_per_s_per_gpu"] / by[ref]["tokens_per_s_per_gpu"]
-                  for name in by if name.startswith("ep") for ref in ("single", f"dp{N}") if ref in by}
+                  for name in by if name != "single" for ref in ("single", f"dp{N}") if ref in by and ref != name}
         print(H.table(rows, COLS))
         print("\n".join(f"{k}: {v:.3f}" for k, v in ratios.items()))
-        H.append_jsonl(args.out, [dict(r, preset=args.preset, kernels=args.kernels, capacity=args.capacity)
+        H.append_jsonl(args.out, [dict(r, preset=args.preset, kernels=args.kernels, capacity=args.capacity,
+                                       graph=args.graph and r["layout"] in ("single", f"dp{N}"),
+                                       reduce_dtype=args.reduce_dtype)
                                   for r in rows] + [{"section": "ratios", "preset": args.preset, **ratios}])
     base.destroy()
 

@@ -155,6 +155,10 @@ SETS = {
             # issue #44 item 4: capacity-mode ep2 with the exchanges in 2 and 4 pipelined pieces (parallel.ep_chunks)
             Job("ep2_chunks", 2, torchrun(2, "bench/bench_ep.py", "--capacity=1.0", "--layouts",
                                           "single,ep2,ep2c2,ep2c4", "--profile", "--out", "{out}/ep_chunks.jsonl")),
+            # issue #44's dp2 goal (>= 1.85x one GPU) with both steps graphed (capacity mode), fp32 and bf16 reduction
+            *[Job(f"dp2_graph_{dt}", 2, torchrun(2, "bench/bench_ep.py", "--capacity=1.0", "--graph", "--layouts",
+                                                 "single,dp2", f"--reduce_dtype={dt}", "--profile", "--out",
+                                                 "{out}/dp2_graph.jsonl")) for dt in ("fp32", "bf16")],
             # issue #44 item 5: gpt2_moe_fine against dense gpt2_124m on books, 3 seeds each, six runs sharing one
             # GPU (the mirror's text/ through NANOPARA_MIRROR); ~10 min on an H100 (estimate)
             Job("prepare_books_moe", 0, ["data/prepare.py", "books"]),

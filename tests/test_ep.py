@@ -363,10 +363,13 @@ def _bench_worker(rank, world, out_dir, extra=()):
 def test_bench_ep_smoke(tmp_path):
     """bench/bench_ep.py runs its layouts and writes their rows (CPU: the numbers mean nothing); ep2c2: the
     capacity-mode exchange in two pipelined pieces (parallel.ep_chunks=2)."""
-    spawn(_bench_worker, 2, str(tmp_path), ("--capacity=1.0", "--layouts=single,dp2,ep2,ep2c2"))
+    spawn(_bench_worker, 2, str(tmp_path), ("--capacity=1.0", "--layouts=single,dp2,ep2,ep2c2",
+                                             "--reduce_dtype=bf16"))
     res = _rows(tmp_path / "ep.jsonl")
     assert [r["layout"] for r in res["rows"]] == ["single", "dp2", "ep2", "ep2c2"]
-    assert {"ep2_over_single_per_gpu", "ep2_over_dp2_per_gpu", "ep2c2_over_dp2_per_gpu"} <= set(res["ratios"])
+    assert {"ep2_over_single_per_gpu", "ep2_over_dp2_per_gpu", "ep2c2_over_dp2_per_gpu",
+            "dp2_over_single_per_gpu"} <= set(res["ratios"])
+    assert all(r["reduce_dtype"] == "bf16" and r["graph"] is False for r in res["rows"])
     ep2 = res["rows"][2]
     assert ep2["params_per_gpu"] < res["rows"][1]["params_per_gpu"]  # half the experts on each GPU
     assert res["rows"][3]["params_per_gpu"] == ep2["params_per_gpu"] and res["rows"][3]["tokens_per_s"] > 0
