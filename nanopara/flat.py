@@ -7,7 +7,8 @@ at 98 % (results/bench_adamw.txt); and autocast cast each fp32 weight to bf16 in
 read and 2 written an element), which the update can write for 2 bytes from the value it already holds.
 
 Layout: the decayed parameters (optim.decays: 2-D and more) first, then the rest, each run in registration order, so
-decay is a range (no mask) and the shadow covers [0, n_decay). Each parameter's .data becomes its view of the buffer
+decay is a range (no mask) and the shadow covers [0, n_decay); each starts at a multiple of 64 elements (zeros in
+between, which stay zero). Each parameter's .data becomes its view of the buffer
 (the same Parameter objects: modules, names and attributes unchanged). Gradients land in their slots of one flat
 buffer: the Linear weights' bf16 -> fp32 casts write there (the engine's gradient destinations,
 model.matmul_weight), the rest are copied in by a post-accumulate-grad hook (as dp.DDP's buckets), and later
@@ -30,6 +31,9 @@ from nanopara.mesh import Mesh
 from nanopara.optim import decays
 
 
+ALIGN = 64  # elements
+
+
 class FlatAdamW:
     """torch.optim.AdamW as the engines use it (param_groups' lr, step(), state, load_state_dict, grad_scale /
     found_inf set before step) over flat buffers. `shadow`: the dtype of the weight copy, or None."""
@@ -42,9 +46,12 @@ class FlatAdamW:
                 (decay if decays(name, p) else rest).append(p)
         self.params = decay + rest
         sizes = [p.numel() for p in self.params]
-        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        self.n, self.n_decay = sum(sizes), sum(sizes[:len(decay)])
-        self.p = torch.empty(self.n, device=device)
+        ends = [0]  # each parameter at a multiple of ALIGN elements: its fp32, bf16 and gradient views 256 / 128
+        for k in sizes:  # bytes aligned, as TMA, cuBLAS and the vectorised kernels want (zero padding between)
+            ends.append(ends[-1] + -(-k // ALIGN) * ALIGN)
+        self.offsets = ends[:-1]
+        self.n, self.n_decay = ends[-1], ends[len(decay)]
+        self.p = torch.zeros(self.n, device=device)
         self.g, self.m, self.v = (torch.zeros(self.n, device=device) for _ in range(3))
         self.p16 = torch.empty(self.n_decay, device=device, dtype=shadow) if shadow is not None else None
         self.step_t = torch.zeros((), device=device)  # steps taken (float: the kernel reads it as fp32)
