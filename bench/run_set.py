@@ -196,6 +196,7 @@ SETS = {
                 # gpt2_moe's step with it against torch's fused AdamW, eager and graphed, one run
                 Job("flat_tests", 1, ["-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                                       "tests/test_flat.py", "tests/test_adamw.py"], 300),
+                Job("flat_adamw", 1, ["-m", "kernels.adamw", "--quick", "--out", "{out}/adamw.jsonl"], 120),
                 Job("flat_step_moe", 1, ["bench/bench_moe.py", "--sections=step", "--step-capacities=1.0",
                                          "--step-optimizers=torch,flat", "--out", "{out}/moe_flat.jsonl"], 360)],
     # the planner's GPU table (nanopara/gpus.py): GEMMs, attention, bandwidth, host cost, collectives; < 240 s
