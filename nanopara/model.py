@@ -165,16 +165,16 @@ def matmul_weight(w: torch.Tensor) -> torch.Tensor:
     weights, and w._version has not moved since), the matmul reads it instead of casting w. Otherwise w itself, and
     F.linear casts it under autocast as usual: no destination set, a gradient already there (the next micro-steps
     accumulate into it in place), no_grad, or torch.compile."""
-    if torch.compiler.is_compiling():
+    shadow, into = getattr(w, "shadow", None), getattr(w, "grad_into", None)
+    if (shadow is None and into is None) or torch.compiler.is_compiling():  # (the common case: no Python work)
         return w
     on = torch.is_autocast_enabled(w.device.type)
     dtype = torch.get_autocast_dtype(w.device.type) if on else w.dtype
-    shadow = getattr(w, "shadow", None)
     if shadow is not None and (shadow.dtype != dtype or getattr(w, "shadow_version", None) != w._version):
         shadow = None
     if not torch.is_grad_enabled():
         return w if shadow is None else shadow
-    if shadow is None and (getattr(w, "grad_into", None) is None or w.grad is not None):
+    if shadow is None and (into is None or w.grad is not None):
         return w
     return _WeightCast.apply(w, dtype, shadow)
 
