@@ -52,6 +52,23 @@ def grouped_tflops(gpu, rows_per_expert: float) -> float:
     return t0 * (max(rows_per_expert, 1.0) / r0) ** (math.log(t1 / t0) / math.log(r1 / r0))
 
 
+def fp8_linear_speedup(gpu, mode: str, K: float, N: float) -> tuple | None:
+    """(x, x with the weight cast each call) of an FP8 `mode` Linear K -> N over bf16, fwd + bwd, graphed: linear
+    in log(K N / (K + N)) between the measured shapes; below the smallest, the first two's slope (smaller shapes
+    gain less, then lose: floored at 0.25); above the largest, flat. None where the table has no such mode."""
+    pts = sorted(gpu.fp8_linear.get(mode) or [])
+    if not pts:
+        return None
+    kn = K * N / (K + N)
+    if kn < pts[0][0] and len(pts) > 1:
+        lo, hi = pts[0], pts[1]
+    else:
+        lo = max([p for p in pts if p[0] <= kn] or pts[:1], key=lambda p: p[0])
+        hi = min([p for p in pts if p[0] >= kn] or pts[-1:], key=lambda p: p[0])
+    w = 0.0 if hi[0] == lo[0] else math.log(kn / lo[0]) / math.log(hi[0] / lo[0])
+    return tuple(max(a + w * (b - a), 0.25) for a, b in zip(lo[1:], hi[1:]))
+
+
 def attention_tflops(gpu, head_dim: int, T: int) -> float:
     """Our attention's fwd + bwd TFLOP/s for head dim `head_dim` at sequence length T: log-log in T between the
     in-step points (the model's call, from step profiles; the table's "128_long" at 16,384 where they stop below
@@ -88,6 +105,8 @@ class GPU:
     fp8_modes: dict = field(default_factory=dict)    # {mode: (GEMM rate / tensorwise, ps a quantized element)}
     attention_in_step: dict = field(default_factory=dict)  # {head dim: [[T, TFLOP/s]]}: our attention as the model
     #                                                        calls it (packed-qkv views), from step profiles
+    fp8_linear: dict = field(default_factory=dict)   # {mode: [[K N / (K + N), x, x cast each call]]}: FP8Linear
+    #                                                   fwd + bwd over bf16's, graphed, M = 8192 (fp8_linear_speedup)
     adamw_share: float = 0.83     # torch's fused AdamW (the engines' optimizer) against copy bandwidth
     adamw_flat_share: float = 0.98  # kernels/adamw.py's one launch (train.optimizer=flat) against copy bandwidth
     sources: dict = field(default_factory=dict)
@@ -139,6 +158,14 @@ _H100 = GPU(
     # rows at T 4096 give 397; at T 16384 629.4 / 640.3 ms for 4 micro-steps (cp2_16k_h100_2.jsonl's 1-GPU rows):
     # 436. gpt2_moe (D64, 8 x 12 heads, T 1024): 2.29 / 2.33 ms a step (moe_step_profile_h100.jsonl): 236
     attention_in_step={"128": [[1024, 235.0], [16384, 436.0]], "64": [[1024, 236.0]]},
+    # FP8Linear fwd + bwd over bf16, each side one CUDA graph, M = 8192, at gpt_1b's and gpt_3b's shapes (the two at
+    # one K N / (K + N) averaged): the Gluon GEMMs, current scaling (fp8_linear_graph_h100.jsonl)
+    fp8_linear={"tensor": [[1024, 1.186, 1.131], [1536, 1.368, 1.281], [1638, 1.402, 1.317], [2304, 1.514, 1.413],
+                           [2458, 1.516, 1.38]],
+                "row": [[1024, 1.106, 1.045], [1536, 1.282, 1.179], [1638, 1.317, 1.217], [2304, 1.402, 1.292],
+                        [2458, 1.416, 1.302]],
+                "block": [[1024, 0.776, 0.761], [1536, 0.851, 0.827], [1638, 0.884, 0.866], [2304, 0.951, 0.916],
+                          [2458, 0.946, 0.924]]},
     sources={
         "mem_gb": "spec: H100 SXM 80 GB HBM3, 79.2 GiB as torch reports it",
         "peak": "spec: NVIDIA H100 SXM dense bf16 989 TFLOP/s, fp8 1979 (report.PEAK_FLOPS)",
@@ -169,6 +196,8 @@ _H100 = GPU(
         "attention_in_step": "attention kernels' time in one-GPU step profiles: tp2_graph_gpt_1b_h100.jsonl, "
                              "fp8_e2e_h100.txt, ckpt_async_profile_h100.txt (D128 T1024), cp2_16k_h100_2.jsonl "
                              "(D128 T16384), moe_step_profile_h100.jsonl (D64 T1024)",
+        "fp8_linear": "results/fp8_linear_graph_h100.jsonl (FP8Linear fwd + bwd against bf16 under CUDA graphs, "
+                      "M = 8192, gpt_1b and gpt_3b shapes; H200 takes H100's)",
         "adamw_share": "results/bench_adamw.txt: torch's fused AdamW at 83 % of copy bandwidth (29 bytes a "
                        "parameter; kernels/adamw.py's flat kernel 98 %, what train.optimizer=flat runs)",
         "adamw_flat_share": "results/bench_adamw.txt: kernels/adamw.py's one launch at 98 % of copy (H200; the "

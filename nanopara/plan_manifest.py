@@ -200,7 +200,11 @@ APPENDED = [("scaleout_pp_graph_h200.jsonl", "git 557d434 + the pipeline CUDA gr
             ("fp8_ws_e2e_h100.jsonl", "tree of 7902a86, fp8_ws_e2e_h100.txt"),
             ("fp8_e2e_rowblock_h100.jsonl", "tree of 418ff5f, fp8_e2e_rowblock_h100.txt"),
             ("moe_wgrad_db_h100.jsonl", "tree of 418ff5f (wgrad's db on the tensor cores), moe_wgrad_db_h100.txt"),
-            ("moe_fine_step_h100.jsonl", "tree of 418ff5f (wgrad's db on the tensor cores), moe_fine_step_h100.txt")]
+            ("moe_fine_step_h100.jsonl", "tree of 418ff5f (wgrad's db on the tensor cores), moe_fine_step_h100.txt"),
+            # the FP8 rows of the runs with the FP8 code the planner models (the Gluon GEMMs in graphed steps, the
+            # Linears fp8_filter picks): held out from gpus.fp8_linear, which comes from fp8_linear_graph_h100
+            ("fp8_ws_e2e_h100.jsonl#fp8", "tree of 7902a86, fp8_ws_e2e_h100.txt"),
+            ("fp8_e2e_rowblock_h100.jsonl#fp8", "tree of 418ff5f, fp8_e2e_rowblock_h100.txt")]
 
 
 def bf16_rows(name: str, rev: str) -> list:
@@ -217,6 +221,26 @@ def bf16_rows(name: str, rev: str) -> list:
         out.append(_row(f"{name.split('.')[0]}:{r['preset']}_{r['mode']}#{i}", name, r["preset"], lay, 1024, tokens,
                         r["gpu"], 1, r["date"], rev, r["step_ms"], None if graph else r["peak_mem_gb"],
                         note="bench_fp8_e2e.py bf16 row"))
+    return out
+
+
+def fp8_rows(name: str, rev: str) -> list:
+    """bench_fp8_e2e.py's FP8 rows (tensor / row / block, delayed scaling or not: the planner does not tell them
+    apart, eager or graphed; not torchao's), the filter as the run's: auto or its globs."""
+    from nanopara.presets import PRESETS
+    out = []
+    for i, r in enumerate(_jsonl(name)):
+        parts = str(r.get("mode", "")).split("+")
+        if r.get("section") != "throughput" or parts[0] not in ("tensor", "row", "block") or "step_ms" not in r \
+                or not set(parts[1:]) <= {"delayed", "graph"}:
+            continue
+        tokens = round(r["tokens_per_s"] * r["step_ms"] / 1e3)
+        graph = "graph" in parts
+        lay = _lay(micro_batch=tokens // 1024, graph=graph, fp8=parts[0], fp8_filter=r.get("fp8_filter") or "auto",
+                   ac=PRESETS[r["preset"]]().train.activation_checkpointing)
+        out.append(_row(f"{name.split('.')[0]}:{r['preset']}_{r['mode']}#{i}", name, r["preset"], lay, 1024, tokens,
+                        r["gpu"], 1, r["date"], rev, r["step_ms"], None if graph else r["peak_mem_gb"],
+                        note=f"bench_fp8_e2e.py FP8 row, {r.get('fp8_share')} Linears in FP8"))
     return out
 
 
@@ -242,6 +266,7 @@ def append(path: str) -> list:
     new = []
     for name, rev in APPENDED:
         rows = moe_step_rows(name, rev) if name.startswith(("moe_step", "moe_wgrad", "moe_fine")) else \
+            fp8_rows(name.split("#")[0], rev) if name.endswith("#fp8") else \
             bf16_rows(name, rev) if name.startswith(("fp8_e2e", "fp8_ws")) else layout_rows(name)
         for r in rows:
             r["revision"] = rev

@@ -31,7 +31,7 @@ def run_of_config(cfg: Config, world: int, gpu: str, fabric: dict | None = None)
     lay = Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, sp=p.sp, schedule=p.pp_schedule,
                  virtual=p.pp_virtual, pp_layers=tuple(stage_layers(cfg) or ()), micro_batch=t.micro_batch,
                  ac=t.activation_checkpointing, fp8=t.fp8, graph=graph,
-                 fp8_filter="auto" if t.fp8_filter.strip() == "auto" else "all",  # globs: timed as all
+                 fp8_filter=t.fp8_filter.strip() or "all",
                  kernels="torch" if m.kernels == "torch" else "triton", cp_impl=p.cp_impl,
                  sp_keep=p.sp_keep_gathered, reduce_bytes=2 if p.reduce_dtype == "bf16" else 4, optimizer=t.optimizer)
     tokens = t.tokens_per_step or t.micro_batch * t.seq_len * dp

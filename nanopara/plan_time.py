@@ -149,7 +149,17 @@ def _stage(run: Run, gpu, i: int, blocks: list[int]) -> dict:
     per_micro = (cast + grad_bytes) * (dense + expert) / (gpu.membw_gbs["elementwise"] * 1e9)
     kinds["head"], kinds["params_pass"] = head, per_micro
     fp8_w = 0.0  # each FP8 Linear quantizes its weight (and the transpose) once a step, at the mode's rate an
-    if L.fp8 != "none" and gpu.fp8_modes.get(L.fp8, (1.0, None))[1]:  # element (fp8.py weight_fp8's cache)
+    if L.fp8 != "none" and gpu.fp8_linear.get(L.fp8):  # element (fp8.py weight_fp8's cache); measured: what the
+        on = fp8_linears(run)  # cast adds to the FP8Linear at the table's M (1/x cast each call - 1/x reused)
+        shapes = {"c_attn": (m.qkv_out / L.tp, m.d), "attn.c_proj": (m.d, m.d / L.tp),
+                  "c_fc": ((2 if m.swiglu else 1) * m.ffn / L.tp, m.d), "mlp.c_proj": (m.d, m.ffn / L.tp)}
+        per_block = 0.0
+        for name, (n, k) in shapes.items():
+            if on[name]:
+                x, xc = G.fp8_linear_speedup(gpu, L.fp8, k, n)
+                per_block += sum(_linear_s(gpu, 8192, n, k, False)) * (1 / xc - 1 / x)
+        fp8_w = sum(not _is_moe(m, b) for b in blocks) * per_block
+    elif L.fp8 != "none" and gpu.fp8_modes.get(L.fp8, (1.0, None))[1]:
         on = fp8_linears(run)  # the Linears in FP8 (fp8_filter): their weights' elements
         lin = (on["c_attn"] * m.d * m.qkv_out + on["attn.c_proj"] * m.d * m.d +
                (on["c_fc"] * (2 if m.swiglu else 1) + on["mlp.c_proj"]) * m.d * m.ffn)

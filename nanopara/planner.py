@@ -114,7 +114,7 @@ class Layout:
     micro_batch: int = 1
     ac: str = "none"             # none | selective | full
     fp8: str = "none"
-    fp8_filter: str = "auto"     # auto: the Linears fp8_filter.auto_gains picks (train.py's default) | all
+    fp8_filter: str = "auto"     # auto: the Linears fp8_filter.auto_gains picks (train.py's default) | all | globs
     graph: bool = False          # CUDA graph replay (no host floor)
     kernels: str = "triton"      # triton (ours) | torch | cudnn (other trainers: cuDNN attention, no host floor)
     cp_impl: str = "ring"
@@ -331,10 +331,17 @@ def _linear_s(gpu, t, n, k, fp8: bool, scale=1.0) -> tuple[float, float]:
 
 def fp8_linears(run: Run) -> dict:
     """Which of a dense block's Linears (c_attn, attn.c_proj, c_fc, mlp.c_proj) run FP8: all under
-    fp8_filter=all, else those fp8_filter.auto_gains picks at their (tp shard's) shape and the rank's tokens, as
-    parallel.py applies train.fp8_filter=auto."""
+    fp8_filter=all, comma-separated globs of module names (a block's: transformer.h.0.attn.c_attn, ...), else those
+    fp8_filter.auto_gains picks at their (tp shard's) shape and the rank's tokens, as parallel.py applies
+    train.fp8_filter=auto."""
+    from fnmatch import fnmatch
     from nanopara.fp8_filter import auto_gains
     m, L = run.model, run.layout
+    if L.fp8_filter not in ("auto", "all"):
+        globs = [g.strip() for g in L.fp8_filter.split(",") if g.strip()]
+        full = {"c_attn": "attn.c_attn", "attn.c_proj": "attn.c_proj", "c_fc": "mlp.c_fc", "mlp.c_proj": "mlp.c_proj"}
+        return {name: L.fp8 != "none" and any(fnmatch(f"transformer.h.0.{f}", g) for g in globs)
+                for name, f in full.items()}
     shapes = {"c_attn": (m.d, m.qkv_out / L.tp), "attn.c_proj": (m.d / L.tp, m.d),
               "c_fc": (m.d, (2 if m.swiglu else 1) * m.ffn / L.tp), "mlp.c_proj": (m.ffn / L.tp, m.d)}
     tokens = L.micro_batch * run.seq // L.cp
@@ -353,7 +360,14 @@ def block_gpu(run: Run, gpu, moe: bool) -> dict:
     mlp = [((2 if m.swiglu else 1) * m.ffn / tp, m.d), (m.d, m.ffn / tp)]
     lin_on, mlp_on = [on["c_attn"], on["attn.c_proj"]], [on["c_fc"], on["mlp.c_proj"]]
     mode = gpu.fp8_modes.get(L.fp8, (1.0, None)) if fp8 else (1.0, None)  # GEMM rate / tensorwise, ps an element
-    gemm = [_linear_s(gpu, t, n, k, f, mode[0] if f else 1.0) for (n, k), f in zip(lin, lin_on)]
+    measured = fp8 and gpu.fp8_linear.get(L.fp8)  # the whole FP8Linear's measured speed-up over bf16, casts in
+
+    def linear(n, k, f):
+        if f and measured:
+            x = G.fp8_linear_speedup(gpu, L.fp8, k, n)[0]
+            return tuple(s / x for s in _linear_s(gpu, t, n, k, False))
+        return _linear_s(gpu, t, n, k, f, mode[0] if f else 1.0)
+    gemm = [linear(n, k, f) for (n, k), f in zip(lin, lin_on)]
     if moe:  # experts whole on each tp rank (sp: its own tokens; ep: the rows routed to its E/ep experts): the
         rows = t * m.top_k / (tp if L.sp else 1)  # grouped MLP, epilogues and bias gradients in, at its measured
         fw = 2 * rows * (3 if m.swiglu else 2) * m.expert_ffn * m.d  # rate for this many rows an expert
@@ -362,7 +376,7 @@ def block_gpu(run: Run, gpu, moe: bool) -> dict:
         ts, hs = t // (tp if L.sp else 1), m.shared * m.expert_ffn  # shared experts: dense GEMMs, whole per rank
         gemm += [_linear_s(gpu, ts, n, k, False) for n, k in ((hs, m.d), (m.d, hs))] if m.shared else []
     else:
-        gemm += [_linear_s(gpu, t, n, k, f, mode[0] if f else 1.0) for (n, k), f in zip(mlp, mlp_on)]
+        gemm += [linear(n, k, f) for (n, k), f in zip(mlp, mlp_on)]
     fwd = sum(g[0] for g in gemm)
     bwd = sum(g[1] for g in gemm)
     attn_flops = 2 * L.micro_batch * (m.n_head / tp) * s * (s * L.cp) * m.hd * 3.5  # causal: 1/cp of 2bHS^2D
@@ -384,10 +398,10 @@ def block_gpu(run: Run, gpu, moe: bool) -> dict:
         mem_bytes += L.cp * t * m.d * RING_GLUE / (tp if L.sp else 1)
     memb = mem_bytes / (gpu.membw_gbs["elementwise"] * 1e9)
     fp8_lin = [nk for nk, f in zip(lin + ([] if moe else mlp), lin_on + ([] if moe else mlp_on)) if f]
-    if fp8 and mode[1] is not None:  # each FP8 Linear quantizes its input X and output gradient dY (and their
+    if fp8 and mode[1] is not None and not measured:  # each FP8 Linear quantizes its X and dY (and their
         # transposes) once a micro-batch, at the mode's measured time an element (gpus.fp8_modes)
         memb += t * sum(n + k for n, k in fp8_lin) * mode[1] * 1e-12
-    elif fp8:  # X, dY and transposes: ~96 bytes a C over a block's four Linears
+    elif fp8 and not measured:  # X, dY and transposes: ~96 bytes a C over a block's four Linears
         memb += t * m.d * 96 / tp * len(fp8_lin) / 4 / (gpu.membw_gbs["elementwise"] * 1e9)
     out = {"gemm": fwd + bwd, "attention": attn, "memory_bound": memb, "fwd_share": (fwd + attn / 3.5) /
            max(fwd + bwd + attn, 1e-12)}
