@@ -2,8 +2,7 @@
 
     torchrun --nproc_per_node=2 bench/bench_ep.py --out=F.jsonl                     (~2 minutes on 2 x H100)
     torchrun --nproc_per_node=4 bench/bench_ep.py --layouts=single,dp4,ep4,ep2 --out=F.jsonl
-    torchrun --nproc_per_node=2 bench/bench_ep.py --capacity=1.0 --out=F.jsonl     (ep's fixed-size exchange)
-    torchrun --nproc_per_node=2 bench/bench_ep.py --capacity=1.0 --layouts=single,dp2,ep2,ep2c2 [--graph]
+    torchrun --nproc_per_node=2 bench/bench_ep.py --capacity=1.0 --layouts=single,dp2,ep2,ep2c2,ep2f8 [--graph]
     torchrun --nproc_per_node=2 bench/bench_ep.py --device=cpu --preset=tiny_moe \\
         --micro_batch=2 --seq_len=64 --steps=2 --warmup=1                             (CPU smoke: the script runs)
 
@@ -14,7 +13,8 @@ GEMM), one micro-step per step of micro_batch x seq_len tokens per GPU:
   dpN     DDP over the N GPUs, every expert on each (the baseline EP must beat on memory, and match on speed)
   epK     dp = N, ep = K: each GPU holds E/K of the experts of every MoE layer, K consecutive ranks form an ep
           group (ep2 on 4 GPUs is ep2 x dp2: two copies of each expert, reduced over "edp"); two all-to-alls
-          per layer forward, two backward (ep.py); epKcJ: with parallel.ep_chunks=J (capacity only; a2a not timed)
+          per layer forward, two backward (ep.py); epKcJ: parallel.ep_chunks=J (capacity only; a2a not timed);
+          epKf8: parallel.ep_fp8 (rows out in e4m3)
 Per layout: tokens/s (global; the slowest rank's median step, each step timed alone; mean and max beside it: a
 rank that autotunes a new row bucket of the grouped GEMM inside the timed steps shows as one slow step and stalls
 its peer in the all-to-all), tokens/s per GPU, MFU on the active parameters (GPT.num_params: k/E of the experts),
@@ -123,18 +123,19 @@ def main():
     N = base.world
     layouts = [f"dp{N}" if name == "dp2" and N != 2 else name for name in args.layouts.split(",")]
     for layout in layouts:
-        m = re.fullmatch(r"ep(\d+)(c\d+)?", layout)
+        m = re.fullmatch(r"ep(\d+)(c\d+)?(f8)?", layout)
         if not (layout in ("single", f"dp{N}") or (m and N % int(m[1]) == 0 and (m[2] is None or args.capacity))):
             raise SystemExit(f"bench_ep.py: layout {layout!r} on {N} GPUs: use single, dp{N}, epK with K dividing "
-                             f"{N}, or epKcJ (J pieces) with --capacity > 0")
+                             f"{N}, epKcJ (J pieces) with --capacity > 0, or epKf8 (FP8 dispatch)")
     H.printer(base)(H.banner(f"bench_ep {args.preset} B={args.micro_batch} T={args.seq_len} kernels={args.kernels}"
                              f" capacity={args.capacity}", base), flush=True)
     rows = []
     for layout in layouts:
-        m = re.fullmatch(r"ep(\d+)(?:c(\d+))?", layout)
-        ep, chunks = (int(m[1]), int(m[2] or 1)) if m else (1, 1)
+        m = re.fullmatch(r"ep(\d+)(?:c(\d+))?(f8)?", layout)
+        ep, chunks, fp8 = (int(m[1]), int(m[2] or 1), bool(m[3])) if m else (1, 1, False)
         over = {"model.kernels": args.kernels, "train.micro_batch": args.micro_batch, "train.seq_len": args.seq_len,
-                "parallel.ep": ep, "parallel.ep_chunks": chunks, "parallel.reduce_dtype": args.reduce_dtype,
+                "parallel.ep": ep, "parallel.ep_chunks": chunks, "parallel.ep_fp8": fp8,
+                "parallel.reduce_dtype": args.reduce_dtype,
                 "train.cuda_graph": "true" if args.graph and ep == 1 else "false"}
         if args.capacity is not None:
             over["model.moe_capacity"] = args.capacity

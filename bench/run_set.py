@@ -152,9 +152,11 @@ SETS = {
             Job("ep2", 2, torchrun(2, "bench/bench_ep.py", "--profile", "--out", "{out}/ep.jsonl")),
             Job("ep4", 4, torchrun(4, "bench/bench_ep.py", "--layouts", "single,dp4,ep4,ep2", "--out",
                                    "{out}/ep.jsonl")),
-            # issue #44 item 4: capacity-mode ep2 with the exchanges in 2 and 4 pipelined pieces (parallel.ep_chunks)
+            # issue #44 item 4: capacity-mode ep2 with the exchanges in 2 and 4 pipelined pieces (parallel.ep_chunks),
+            # and with the rows out in FP8 (parallel.ep_fp8)
             Job("ep2_chunks", 2, torchrun(2, "bench/bench_ep.py", "--capacity=1.0", "--layouts",
-                                          "single,ep2,ep2c2,ep2c4", "--profile", "--out", "{out}/ep_chunks.jsonl")),
+                                          "single,ep2,ep2c2,ep2c4,ep2f8", "--profile", "--out",
+                                          "{out}/ep_chunks.jsonl")),
             # issue #44's dp2 goal (>= 1.85x one GPU) with both steps graphed (capacity mode), fp32 and bf16 reduction
             *[Job(f"dp2_graph_{dt}", 2, torchrun(2, "bench/bench_ep.py", "--capacity=1.0", "--graph", "--layouts",
                                                  "single,dp2", f"--reduce_dtype={dt}", "--profile", "--out",

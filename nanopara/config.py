@@ -63,10 +63,10 @@ class ParallelConfig:
     pp: int = 1                  # pipeline stages (pp.py); the step's micro-batches (tokens_per_step) run through them
     cp: int = 1                  # context parallel (cp.py): ring attention, each rank holds 2 of 2*cp seq chunks
     cp_impl: str = "ring"        # ring (K/V passed around, zigzag-balanced) | ulysses (all-to-all heads <-> seq)
-    cp_keep_kv: str = "auto"     # ring: keep the received K/V for backward (no K/V messages there; cp-1 blocks a
-                                 # layer held): auto (on at cp = 2: cp.keep_kv) | true | false
+    cp_keep_kv: str = "auto"     # ring: the received K/V kept for backward: auto (at cp = 2: cp.keep_kv) | true | false
     ep: int = 1                  # expert parallel (ep.py): each of ep ranks of dp x cp holds moe_experts/ep experts
     ep_chunks: int = 1           # ep with a capacity: the all-to-alls in this many pieces, pipelined with the experts
+    ep_fp8: bool = False         # ep: the rows go out to the experts in e4m3 with a scale per row (C + 4 bytes, not 2C)
     zero: int = 0                # 0 = DDP, 1/2/3 = ZeRO stage
     sp: bool = False             # sequence parallel (needs tp > 1)
     tp_overlap: int = 0          # TP: row blocks per GEMM, each block's collective under the next one's GEMM

@@ -43,6 +43,7 @@ class EPGroup:
     rank: int
     n_experts: int  # E, over the whole group
     chunks: int = 1  # capacity mode: the exchange and the local experts in this many pieces, pipelined
+    fp8: bool = False  # the rows out in e4m3 with a scale per row (FP8Dispatch); the results come back as they are
 
     @property
     def local(self) -> int:
@@ -82,6 +83,26 @@ class AllToAll(torch.autograd.Function):
     def forward(ctx, x, send, recv, group):
         ctx.send, ctx.recv, ctx.group = send, recv, group
         return all_to_all(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return all_to_all(dy, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+class FP8Dispatch(torch.autograd.Function):
+    """fwd: all_to_all of x's rows as e4m3 with a power-of-two scale per row (kernels/fp8_quant.py: C + 4 bytes a
+    row against bf16's 2C), back in x's dtype on arrival; bwd: the gradient's reverse exchange in its own dtype
+    (straight through the rounding, as the experts' inputs in an FP8 recipe)."""
+
+    @staticmethod
+    def forward(ctx, x, send, recv, group):
+        from kernels.fp8_quant import fp8_quantize
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        t = fp8_quantize(x.contiguous(), granularity="row", pow2=True)
+        got = all_to_all(torch.cat([t.q.view(torch.uint8), t.s.view(torch.uint8)], 1), send, recv, group)
+        C = x.shape[1]
+        q, s = got[:, :C].contiguous().view(t.q.dtype), got[:, C:].contiguous().view(torch.float32)
+        return (q.float() * s).to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
@@ -189,7 +210,7 @@ def ep_experts(xs: torch.Tensor, offsets: torch.Tensor, ep: EPGroup, run_local, 
         send_rows, recv_rows = torch.stack([send.sum(1), recv.sum(1)]).tolist()  # the host sync (split sizes)
     else:
         send_rows = recv_rows = [ep.local * capacity] * ep.size
-    xr = AllToAll.apply(xs, send_rows, recv_rows, ep.group)  # (source, expert)-major
+    xr = (FP8Dispatch if ep.fp8 else AllToAll).apply(xs, send_rows, recv_rows, ep.group)  # (source, expert)-major
     dest, local_off = expert_major(recv, xr.shape[0], capacity)
     if ep.local == 1 and capacity is None:  # one local expert and no padding: already in its order
         yr = run_local(xr, local_off)
@@ -243,9 +264,9 @@ def ep_group_of(mesh) -> EPGroup | None:
     return EPGroup(mesh.groups["ep"], mesh.sizes["ep"], mesh.coords["ep"], 0)
 
 
-def apply_ep(model: nn.Module, mesh, chunks: int = 1) -> dict:
+def apply_ep(model: nn.Module, mesh, chunks: int = 1, fp8: bool = False) -> dict:
     """Keep this rank's experts of every MoE layer (in place; the other ranks' slices are dropped) and attach the
-    ep group to the layers (chunks: parallel.ep_chunks, the capacity-mode pipeline's pieces). Returns the shard
+    ep group to the layers (chunks, fp8: parallel.ep_chunks, parallel.ep_fp8). Returns the shard
     metadata checkpoints record: {name: {"dim": 0, "full_shape", "slices": [[lo, hi]], "ep", "ep_rank"}} (the same
     form as tp.shard_metadata's, consolidate.py places it)."""
     base = ep_group_of(mesh)
@@ -257,7 +278,7 @@ def apply_ep(model: nn.Module, mesh, chunks: int = 1) -> dict:
         E = layer.n_experts
         if E % base.size:
             raise ValueError(f"moe_experts={E} is not divisible by parallel.ep={base.size}")
-        layer.ep = EPGroup(base.group, base.size, base.rank, E, chunks)
+        layer.ep = EPGroup(base.group, base.size, base.rank, E, chunks, fp8)
         lo, hi = base.rank * layer.ep.local, (base.rank + 1) * layer.ep.local
         for lin_name in ("c_fc", "c_proj"):
             lin = getattr(layer.experts, lin_name)

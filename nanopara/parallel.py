@@ -58,6 +58,9 @@ def check_layout(cfg: Config, world: int, device_type: str) -> int:
         raise ConfigError(f"parallel.ep_chunks={p.ep_chunks} pipelines expert parallel's exchanges in capacity mode: "
                           f"it needs parallel.ep > 1 and model.moe_capacity > 0 (got ep={p.ep}, "
                           f"moe_capacity={cfg.model.moe_capacity})")
+    if p.ep_fp8 and (p.ep == 1 or p.ep_chunks > 1):  # ep.py's FP8Dispatch
+        raise ConfigError(f"parallel.ep_fp8=true sends expert parallel's rows in FP8: it needs parallel.ep > 1 and "
+                          f"the unpipelined exchange (parallel.ep_chunks=1); got ep={p.ep}, ep_chunks={p.ep_chunks}")
     if t.optimizer == "flat" and (dp * p.cp > 1 or p.pp > 1):  # flat.py
         raise ConfigError(f"train.optimizer=flat runs one replica without a pipeline (dp*cp = 1, pp = 1); this layout "
                           f"has dp={dp} cp={p.cp} pp={p.pp}: use train.optimizer=torch")
@@ -141,7 +144,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config) -> Trainer:
     if p.ep != mesh.sizes.get("ep", 1):
         raise ConfigError(f"parallel.ep={p.ep} but the mesh has ep={mesh.sizes.get('ep', 1)}: build it with "
                           f"Mesh.build(..., ep=cfg.parallel.ep)")
-    ep_shards = apply_ep(model, mesh, p.ep_chunks)
+    ep_shards = apply_ep(model, mesh, p.ep_chunks, p.ep_fp8)
     # 3. pipeline parallel: this rank's chunks (pp_virtual of them under interleaved 1F1B) replace the model; the
     #    caller drops the GPT, so the other stages' weights go
     chunks = None

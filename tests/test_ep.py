@@ -112,16 +112,18 @@ def reference_runs(ref, xs):
     return outs, grads
 
 
-def check_layer(rank, world, ep, k, capacity, skew, impl="sorted", chunks=1):
+def check_layer(rank, world, ep, k, capacity, skew, impl="sorted", chunks=1, fp8=False):
     mesh = Mesh.build(dp=world, device="cpu", ep=ep)  # the default group exists: only the ep groups are new
     g = torch.Generator().manual_seed(2)
     xs = [torch.randn(2, 5, 8, generator=g) for _ in range(world)]
+    if fp8:  # FP8 dispatch: eighths up to 2 have <= 3 mantissa bits, so e4m3 with a power-of-two scale is exact
+        xs = [(x * 8).round().clamp(-16, 16) / 8 for x in xs]
     xs = [x.abs() for x in xs] if skew else xs  # skew: positive inputs, so expert 0's logit wins
     # reference: the full layer on every rank's tokens; expert grads summed over the ranks of my ep group
     ref = _layer(k, capacity, skew, impl)  # the same path on one device (triton vs sorted: tests/test_moe.py)
     outs, grads = reference_runs(ref, xs)
     layer = _layer(k, capacity, skew, impl)  # triton: the kernels in Triton's interpreter (conftest.py)
-    apply_ep(layer, mesh, chunks)
+    apply_ep(layer, mesh, chunks, fp8)
     x = xs[rank].clone().requires_grad_(True)
     y = layer(x)
     (y * y).sum().backward()
@@ -138,6 +140,10 @@ def check_layer(rank, world, ep, k, capacity, skew, impl="sorted", chunks=1):
         assert layer.stats["load_max"] == 4 / k  # expert 0 (k = 2: and 1) takes every token
     full = gather_experts(layer, mesh)
     assert torch.equal(full["experts.c_fc.weight"], ref.experts.c_fc.weight)
+    if fp8:  # any input: the rows' rounding shows, within e4m3's (2^-4 of a row's largest element)
+        x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(10 + rank))
+        got, want = layer(x), ref(x)
+        assert not torch.equal(got, want) and (got - want).abs().max() < 0.1 * want.abs().max()
 
 
 def _layer_worker(rank, world, cases):
@@ -155,7 +161,9 @@ def _layer_worker(rank, world, cases):
          (2, 2, 1.0, True, "triton"),  # routing, permute, grouped GEMM and combine kernels around the exchange
          (2, 2, 0.0, False, "triton"),  # dropless: the received rows moved to expert order by those kernels
          (2, 2, 1.0, False, "sorted", 2),  # capacity 5 in 2 pipelined pieces of 3 (one more padding slot)
-         (2, 1, 2.0, True, "triton", 3)]),  # skewed, 3 pieces: some carry no row at all
+         (2, 1, 2.0, True, "triton", 3),  # skewed, 3 pieces: some carry no row at all
+         (2, 2, 0.0, False, "sorted", 1, True),  # FP8 dispatch, dropless
+         (2, 2, 1.0, True, "triton", 1, True)]),  # FP8 dispatch around the Triton routing kernels, capacity
     (4, [(2, 2, 0.0, False),    # two ep groups of 2
          (4, 2, 0.0, True)]),   # one expert per rank, two ranks idle
 ])
@@ -345,6 +353,9 @@ def test_layout_errors():
     cfg = parse_args(["--preset=tiny_moe", "--parallel.ep=2", "--parallel.ep_chunks=2", "--model.moe_capacity=0"])
     with pytest.raises(ConfigError, match="parallel.ep_chunks=2 pipelines .* model.moe_capacity > 0"):
         check_layout(cfg, 2, "cpu")
+    cfg = parse_args(["--preset=tiny_moe", "--parallel.ep_fp8=true"])
+    with pytest.raises(ConfigError, match="parallel.ep_fp8=true .* needs parallel.ep > 1"):
+        check_layout(cfg, 2, "cpu")
 
 
 def _bench_worker(rank, world, out_dir, extra=()):
@@ -363,10 +374,10 @@ def _bench_worker(rank, world, out_dir, extra=()):
 def test_bench_ep_smoke(tmp_path):
     """bench/bench_ep.py runs its layouts and writes their rows (CPU: the numbers mean nothing); ep2c2: the
     capacity-mode exchange in two pipelined pieces (parallel.ep_chunks=2)."""
-    spawn(_bench_worker, 2, str(tmp_path), ("--capacity=1.0", "--layouts=single,dp2,ep2,ep2c2",
+    spawn(_bench_worker, 2, str(tmp_path), ("--capacity=1.0", "--layouts=single,dp2,ep2,ep2c2,ep2f8",
                                              "--reduce_dtype=bf16"))
     res = _rows(tmp_path / "ep.jsonl")
-    assert [r["layout"] for r in res["rows"]] == ["single", "dp2", "ep2", "ep2c2"]
+    assert [r["layout"] for r in res["rows"]] == ["single", "dp2", "ep2", "ep2c2", "ep2f8"]
     assert {"ep2_over_single_per_gpu", "ep2_over_dp2_per_gpu", "ep2c2_over_dp2_per_gpu",
             "dp2_over_single_per_gpu"} <= set(res["ratios"])
     assert all(r["reduce_dtype"] == "bf16" and r["graph"] is False for r in res["rows"])
