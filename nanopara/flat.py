@@ -158,12 +158,6 @@ class FlatSingle(Engine):
                 p.grad = None
         self._given.clear()
 
-    def zero_grad_buffers(self):
-        self.optimizer.g.zero_()
-        for p in self.params:
-            p.grad = self._slot[id(p)]
-        self._given.clear()
-
     def load_model_state_dict(self, sd: dict) -> None:
         super().load_model_state_dict(sd)
         self.optimizer.refresh_shadow()

@@ -18,8 +18,8 @@ weight gradients into the kept .grad (18 bytes a parameter, zeroed once a step),
 from __future__ import annotations
 
 from nanopara import gpus as G
-from nanopara.planner import (Run, _host_layer, _is_moe, _linear_s, block_gpu, check, fp8_linears, memory,
-                              stage_blocks, stage_params, wait_share)
+from nanopara.planner import (Run, _host_layer, _is_moe, _linear_s, block_gpu, check, fp8_linears, linear_shapes,
+                              memory, stage_blocks, stage_params, wait_share)
 
 CONTENTION = 0.3   # compute slowdown per second of overlapped collective (notes/dp.md's no-communication control)
 CE_BYTES_TORCH = 68.0  # F.cross_entropy over fp32 logits, fwd+bwd, per token and vocab entry at copy bandwidth
@@ -151,10 +151,8 @@ def _stage(run: Run, gpu, i: int, blocks: list[int]) -> dict:
     fp8_w = 0.0  # each FP8 Linear quantizes its weight (and the transpose) once a step, at the mode's rate an
     if L.fp8 != "none" and gpu.fp8_linear.get(L.fp8):  # element (fp8.py weight_fp8's cache); measured: what the
         on = fp8_linears(run)  # cast adds to the FP8Linear at the table's M (1/x cast each call - 1/x reused)
-        shapes = {"c_attn": (m.qkv_out / L.tp, m.d), "attn.c_proj": (m.d, m.d / L.tp),
-                  "c_fc": ((2 if m.swiglu else 1) * m.ffn / L.tp, m.d), "mlp.c_proj": (m.d, m.ffn / L.tp)}
         per_block = 0.0
-        for name, (n, k) in shapes.items():
+        for name, (k, n) in linear_shapes(m, L.tp).items():
             if on[name]:
                 x, xc = G.fp8_linear_speedup(gpu, L.fp8, k, n)
                 per_block += sum(_linear_s(gpu, 8192, n, k, False)) * (1 / xc - 1 / x)

@@ -329,24 +329,26 @@ def _linear_s(gpu, t, n, k, fp8: bool, scale=1.0) -> tuple[float, float]:
     return _gemm_s(gpu, t, n, k, dt, scale), _gemm_s(gpu, t, k, n, dt, scale) + _gemm_s(gpu, n, k, t, dt, scale)
 
 
+def linear_shapes(m: Model, tp: int) -> dict:
+    """A dense block's four Linears as (K in, N out) on one tp rank (its shard)."""
+    return {"c_attn": (m.d, m.qkv_out / tp), "attn.c_proj": (m.d / tp, m.d),
+            "c_fc": (m.d, (2 if m.swiglu else 1) * m.ffn / tp), "mlp.c_proj": (m.ffn / tp, m.d)}
+
+
 def fp8_linears(run: Run) -> dict:
-    """Which of a dense block's Linears (c_attn, attn.c_proj, c_fc, mlp.c_proj) run FP8: all under
-    fp8_filter=all, comma-separated globs of module names (a block's: transformer.h.0.attn.c_attn, ...), else those
-    fp8_filter.auto_gains picks at their (tp shard's) shape and the rank's tokens, as parallel.py applies
-    train.fp8_filter=auto."""
+    """Which of a dense block's four Linears run FP8: all (fp8_filter=all), those its globs match (as module names:
+    transformer.h.0.attn.c_attn, ...), or those auto_gains picks at their tp shard's shape and the rank's tokens."""
     from fnmatch import fnmatch
     from nanopara.fp8_filter import auto_gains
-    m, L = run.model, run.layout
-    if L.fp8_filter not in ("auto", "all"):
-        globs = [g.strip() for g in L.fp8_filter.split(",") if g.strip()]
-        full = {"c_attn": "attn.c_attn", "attn.c_proj": "attn.c_proj", "c_fc": "mlp.c_fc", "mlp.c_proj": "mlp.c_proj"}
-        return {name: L.fp8 != "none" and any(fnmatch(f"transformer.h.0.{f}", g) for g in globs)
-                for name, f in full.items()}
-    shapes = {"c_attn": (m.d, m.qkv_out / L.tp), "attn.c_proj": (m.d / L.tp, m.d),
-              "c_fc": (m.d, (2 if m.swiglu else 1) * m.ffn / L.tp), "mlp.c_proj": (m.ffn / L.tp, m.d)}
-    tokens = L.micro_batch * run.seq // L.cp
-    return {name: L.fp8 != "none" and (L.fp8_filter == "all" or auto_gains(L.fp8, int(k), int(n), tokens))
-            for name, (k, n) in shapes.items()}
+    L, tokens = run.layout, run.layout.micro_batch * run.seq // run.layout.cp
+    globs = [g.strip() for g in L.fp8_filter.split(",") if g.strip()]
+
+    def pick(name, k, n):
+        if L.fp8_filter == "auto":
+            return auto_gains(L.fp8, int(k), int(n), tokens)
+        module = {"c_attn": "attn.c_attn", "c_fc": "mlp.c_fc"}.get(name, name)
+        return L.fp8_filter == "all" or any(fnmatch(f"transformer.h.0.{module}", g) for g in globs)
+    return {name: L.fp8 != "none" and pick(name, k, n) for name, (k, n) in linear_shapes(run.model, L.tp).items()}
 
 
 def block_gpu(run: Run, gpu, moe: bool) -> dict:
@@ -356,13 +358,12 @@ def block_gpu(run: Run, gpu, moe: bool) -> dict:
     t, tp = L.micro_batch * s, L.tp
     on = fp8_linears(run)
     fp8 = any(on.values())
-    lin = [(m.qkv_out / tp, m.d), (m.d, m.d / tp)]
-    mlp = [((2 if m.swiglu else 1) * m.ffn / tp, m.d), (m.d, m.ffn / tp)]
+    sh = {name: (n, k) for name, (k, n) in linear_shapes(m, tp).items()}
+    lin, mlp = [sh["c_attn"], sh["attn.c_proj"]], [sh["c_fc"], sh["mlp.c_proj"]]
     lin_on, mlp_on = [on["c_attn"], on["attn.c_proj"]], [on["c_fc"], on["mlp.c_proj"]]
     mode = gpu.fp8_modes.get(L.fp8, (1.0, None)) if fp8 else (1.0, None)  # GEMM rate / tensorwise, ps an element
     measured = fp8 and gpu.fp8_linear.get(L.fp8)  # the whole FP8Linear's measured speed-up over bf16, casts in
-
-    def linear(n, k, f):
+    def linear(n, k, f):  # noqa: E306
         if f and measured:
             x = G.fp8_linear_speedup(gpu, L.fp8, k, n)[0]
             return tuple(s / x for s in _linear_s(gpu, t, n, k, False))
@@ -398,11 +399,9 @@ def block_gpu(run: Run, gpu, moe: bool) -> dict:
         mem_bytes += L.cp * t * m.d * RING_GLUE / (tp if L.sp else 1)
     memb = mem_bytes / (gpu.membw_gbs["elementwise"] * 1e9)
     fp8_lin = [nk for nk, f in zip(lin + ([] if moe else mlp), lin_on + ([] if moe else mlp_on)) if f]
-    if fp8 and mode[1] is not None and not measured:  # each FP8 Linear quantizes its X and dY (and their
-        # transposes) once a micro-batch, at the mode's measured time an element (gpus.fp8_modes)
-        memb += t * sum(n + k for n, k in fp8_lin) * mode[1] * 1e-12
-    elif fp8 and not measured:  # X, dY and transposes: ~96 bytes a C over a block's four Linears
-        memb += t * m.d * 96 / tp * len(fp8_lin) / 4 / (gpu.membw_gbs["elementwise"] * 1e9)
+    if fp8 and not measured:  # each FP8 Linear quantizes its X and dY (and transposes) once a micro-batch: at the
+        memb += (t * sum(n + k for n, k in fp8_lin) * mode[1] * 1e-12 if mode[1] is not None else  # mode's time an
+                 t * m.d * 96 / tp * len(fp8_lin) / 4 / (gpu.membw_gbs["elementwise"] * 1e9))  # element, or 96 B a C
     out = {"gemm": fwd + bwd, "attention": attn, "memory_bound": memb, "fwd_share": (fwd + attn / 3.5) /
            max(fwd + bwd + attn, 1e-12)}
     if L.ac == "full":
