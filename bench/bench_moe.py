@@ -100,6 +100,66 @@ def tma_rows(args):
     return ok
 
 
+def _wgrad_db(dy, x, offs, mma):
+    """grouped_wgrad with the bias gradient, through the TMA kernel, db summed on the tensor cores or not."""
+    keep, gg.WGRAD_DB_MMA = gg.WGRAD_DB_MMA, mma
+    try:
+        return gg.grouped_wgrad(dy, x, offs, bias=True, tma=True)
+    finally:
+        gg.WGRAD_DB_MMA = keep
+
+
+def bench_gemm(R, E, N, K, skew, dtype, device, timer, tma=False):
+    """TFLOP/s rows of fwd / dgrad / wgrad (ours), torch._grouped_mm (where it exists) and one dense cuBLAS GEMM of
+    the same FLOPs, at R rows over E groups, w (E, N, K). `timer(fn)` -> ms. tma: also fwd / dgrad / wgrad through
+    the TMA kernels (impl "triton_tma"; the caller checks tma_supported), and its wgrad with the bias gradient
+    (triton_tma_db, triton_tma_db_mma: db on the CUDA / tensor cores); "triton" is the pointer kernels. Rows
+    get vs_dense and vs_grouped_mm (time of that baseline / this time: > 1 is faster)."""
+    torch.manual_seed(0)
+    offs = gg.offsets_of(gg.group_sizes(R, E, skew), device)
+    x = torch.randn(R, K, device=device, dtype=dtype)
+    w = torch.randn(E, N, K, device=device, dtype=dtype) / K ** 0.5
+    dy = torch.randn(R, N, device=device, dtype=dtype)
+    wd = torch.randn(N, K, device=device, dtype=dtype) / K ** 0.5
+    flops = 2 * R * N * K
+    cases = {
+        ("fwd", "triton"): lambda: gg.grouped_fwd(x, w, None, offs, tma=False),
+        ("fwd", "dense_cublas"): lambda: x @ wd.t(),
+        ("dgrad", "triton"): lambda: gg.grouped_dgrad(dy, w, offs, tma=False),
+        ("dgrad", "dense_cublas"): lambda: dy @ wd,
+        ("wgrad", "triton"): lambda: gg.grouped_wgrad(dy, x, offs, bias=False, tma=False),
+        ("wgrad", "dense_cublas"): lambda: dy.t() @ x,
+    }
+    if tma:
+        cases[("fwd", "triton_tma")] = lambda: gg.grouped_fwd(x, w, None, offs, tma=True)
+        cases[("dgrad", "triton_tma")] = lambda: gg.grouped_dgrad(dy, w, offs, tma=True)
+        cases[("wgrad", "triton_tma")] = lambda: gg.grouped_wgrad(dy, x, offs, bias=False, tma=True)
+        cases[("wgrad", "triton_tma_db")] = lambda: _wgrad_db(dy, x, offs, False)  # + the bias gradient
+        cases[("wgrad", "triton_tma_db_mma")] = lambda: _wgrad_db(dy, x, offs, True)
+    gmm = getattr(torch, "_grouped_mm", None)
+    if gmm is not None:
+        ends = offs[1:]
+        wt = w.transpose(-2, -1)  # (E, K, N) column-major view, the layout _grouped_mm wants for its B
+        cases[("fwd", "torch_grouped_mm")] = lambda: gmm(x, wt, offs=ends)
+        cases[("dgrad", "torch_grouped_mm")] = lambda: gmm(dy, w, offs=ends)
+        cases[("wgrad", "torch_grouped_mm")] = lambda: gmm(dy.t(), x, offs=ends)  # (E, N, K): groups along R
+    rows = []
+    for (op, impl), fn in cases.items():
+        row = dict(op=op, impl=impl, R=R, E=E, N=N, K=K, skew=skew)
+        try:
+            ms = timer(fn)
+        except Exception as exc:  # noqa: BLE001  (a baseline this torch lacks: report it, keep the table)
+            rows.append(dict(row, error=f"{type(exc).__name__}: {str(exc)[:120]}"))
+            continue
+        rows.append(dict(row, ms=ms, tflops=flops / ms / 1e9))
+    for base, field in (("dense_cublas", "vs_dense"), ("torch_grouped_mm", "vs_grouped_mm")):
+        ms = {r["op"]: r["ms"] for r in rows if r["impl"] == base and "ms" in r}
+        for r in rows:
+            if "ms" in r and r["op"] in ms:
+                r[field] = ms[r["op"]] / r["ms"]  # > 1: faster than that baseline
+    return rows
+
+
 def gemm(args, timer):
     rows = []
     tma = args.tma
@@ -111,7 +171,7 @@ def gemm(args, timer):
           f" {'_grouped_mm':>14} {'dense cuBLAS':>12}")
     for R, (N, K, shape), skew in itertools.product(args.gemm_rows, ((4 * args.C, args.C, "c_fc"),
                                                                       (args.C, 4 * args.C, "c_proj")), args.skews):
-        res = gg.bench_gemm(R, args.E, N, K, skew, args.dtype, args.device, timer, tma=tma)
+        res = bench_gemm(R, args.E, N, K, skew, args.dtype, args.device, timer, tma=tma)
         rows += [dict(r, section="gemm", shape=shape) for r in res]
         by = {(r["op"], r["impl"]): r for r in res}
         for op in ("fwd", "dgrad", "wgrad"):

@@ -21,11 +21,9 @@ persistent over tiles numbered group by group. Autotuned per (N, K, rows bucket)
 interpreter tl.dot on bf16 is wrong (notes/triton_cpu.md), so CPU tests use fp32/fp16. Measured: notes/moe.md.
 Callers: nanopara/moe.py (the Triton expert path), kernels/grouped_gemm_fp8.py (SCALED). Public ops take the Triton
 path on CUDA tensors and a loop over groups on CPU; `*_triton` force Triton. Tests: tests/test_moe.py.
-Run: `python -m kernels.grouped_gemm [--out FILE]`: parity, then TFLOP/s against dense cuBLAS and torch._grouped_mm.
+Benchmark: bench/bench_moe.py --sections=gemm (TFLOP/s against dense cuBLAS and torch._grouped_mm).
 """
-import argparse
 import functools
-import json
 import os
 
 import torch
@@ -765,7 +763,7 @@ def grouped_mlp(x, w_fc, b_fc, w_proj, b_proj, offsets):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Parity + benchmark: python -m kernels.grouped_gemm [--out FILE]
+# Group sizes and offsets (the tests' and bench/bench_moe.py's)
 
 
 def group_sizes(R, E, skew, generator=None):
@@ -786,121 +784,3 @@ def group_sizes(R, E, skew, generator=None):
 
 def offsets_of(sizes, device):
     return torch.tensor([0] + sizes, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
-
-
-def _median_ms(fn):
-    return triton.testing.do_bench(fn, return_mode="median")
-
-
-def _wgrad_db(dy, x, offs, mma):
-    """grouped_wgrad with the bias gradient, through the TMA kernel, db summed on the tensor cores or not."""
-    global WGRAD_DB_MMA
-    keep, WGRAD_DB_MMA = WGRAD_DB_MMA, mma
-    try:
-        return grouped_wgrad(dy, x, offs, bias=True, tma=True)
-    finally:
-        WGRAD_DB_MMA = keep
-
-
-def bench_gemm(R, E, N, K, skew, dtype=torch.bfloat16, device="cuda", timer=_median_ms, tma=False):
-    """TFLOP/s rows of fwd / dgrad / wgrad (ours), torch._grouped_mm (where it exists) and one dense cuBLAS GEMM of
-    the same FLOPs, at R rows over E groups, w (E, N, K). `timer(fn)` -> ms. tma: also fwd / dgrad / wgrad through
-    the TMA kernels (impl "triton_tma"; the caller checks tma_supported), and its wgrad with the bias gradient
-    (triton_tma_db, triton_tma_db_mma: db on the CUDA / tensor cores); "triton" is the pointer kernels. Rows
-    get vs_dense and vs_grouped_mm (time of that baseline / this time: > 1 is faster)."""
-    torch.manual_seed(0)
-    offs = offsets_of(group_sizes(R, E, skew), device)
-    x = torch.randn(R, K, device=device, dtype=dtype)
-    w = torch.randn(E, N, K, device=device, dtype=dtype) / K ** 0.5
-    dy = torch.randn(R, N, device=device, dtype=dtype)
-    wd = torch.randn(N, K, device=device, dtype=dtype) / K ** 0.5
-    flops = 2 * R * N * K
-    cases = {
-        ("fwd", "triton"): lambda: grouped_fwd(x, w, None, offs, tma=False),
-        ("fwd", "dense_cublas"): lambda: x @ wd.t(),
-        ("dgrad", "triton"): lambda: grouped_dgrad(dy, w, offs, tma=False),
-        ("dgrad", "dense_cublas"): lambda: dy @ wd,
-        ("wgrad", "triton"): lambda: grouped_wgrad(dy, x, offs, bias=False, tma=False),
-        ("wgrad", "dense_cublas"): lambda: dy.t() @ x,
-    }
-    if tma:
-        cases[("fwd", "triton_tma")] = lambda: grouped_fwd(x, w, None, offs, tma=True)
-        cases[("dgrad", "triton_tma")] = lambda: grouped_dgrad(dy, w, offs, tma=True)
-        cases[("wgrad", "triton_tma")] = lambda: grouped_wgrad(dy, x, offs, bias=False, tma=True)
-        cases[("wgrad", "triton_tma_db")] = lambda: _wgrad_db(dy, x, offs, False)  # + the bias gradient
-        cases[("wgrad", "triton_tma_db_mma")] = lambda: _wgrad_db(dy, x, offs, True)
-    gmm = getattr(torch, "_grouped_mm", None)
-    if gmm is not None:
-        ends = offs[1:]
-        wt = w.transpose(-2, -1)  # (E, K, N) column-major view, the layout _grouped_mm wants for its B
-        cases[("fwd", "torch_grouped_mm")] = lambda: gmm(x, wt, offs=ends)
-        cases[("dgrad", "torch_grouped_mm")] = lambda: gmm(dy, w, offs=ends)
-        cases[("wgrad", "torch_grouped_mm")] = lambda: gmm(dy.t(), x, offs=ends)  # (E, N, K): groups along R
-    rows = []
-    for (op, impl), fn in cases.items():
-        row = dict(op=op, impl=impl, R=R, E=E, N=N, K=K, skew=skew)
-        try:
-            ms = timer(fn)
-        except Exception as exc:  # noqa: BLE001  (a baseline this torch lacks: report it, keep the table)
-            rows.append(dict(row, error=f"{type(exc).__name__}: {str(exc)[:120]}"))
-            continue
-        rows.append(dict(row, ms=ms, tflops=flops / ms / 1e9))
-    for base, field in (("dense_cublas", "vs_dense"), ("torch_grouped_mm", "vs_grouped_mm")):
-        ms = {r["op"]: r["ms"] for r in rows if r["impl"] == base and "ms" in r}
-        for r in rows:
-            if "ms" in r and r["op"] in ms:
-                r[field] = ms[r["op"]] / r["ms"]  # > 1: faster than that baseline
-    return rows
-
-
-def _parity():
-    torch.manual_seed(0)
-    E, R, C, H = 8, 4099, 768, 3072
-    offs = offsets_of(group_sizes(R, E, "skewed"), "cuda")
-    x = torch.randn(R, C, device="cuda")
-    params = [torch.randn(E, H, C, device="cuda") * 0.02, torch.randn(E, H, device="cuda") * 0.02,
-              torch.randn(E, C, H, device="cuda") * 0.02, torch.randn(E, C, device="cuda") * 0.02]
-    dy = torch.randn(R, C, device="cuda")
-
-    def run(fn, dt, autocast=False):
-        leaves = [x.detach().to(dt).clone().requires_grad_()] + [p.clone().requires_grad_() for p in params]
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            y = fn(leaves[0], *leaves[1:], offs)
-        y.backward(dy.to(y.dtype))
-        return [y.float()] + [t.grad.float() for t in leaves]
-
-    ref = run(grouped_mlp_ref, torch.float32)
-    for name, got in (("triton bf16", run(grouped_mlp_triton, torch.bfloat16)),
-                      ("torch bf16 autocast", run(grouped_mlp_ref, torch.float32, autocast=True))):
-        errs = ", ".join(f"{(a - b).abs().max().item() / b.abs().max().item():.1e}" for a, b in zip(got, ref))
-        print(f"parity grouped_mlp {name}: max err / max |ref| (y, dx, dw_fc, db_fc, dw_proj, db_proj): {errs}")
-
-
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", help="append JSON lines here")
-    args = p.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("the benchmark needs a CUDA GPU (tests run the kernels on CPU: pytest tests/test_moe.py)")
-    _parity()
-    out = open(args.out, "a") if args.out else None
-    tma, why = tma_supported(torch.device("cuda"))
-    if not tma:
-        print(f"no TMA rows: {why}")
-    print(f"{'op':>6} {'impl':>17} {'R':>6} {'E':>3} {'N':>5} {'K':>5} {'skew':>9} {'ms':>8} {'TFLOP/s':>8}")
-    for R, E, N, K in ((65536, 8, 3072, 768), (65536, 8, 768, 3072)):
-        for skew in ("balanced", "skewed"):
-            for r in bench_gemm(R, E, N, K, skew, tma=tma):
-                if "error" in r:
-                    print(f"{r['op']:>6} {r['impl']:>17} {r['error']}")
-                    continue
-                print(f"{r['op']:>6} {r['impl']:>17} {R:>6} {E:>3} {N:>5} {K:>5} {skew:>9} {r['ms']:8.4f} "
-                      f"{r['tflops']:8.1f}")
-                if out:
-                    out.write(json.dumps(dict(r, device=torch.cuda.get_device_name())) + "\n")
-    if out:
-        out.close()
-
-
-if __name__ == "__main__":
-    main()
